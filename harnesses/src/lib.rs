@@ -1,0 +1,1 @@
+//! Reference agentsessions harnesses (echo, counter, chat). Filled in by its own issue; this crate reserves its place in the workspace.
