@@ -447,9 +447,17 @@ fn every_field_matches_the_wire_table() {
 
 #[test]
 fn map_fields_are_string_to_string() {
-    for file in descriptor_set().file.iter().filter(|f| f.package() == PACKAGE) {
+    for file in descriptor_set()
+        .file
+        .iter()
+        .filter(|f| f.package() == PACKAGE)
+    {
         for msg in &file.message_type {
-            for entry in msg.nested_type.iter().filter(|n| n.options.as_ref().is_some_and(|o| o.map_entry())) {
+            for entry in msg
+                .nested_type
+                .iter()
+                .filter(|n| n.options.as_ref().is_some_and(|o| o.map_entry()))
+            {
                 for f in &entry.field {
                     assert_eq!(f.r#type(), Type::String, "{}.{}", msg.name(), entry.name());
                 }
@@ -461,7 +469,11 @@ fn map_fields_are_string_to_string() {
 #[test]
 fn every_enum_value_matches_the_wire_table() {
     let mut actual = BTreeMap::new();
-    for file in descriptor_set().file.iter().filter(|f| f.package() == PACKAGE) {
+    for file in descriptor_set()
+        .file
+        .iter()
+        .filter(|f| f.package() == PACKAGE)
+    {
         for e in &file.enum_type {
             for v in &e.value {
                 actual.insert((e.name().to_owned(), v.name().to_owned()), v.number());
@@ -481,7 +493,10 @@ fn every_enum_value_matches_the_wire_table() {
     let mut expected = BTreeMap::new();
     for line in ENUMS.lines().filter(|l| !l.trim().is_empty()) {
         let p: Vec<&str> = line.split(' ').collect();
-        expected.insert((p[0].to_owned(), p[1].to_owned()), p[2].parse::<i32>().unwrap());
+        expected.insert(
+            (p[0].to_owned(), p[1].to_owned()),
+            p[2].parse::<i32>().unwrap(),
+        );
     }
     assert_eq!(actual, expected);
 }
@@ -489,12 +504,20 @@ fn every_enum_value_matches_the_wire_table() {
 #[test]
 fn every_rpc_matches_the_wire_table() {
     let mut actual = BTreeMap::new();
-    for file in descriptor_set().file.iter().filter(|f| f.package() == PACKAGE) {
+    for file in descriptor_set()
+        .file
+        .iter()
+        .filter(|f| f.package() == PACKAGE)
+    {
         for s in &file.service {
             for m in &s.method {
                 let mut shape = vec![
-                    m.input_type().trim_start_matches(&format!(".{PACKAGE}.")).to_owned(),
-                    m.output_type().trim_start_matches(&format!(".{PACKAGE}.")).to_owned(),
+                    m.input_type()
+                        .trim_start_matches(&format!(".{PACKAGE}."))
+                        .to_owned(),
+                    m.output_type()
+                        .trim_start_matches(&format!(".{PACKAGE}."))
+                        .to_owned(),
                 ];
                 if m.client_streaming() {
                     shape.push("client-stream".into());

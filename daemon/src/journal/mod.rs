@@ -1,0 +1,190 @@
+//! The durable journal: session metadata and each session's hash-chained event log.
+//!
+//! [`Journal`] is the interface every other part of the daemon uses; [`sqlite::SqliteJournal`]
+//! is the embedded backend. A PostgreSQL backend implements the same trait, so nothing above
+//! this module may assume the journal lives on this node.
+
+pub mod records_json;
+pub mod sqlite;
+pub mod verify;
+
+use std::collections::BTreeMap;
+
+use agentvm_proto::canon::CanonError;
+use agentvm_proto::v1::{ComputeState, Event, IdentityRef, LogRecord, Origin};
+
+/// What the journal stores about a session besides its log.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct SessionRow {
+    pub uid: String,
+    pub project: String,
+    pub name: String,
+    pub harness: String,
+    pub model: String,
+    pub labels: BTreeMap<String, String>,
+    pub annotations: BTreeMap<String, String>,
+    pub origin: Option<Origin>,
+    pub identity: Option<IdentityRef>,
+    pub parent_uid: String,
+    pub fork_seq: i64,
+    /// Unix nanoseconds.
+    pub created_at: i64,
+    pub updated_at: i64,
+    /// Projection of the log's lifecycle records, maintained inside each append.
+    pub compute_state: ComputeState,
+    pub deletion: DeletionState,
+    /// Highest fence minted for this session (0 before the first).
+    pub fence: i64,
+    /// Head of the log (0 when empty).
+    pub last_seq: i64,
+}
+
+/// Ours, not upstream's: a session is deleted by durable intent first, then its compute and
+/// snapshots are reclaimed, then it becomes a tombstone that refuses all work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeletionState {
+    #[default]
+    Active,
+    /// Delete requested; reclaiming compute and snapshots.
+    Deleting,
+    /// Reclaimed; the log is kept for audit per retention policy.
+    Deleted,
+}
+
+impl DeletionState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeletionState::Active => "ACTIVE",
+            DeletionState::Deleting => "DELETING",
+            DeletionState::Deleted => "DELETED",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "ACTIVE" => DeletionState::Active,
+            "DELETING" => DeletionState::Deleting,
+            "DELETED" => DeletionState::Deleted,
+            _ => return None,
+        })
+    }
+}
+
+/// Keyset cursor for listing: strictly after (created_at DESC, uid ASC).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListCursor {
+    pub created_at: i64,
+    pub uid: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum JournalError {
+    /// The caller's view of the head is stale (append-CAS lost). Retryable: ABORTED.
+    #[error("session {session}: append expected head {expected} but the head is {head}")]
+    Conflict {
+        session: String,
+        expected: i64,
+        head: i64,
+    },
+    /// The appending incarnation was superseded by a newer fence. ABORTED.
+    #[error("session {session}: fence {fence} is superseded by fence {current}")]
+    Fenced {
+        session: String,
+        fence: i64,
+        current: i64,
+    },
+    #[error("session {0} not found")]
+    NotFound(String),
+    #[error("session {0} already exists")]
+    AlreadyExists(String),
+    #[error("session {session}: {source}")]
+    Canon {
+        session: String,
+        #[source]
+        source: CanonError,
+    },
+    #[error("session {session} seq {seq}: stored event does not decode: {reason}")]
+    CorruptRecord {
+        session: String,
+        seq: i64,
+        reason: String,
+    },
+    #[error("journal schema version {found} is newer than this agentvmd supports ({supported})")]
+    SchemaTooNew { found: i64, supported: i64 },
+    #[error("journal storage ({context}): {source}")]
+    Storage {
+        context: String,
+        #[source]
+        source: rusqlite::Error,
+    },
+}
+
+impl JournalError {
+    /// Conflicts and fencing are the caller's cue to re-read and retry.
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            JournalError::Conflict { .. } | JournalError::Fenced { .. }
+        )
+    }
+}
+
+pub type Result<T, E = JournalError> = std::result::Result<T, E>;
+
+/// The journal interface. Appends are compare-and-swap on the head and fenced:
+/// the CAS is checked first, then the fence (a lower fence is rejected, an equal or higher
+/// one accepted; appends never raise the stored fence, only [`Journal::new_fence`] does).
+pub trait Journal: Send + Sync {
+    /// Stores a new session row. Its log is empty.
+    fn create_session(&self, row: &SessionRow) -> Result<()>;
+
+    fn get_session(&self, uid: &str) -> Result<Option<SessionRow>>;
+
+    /// One page of a project's sessions, newest first, strictly after `after`.
+    fn list_sessions(
+        &self,
+        project: &str,
+        after: Option<&ListCursor>,
+        limit: usize,
+    ) -> Result<Vec<SessionRow>>;
+
+    /// Mints the next fence for the session (first value 1), superseding every lower holder.
+    fn new_fence(&self, uid: &str) -> Result<i64>;
+
+    /// Appends `events` as consecutive records in one durable transaction (group commit):
+    /// all or none. `expected_last_seq` must equal the head; `fence` must not be below the
+    /// session's current fence.
+    fn append(
+        &self,
+        uid: &str,
+        expected_last_seq: i64,
+        fence: i64,
+        events: &[Event],
+    ) -> Result<Vec<LogRecord>>;
+
+    /// Records with `from_seq <= seq <= to_seq` (`to_seq` 0 = head), in order, exactly as stored.
+    fn read(&self, uid: &str, from_seq: i64, to_seq: i64) -> Result<Vec<LogRecord>>;
+
+    /// Starts `child`'s log as a byte-identical copy of `parent`'s records 1..=`upto_seq`
+    /// (same seqs and hashes, so the chain becomes a tree). The child row must exist and be
+    /// empty.
+    fn copy_prefix(&self, parent: &str, child: &str, upto_seq: i64, fence: i64) -> Result<()>;
+
+    fn set_deletion(&self, uid: &str, state: DeletionState) -> Result<()>;
+}
+
+/// How one event moves the `compute_state` projection (semantics.md §1.5).
+pub fn project_compute_state(current: ComputeState, event: &Event) -> ComputeState {
+    use agentvm_proto::v1::{EventKind, event::Body, lifecycle::Kind};
+    if event.kind != EventKind::EventLifecycle as i32 {
+        return ComputeState::ComputeLive;
+    }
+    match &event.body {
+        Some(Body::Lifecycle(l)) => match Kind::try_from(l.kind) {
+            Ok(Kind::LifecycleSuspend | Kind::LifecycleFork) => ComputeState::ComputeCold,
+            Ok(Kind::LifecycleResume) => ComputeState::ComputeLive,
+            _ => current,
+        },
+        _ => current,
+    }
+}

@@ -1,0 +1,504 @@
+//! The embedded journal backend: sqlite in WAL mode.
+//!
+//! The `events` table keeps upstream's column names and stores each event as proto binary,
+//! so upstream's own chain verifier can read our database as it reads theirs.
+//! Writes go through one connection (sqlite has one writer at a time anyway); reads use a
+//! second connection so a long Replay never waits behind an append.
+
+use std::path::Path;
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use agentvm_proto::canon;
+use agentvm_proto::v1::{ComputeState, Event, IdentityRef, LogRecord, Origin};
+use prost::Message;
+use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
+
+use super::{
+    DeletionState, Journal, JournalError, ListCursor, Result, SessionRow, project_compute_state,
+};
+
+/// Stamped in `PRAGMA user_version`; a database with a higher stamp is refused.
+pub const SCHEMA_VERSION: i64 = 1;
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS sessions (
+    session        TEXT PRIMARY KEY,
+    fence          INTEGER NOT NULL DEFAULT 0,
+    project        TEXT NOT NULL,
+    name           TEXT NOT NULL,
+    harness        TEXT NOT NULL,
+    model          TEXT NOT NULL,
+    parent_uid     TEXT NOT NULL DEFAULT '',
+    fork_seq       INTEGER NOT NULL DEFAULT 0,
+    compute_state  INTEGER NOT NULL,
+    created_at     INTEGER NOT NULL,
+    updated_at     INTEGER NOT NULL,
+    labels         TEXT NOT NULL DEFAULT '{}',
+    annotations    TEXT NOT NULL DEFAULT '{}',
+    origin         BLOB,
+    identity       BLOB,
+    deletion_state TEXT NOT NULL DEFAULT 'ACTIVE',
+    last_seq       INTEGER NOT NULL DEFAULT 0,
+    head_hash      TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS sessions_by_project ON sessions (project, created_at DESC, session);
+CREATE TABLE IF NOT EXISTS events (
+    session   TEXT NOT NULL,
+    seq       INTEGER NOT NULL,
+    prev_hash TEXT NOT NULL,
+    hash      TEXT NOT NULL,
+    fence     INTEGER NOT NULL,
+    event     BLOB NOT NULL,
+    PRIMARY KEY (session, seq)
+) WITHOUT ROWID;
+";
+
+/// How hard a commit waits for the disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// fsync on every commit: a record is on disk when `append` returns.
+    Full,
+    /// WAL without fsync per commit: survives a process crash, not a power loss.
+    /// For tests and benchmarks only.
+    Relaxed,
+}
+
+pub struct SqliteJournal {
+    writer: Mutex<Connection>,
+    reader: Mutex<Connection>,
+}
+
+fn storage(context: impl Into<String>) -> impl FnOnce(rusqlite::Error) -> JournalError {
+    let context = context.into();
+    move |source| JournalError::Storage { context, source }
+}
+
+fn now_nanos() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i64)
+        .unwrap_or(0)
+}
+
+fn configure(conn: &Connection, durability: Durability) -> Result<()> {
+    let sync = match durability {
+        Durability::Full => "FULL",
+        Durability::Relaxed => "NORMAL",
+    };
+    conn.execute_batch(&format!(
+        "PRAGMA journal_mode = WAL; PRAGMA synchronous = {sync}; PRAGMA busy_timeout = 10000;"
+    ))
+    .map_err(storage("configure connection"))
+}
+
+impl SqliteJournal {
+    /// Opens (creating if needed) the journal database at `path`.
+    pub fn open(path: &Path, durability: Durability) -> Result<Self> {
+        let writer = Connection::open(path).map_err(storage(format!("open {}", path.display())))?;
+        configure(&writer, durability)?;
+        let found: i64 = writer
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .map_err(storage("read schema version"))?;
+        if found > SCHEMA_VERSION {
+            return Err(JournalError::SchemaTooNew {
+                found,
+                supported: SCHEMA_VERSION,
+            });
+        }
+        writer
+            .execute_batch(SCHEMA)
+            .map_err(storage("create schema"))?;
+        writer
+            .execute_batch(&format!("PRAGMA user_version = {SCHEMA_VERSION}"))
+            .map_err(storage("stamp schema version"))?;
+        let reader = Connection::open(path).map_err(storage(format!("open {}", path.display())))?;
+        configure(&reader, durability)?;
+        Ok(Self {
+            writer: Mutex::new(writer),
+            reader: Mutex::new(reader),
+        })
+    }
+
+    fn writer(&self) -> std::sync::MutexGuard<'_, Connection> {
+        // A panic while holding the lock cannot leave sqlite inconsistent (transactions roll
+        // back on drop), so a poisoned lock is still safe to use.
+        self.writer.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn reader(&self) -> std::sync::MutexGuard<'_, Connection> {
+        self.reader.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+const SESSION_COLUMNS: &str = "session, fence, project, name, harness, model, parent_uid, fork_seq,
+    compute_state, created_at, updated_at, labels, annotations, origin, identity,
+    deletion_state, last_seq";
+
+fn row_to_session(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessionRow> {
+    let labels: String = r.get(11)?;
+    let annotations: String = r.get(12)?;
+    let origin: Option<Vec<u8>> = r.get(13)?;
+    let identity: Option<Vec<u8>> = r.get(14)?;
+    let deletion: String = r.get(15)?;
+    let bad = |col: usize, e: String| {
+        rusqlite::Error::FromSqlConversionFailure(col, rusqlite::types::Type::Text, e.into())
+    };
+    Ok(SessionRow {
+        uid: r.get(0)?,
+        fence: r.get(1)?,
+        project: r.get(2)?,
+        name: r.get(3)?,
+        harness: r.get(4)?,
+        model: r.get(5)?,
+        parent_uid: r.get(6)?,
+        fork_seq: r.get(7)?,
+        compute_state: ComputeState::try_from(r.get::<_, i32>(8)?)
+            .unwrap_or(ComputeState::Unspecified),
+        created_at: r.get(9)?,
+        updated_at: r.get(10)?,
+        labels: serde_json::from_str(&labels).map_err(|e| bad(11, e.to_string()))?,
+        annotations: serde_json::from_str(&annotations).map_err(|e| bad(12, e.to_string()))?,
+        origin: origin
+            .map(|b| Origin::decode(b.as_slice()))
+            .transpose()
+            .map_err(|e| bad(13, e.to_string()))?,
+        identity: identity
+            .map(|b| IdentityRef::decode(b.as_slice()))
+            .transpose()
+            .map_err(|e| bad(14, e.to_string()))?,
+        deletion: DeletionState::parse(&deletion)
+            .ok_or_else(|| bad(15, format!("unknown deletion state {deletion:?}")))?,
+        last_seq: r.get(16)?,
+    })
+}
+
+fn json_map(m: &std::collections::BTreeMap<String, String>) -> String {
+    serde_json::to_string(m).expect("a string map always serializes")
+}
+
+/// The head of one session as seen inside a write transaction.
+struct Head {
+    fence: i64,
+    last_seq: i64,
+    head_hash: String,
+    compute_state: ComputeState,
+}
+
+fn read_head(tx: &rusqlite::Transaction<'_>, uid: &str) -> Result<Head> {
+    tx.prepare_cached(
+        "SELECT fence, last_seq, head_hash, compute_state FROM sessions WHERE session = ?1",
+    )
+    .and_then(|mut st| {
+        st.query_row([uid], |r| {
+            Ok(Head {
+                fence: r.get(0)?,
+                last_seq: r.get(1)?,
+                head_hash: r.get(2)?,
+                compute_state: ComputeState::try_from(r.get::<_, i32>(3)?)
+                    .unwrap_or(ComputeState::Unspecified),
+            })
+        })
+        .optional()
+    })
+    .map_err(storage(format!("read head of {uid}")))?
+    .ok_or_else(|| JournalError::NotFound(uid.to_owned()))
+}
+
+fn decode_record(
+    uid: &str,
+    seq: i64,
+    prev_hash: String,
+    content_hash: String,
+    fence: i64,
+    blob: &[u8],
+) -> Result<LogRecord> {
+    let event = Event::decode(blob).map_err(|e| JournalError::CorruptRecord {
+        session: uid.to_owned(),
+        seq,
+        reason: e.to_string(),
+    })?;
+    Ok(LogRecord {
+        seq,
+        prev_hash,
+        content_hash,
+        fence,
+        event: Some(event),
+    })
+}
+
+impl Journal for SqliteJournal {
+    fn create_session(&self, row: &SessionRow) -> Result<()> {
+        let conn = self.writer();
+        let inserted = conn
+            .prepare_cached(
+                "INSERT INTO sessions (session, fence, project, name, harness, model, parent_uid,
+                    fork_seq, compute_state, created_at, updated_at, labels, annotations, origin,
+                    identity, deletion_state, last_seq, head_hash)
+                 VALUES (?1, 0, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, 0, '')
+                 ON CONFLICT (session) DO NOTHING",
+            )
+            .and_then(|mut st| {
+                st.execute(params![
+                    row.uid,
+                    row.project,
+                    row.name,
+                    row.harness,
+                    row.model,
+                    row.parent_uid,
+                    row.fork_seq,
+                    row.compute_state as i32,
+                    row.created_at,
+                    row.updated_at,
+                    json_map(&row.labels),
+                    json_map(&row.annotations),
+                    row.origin.as_ref().map(Message::encode_to_vec),
+                    row.identity.as_ref().map(Message::encode_to_vec),
+                    row.deletion.as_str(),
+                ])
+            })
+            .map_err(storage(format!("create session {}", row.uid)))?;
+        if inserted == 0 {
+            return Err(JournalError::AlreadyExists(row.uid.clone()));
+        }
+        Ok(())
+    }
+
+    fn get_session(&self, uid: &str) -> Result<Option<SessionRow>> {
+        let conn = self.reader();
+        conn.prepare_cached(&format!(
+            "SELECT {SESSION_COLUMNS} FROM sessions WHERE session = ?1"
+        ))
+        .and_then(|mut st| st.query_row([uid], row_to_session).optional())
+        .map_err(storage(format!("get session {uid}")))
+    }
+
+    fn list_sessions(
+        &self,
+        project: &str,
+        after: Option<&ListCursor>,
+        limit: usize,
+    ) -> Result<Vec<SessionRow>> {
+        let conn = self.reader();
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let result = match after {
+            None => conn
+                .prepare_cached(&format!(
+                    "SELECT {SESSION_COLUMNS} FROM sessions WHERE project = ?1
+                     ORDER BY created_at DESC, session ASC LIMIT ?2"
+                ))
+                .and_then(|mut st| {
+                    st.query_map(params![project, limit], row_to_session)?
+                        .collect::<rusqlite::Result<Vec<_>>>()
+                }),
+            Some(c) => conn
+                .prepare_cached(&format!(
+                    "SELECT {SESSION_COLUMNS} FROM sessions WHERE project = ?1
+                       AND (created_at < ?2 OR (created_at = ?2 AND session > ?3))
+                     ORDER BY created_at DESC, session ASC LIMIT ?4"
+                ))
+                .and_then(|mut st| {
+                    st.query_map(params![project, c.created_at, c.uid, limit], row_to_session)?
+                        .collect::<rusqlite::Result<Vec<_>>>()
+                }),
+        };
+        result.map_err(storage(format!("list sessions of project {project}")))
+    }
+
+    fn new_fence(&self, uid: &str) -> Result<i64> {
+        let conn = self.writer();
+        conn.prepare_cached(
+            "UPDATE sessions SET fence = fence + 1, updated_at = ?2 WHERE session = ?1
+             RETURNING fence",
+        )
+        .and_then(|mut st| {
+            st.query_row(params![uid, now_nanos()], |r| r.get(0))
+                .optional()
+        })
+        .map_err(storage(format!("mint fence for {uid}")))?
+        .ok_or_else(|| JournalError::NotFound(uid.to_owned()))
+    }
+
+    fn append(
+        &self,
+        uid: &str,
+        expected_last_seq: i64,
+        fence: i64,
+        events: &[Event],
+    ) -> Result<Vec<LogRecord>> {
+        let mut conn = self.writer();
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(storage(format!("begin append to {uid}")))?;
+        let head = read_head(&tx, uid)?;
+        // CAS first, then the fence: a stale caller learns it is stale before it learns
+        // it was superseded (semantics.md §1.4).
+        if expected_last_seq != head.last_seq {
+            return Err(JournalError::Conflict {
+                session: uid.to_owned(),
+                expected: expected_last_seq,
+                head: head.last_seq,
+            });
+        }
+        if fence < head.fence {
+            return Err(JournalError::Fenced {
+                session: uid.to_owned(),
+                fence,
+                current: head.fence,
+            });
+        }
+        let mut records = Vec::with_capacity(events.len());
+        let mut prev = head.head_hash;
+        let mut seq = head.last_seq;
+        let mut compute = head.compute_state;
+        {
+            let mut insert = tx
+                .prepare_cached(
+                    "INSERT INTO events (session, seq, prev_hash, hash, fence, event)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                )
+                .map_err(storage(format!("prepare append to {uid}")))?;
+            for event in events {
+                seq += 1;
+                let hash = canon::content_hash(seq, &prev, event).map_err(|source| {
+                    JournalError::Canon {
+                        session: uid.to_owned(),
+                        source,
+                    }
+                })?;
+                insert
+                    .execute(params![uid, seq, prev, hash, fence, event.encode_to_vec()])
+                    .map_err(|e| match e {
+                        // A primary-key clash means another writer got there first.
+                        rusqlite::Error::SqliteFailure(f, _)
+                            if f.code == rusqlite::ErrorCode::ConstraintViolation =>
+                        {
+                            JournalError::Conflict {
+                                session: uid.to_owned(),
+                                expected: expected_last_seq,
+                                head: seq,
+                            }
+                        }
+                        e => storage(format!("append seq {seq} to {uid}"))(e),
+                    })?;
+                compute = project_compute_state(compute, event);
+                records.push(LogRecord {
+                    seq,
+                    prev_hash: std::mem::replace(&mut prev, hash.clone()),
+                    content_hash: hash,
+                    fence,
+                    event: Some(event.clone()),
+                });
+            }
+        }
+        tx.prepare_cached(
+            "UPDATE sessions SET last_seq = ?2, head_hash = ?3, compute_state = ?4,
+                 updated_at = ?5 WHERE session = ?1",
+        )
+        .and_then(|mut st| st.execute(params![uid, seq, prev, compute as i32, now_nanos()]))
+        .map_err(storage(format!("advance head of {uid}")))?;
+        tx.commit()
+            .map_err(storage(format!("commit append to {uid}")))?;
+        Ok(records)
+    }
+
+    fn read(&self, uid: &str, from_seq: i64, to_seq: i64) -> Result<Vec<LogRecord>> {
+        let conn = self.reader();
+        let to = if to_seq <= 0 { i64::MAX } else { to_seq };
+        let rows = conn
+            .prepare_cached(
+                "SELECT seq, prev_hash, hash, fence, event FROM events
+                 WHERE session = ?1 AND seq >= ?2 AND seq <= ?3 ORDER BY seq",
+            )
+            .and_then(|mut st| {
+                st.query_map(params![uid, from_seq.max(1), to], |r| {
+                    Ok((
+                        r.get::<_, i64>(0)?,
+                        r.get::<_, String>(1)?,
+                        r.get::<_, String>(2)?,
+                        r.get::<_, i64>(3)?,
+                        r.get::<_, Vec<u8>>(4)?,
+                    ))
+                })?
+                .collect::<rusqlite::Result<Vec<_>>>()
+            })
+            .map_err(storage(format!("read log of {uid}")))?;
+        rows.into_iter()
+            .map(|(seq, prev, hash, fence, blob)| decode_record(uid, seq, prev, hash, fence, &blob))
+            .collect()
+    }
+
+    fn copy_prefix(&self, parent: &str, child: &str, upto_seq: i64, fence: i64) -> Result<()> {
+        let mut conn = self.writer();
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(storage(format!("begin fork copy {parent} -> {child}")))?;
+        let parent_head = read_head(&tx, parent)?;
+        let child_head = read_head(&tx, child)?;
+        if child_head.last_seq != 0 {
+            return Err(JournalError::Conflict {
+                session: child.to_owned(),
+                expected: 0,
+                head: child_head.last_seq,
+            });
+        }
+        if upto_seq > parent_head.last_seq || upto_seq < 0 {
+            return Err(JournalError::Conflict {
+                session: parent.to_owned(),
+                expected: upto_seq,
+                head: parent_head.last_seq,
+            });
+        }
+        let copied = tx
+            .prepare_cached(
+                "INSERT INTO events (session, seq, prev_hash, hash, fence, event)
+                 SELECT ?2, seq, prev_hash, hash, ?4, event FROM events
+                 WHERE session = ?1 AND seq <= ?3",
+            )
+            .and_then(|mut st| st.execute(params![parent, child, upto_seq, fence]))
+            .map_err(storage(format!("copy {parent}@{upto_seq} into {child}")))?;
+        if copied as i64 != upto_seq {
+            // The parent's log has a hole: refuse rather than fork a broken chain.
+            return Err(JournalError::CorruptRecord {
+                session: parent.to_owned(),
+                seq: upto_seq,
+                reason: format!("expected {upto_seq} records up to seq {upto_seq}, found {copied}"),
+            });
+        }
+        let head_hash: String = if upto_seq == 0 {
+            String::new()
+        } else {
+            tx.query_row(
+                "SELECT hash FROM events WHERE session = ?1 AND seq = ?2",
+                params![parent, upto_seq],
+                |r| r.get(0),
+            )
+            .map_err(storage(format!("read {parent}@{upto_seq}")))?
+        };
+        tx.execute(
+            "UPDATE sessions SET last_seq = ?2, head_hash = ?3, updated_at = ?4,
+                 fence = MAX(fence, ?5) WHERE session = ?1",
+            params![child, upto_seq, head_hash, now_nanos(), fence],
+        )
+        .map_err(storage(format!("advance head of {child}")))?;
+        tx.commit()
+            .map_err(storage(format!("commit fork copy {parent} -> {child}")))
+    }
+
+    fn set_deletion(&self, uid: &str, state: DeletionState) -> Result<()> {
+        let conn = self.writer();
+        let n = conn
+            .execute(
+                "UPDATE sessions SET deletion_state = ?2, updated_at = ?3 WHERE session = ?1",
+                params![uid, state.as_str(), now_nanos()],
+            )
+            .map_err(storage(format!("set deletion state of {uid}")))?;
+        if n == 0 {
+            return Err(JournalError::NotFound(uid.to_owned()));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,438 @@
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::sync::Arc;
+
+use agentvm_proto::v1::{
+    EventKind, HarnessEnd, Lifecycle, Message, Part, TextPart, event::Body, lifecycle, part,
+};
+
+use super::*;
+use crate::journal::verify::{ChainError, verify_chain};
+use prost::Message as _;
+
+fn open(dir: &tempfile::TempDir) -> SqliteJournal {
+    SqliteJournal::open(&dir.path().join("journal.db"), Durability::Full).unwrap()
+}
+
+fn session(uid: &str, project: &str, created_at: i64) -> SessionRow {
+    SessionRow {
+        uid: uid.into(),
+        project: project.into(),
+        harness: "echo".into(),
+        model: "echo".into(),
+        created_at,
+        updated_at: created_at,
+        compute_state: ComputeState::ComputeNone,
+        ..Default::default()
+    }
+}
+
+fn input(text: &str) -> Event {
+    Event {
+        execution_id: "x1".into(),
+        kind: EventKind::EventInput as i32,
+        body: Some(Body::Message(Message {
+            role: "user".into(),
+            parts: vec![Part {
+                part: Some(part::Part::Text(TextPart { text: text.into() })),
+            }],
+        })),
+        ..Default::default()
+    }
+}
+
+fn lifecycle_event(kind: lifecycle::Kind) -> Event {
+    Event {
+        kind: EventKind::EventLifecycle as i32,
+        body: Some(Body::Lifecycle(Lifecycle {
+            kind: kind as i32,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn metadata_round_trips_with_absent_fields_absent() {
+    let dir = tempfile::tempdir().unwrap();
+    let j = open(&dir);
+    let mut row = session("sess-a", "p", 10);
+    row.labels = BTreeMap::from([("k".into(), "v".into())]);
+    row.annotations = BTreeMap::from([("note".into(), "n".into())]);
+    row.identity = Some(IdentityRef {
+        principal: "alice".into(),
+        ..Default::default()
+    });
+    j.create_session(&row).unwrap();
+    let got = j.get_session("sess-a").unwrap().unwrap();
+    assert_eq!(got, row);
+    assert!(got.origin.is_none());
+    assert!(j.get_session("sess-missing").unwrap().is_none());
+    assert!(matches!(
+        j.create_session(&row),
+        Err(JournalError::AlreadyExists(_))
+    ));
+}
+
+#[test]
+fn append_chains_records_and_advances_the_head() {
+    let dir = tempfile::tempdir().unwrap();
+    let j = open(&dir);
+    j.create_session(&session("s", "p", 1)).unwrap();
+    let f = j.new_fence("s").unwrap();
+    assert_eq!(f, 1);
+    let recs = j.append("s", 0, f, &[input("a"), input("b")]).unwrap();
+    assert_eq!(recs.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![1, 2]);
+    assert_eq!(recs[0].prev_hash, "");
+    assert_eq!(recs[1].prev_hash, recs[0].content_hash);
+    let more = j.append("s", 2, f, &[input("c")]).unwrap();
+    assert_eq!(more[0].prev_hash, recs[1].content_hash);
+    let all = j.read("s", 0, 0).unwrap();
+    assert_eq!(all.len(), 3);
+    assert_eq!(&all[..2], &recs[..]);
+    assert_eq!(verify_chain(&all), Ok(3));
+    assert_eq!(j.read("s", 2, 2).unwrap(), vec![all[1].clone()]);
+    let row = j.get_session("s").unwrap().unwrap();
+    assert_eq!(row.last_seq, 3);
+    assert_eq!(row.compute_state, ComputeState::ComputeLive);
+}
+
+#[test]
+fn cas_conflict_is_checked_before_the_fence() {
+    let dir = tempfile::tempdir().unwrap();
+    let j = open(&dir);
+    j.create_session(&session("s", "p", 1)).unwrap();
+    let f1 = j.new_fence("s").unwrap();
+    j.append("s", 0, f1, &[input("a")]).unwrap();
+    // stale head AND stale fence: the CAS failure wins
+    let f2 = j.new_fence("s").unwrap();
+    let err = j.append("s", 0, f1, &[input("b")]).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            JournalError::Conflict {
+                expected: 0,
+                head: 1,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.is_retryable());
+    // correct head, superseded fence
+    let err = j.append("s", 1, f1, &[input("b")]).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            JournalError::Fenced {
+                fence: 1,
+                current: 2,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // current and higher fences are accepted, and appending does not raise the fence
+    j.append("s", 1, f2, &[input("b")]).unwrap();
+    j.append("s", 2, f2 + 5, &[input("c")]).unwrap();
+    assert_eq!(j.get_session("s").unwrap().unwrap().fence, f2);
+    assert_eq!(j.read("s", 0, 0).unwrap().len(), 3);
+}
+
+#[test]
+fn failed_batch_appends_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let j = open(&dir);
+    j.create_session(&session("s", "p", 1)).unwrap();
+    // A struct value that is not representable in JSON (NaN) fails canonicalization midway.
+    let mut bad = input("x");
+    bad.body = Some(Body::Tool(agentvm_proto::v1::ToolCall {
+        id: "c".into(),
+        args: Some(prost_types::Struct {
+            fields: BTreeMap::from([(
+                "n".to_owned(),
+                prost_types::Value {
+                    kind: Some(prost_types::value::Kind::NumberValue(f64::NAN)),
+                },
+            )]),
+        }),
+        ..Default::default()
+    }));
+    let err = j.append("s", 0, 0, &[input("ok"), bad]).unwrap_err();
+    assert!(matches!(err, JournalError::Canon { .. }), "{err}");
+    assert!(j.read("s", 0, 0).unwrap().is_empty());
+    assert_eq!(j.get_session("s").unwrap().unwrap().last_seq, 0);
+}
+
+#[test]
+fn unknown_session_is_not_found() {
+    let dir = tempfile::tempdir().unwrap();
+    let j = open(&dir);
+    assert!(matches!(
+        j.append("nope", 0, 0, &[input("a")]),
+        Err(JournalError::NotFound(_))
+    ));
+    assert!(matches!(
+        j.new_fence("nope"),
+        Err(JournalError::NotFound(_))
+    ));
+}
+
+#[test]
+fn compute_state_follows_lifecycle_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let j = open(&dir);
+    j.create_session(&session("s", "p", 1)).unwrap();
+    let state = |j: &SqliteJournal| j.get_session("s").unwrap().unwrap().compute_state;
+    assert_eq!(state(&j), ComputeState::ComputeNone);
+    j.append("s", 0, 0, &[input("a")]).unwrap();
+    assert_eq!(state(&j), ComputeState::ComputeLive);
+    j.append(
+        "s",
+        1,
+        0,
+        &[lifecycle_event(lifecycle::Kind::LifecycleSuspend)],
+    )
+    .unwrap();
+    assert_eq!(state(&j), ComputeState::ComputeCold);
+    j.append(
+        "s",
+        2,
+        0,
+        &[lifecycle_event(lifecycle::Kind::LifecycleBaseline)],
+    )
+    .unwrap();
+    assert_eq!(state(&j), ComputeState::ComputeCold);
+    j.append(
+        "s",
+        3,
+        0,
+        &[lifecycle_event(lifecycle::Kind::LifecycleResume)],
+    )
+    .unwrap();
+    assert_eq!(state(&j), ComputeState::ComputeLive);
+}
+
+#[test]
+fn concurrent_appenders_never_gap_or_fork_the_chain() {
+    let dir = tempfile::tempdir().unwrap();
+    let j = Arc::new(open(&dir));
+    j.create_session(&session("s", "p", 1)).unwrap();
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let j = Arc::clone(&j);
+            std::thread::spawn(move || {
+                let mut won = 0;
+                while won < 25 {
+                    let head = j.get_session("s").unwrap().unwrap().last_seq;
+                    match j.append("s", head, 0, &[input(&format!("t{t}-{won}"))]) {
+                        Ok(_) => won += 1,
+                        Err(JournalError::Conflict { .. }) => {}
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let all = j.read("s", 0, 0).unwrap();
+    assert_eq!(all.len(), 100);
+    assert_eq!(verify_chain(&all), Ok(100));
+}
+
+#[test]
+fn corrupted_row_is_detected() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("journal.db");
+    let j = SqliteJournal::open(&path, Durability::Full).unwrap();
+    j.create_session(&session("s", "p", 1)).unwrap();
+    j.append("s", 0, 0, &[input("a"), input("b"), input("c")])
+        .unwrap();
+    drop(j);
+    let raw = Connection::open(&path).unwrap();
+    raw.execute(
+        "UPDATE events SET event = ?1 WHERE session = 's' AND seq = 2",
+        [input("tampered").encode_to_vec()],
+    )
+    .unwrap();
+    drop(raw);
+    let j = SqliteJournal::open(&path, Durability::Full).unwrap();
+    let err = verify_chain(&j.read("s", 0, 0).unwrap()).unwrap_err();
+    assert!(
+        matches!(err, ChainError::HashMismatch { seq: 2, .. }),
+        "{err}"
+    );
+
+    // Bytes that are not an Event at all are a decode fault, not a hash mismatch.
+    let raw = Connection::open(&path).unwrap();
+    raw.execute(
+        "UPDATE events SET event = x'ffffffff' WHERE session = 's' AND seq = 3",
+        [],
+    )
+    .unwrap();
+    let err = j.read("s", 0, 0).unwrap_err();
+    assert!(
+        matches!(err, JournalError::CorruptRecord { seq: 3, .. }),
+        "{err}"
+    );
+}
+
+#[test]
+fn fork_copy_is_byte_identical_and_links_the_tree() {
+    let dir = tempfile::tempdir().unwrap();
+    let j = open(&dir);
+    j.create_session(&session("parent", "p", 1)).unwrap();
+    j.append("parent", 0, 0, &[input("a"), input("b"), input("c")])
+        .unwrap();
+    j.create_session(&session("child", "p", 2)).unwrap();
+    let cf = j.new_fence("child").unwrap();
+    j.copy_prefix("parent", "child", 2, cf).unwrap();
+    let marker = j
+        .append(
+            "child",
+            2,
+            cf,
+            &[lifecycle_event(lifecycle::Kind::LifecycleFork)],
+        )
+        .unwrap();
+    let parent = j.read("parent", 0, 0).unwrap();
+    let child = j.read("child", 0, 0).unwrap();
+    for (p, c) in parent.iter().zip(&child[..2]) {
+        assert_eq!(
+            (p.seq, &p.prev_hash, &p.content_hash, &p.event),
+            (c.seq, &c.prev_hash, &c.content_hash, &c.event)
+        );
+    }
+    assert_eq!(marker[0].seq, 3);
+    assert_eq!(marker[0].prev_hash, parent[1].content_hash);
+    assert_eq!(verify_chain(&child), Ok(3));
+    assert_eq!(
+        j.get_session("child").unwrap().unwrap().compute_state,
+        ComputeState::ComputeCold
+    );
+    // a second copy into a non-empty child is refused; so is a prefix past the parent's head
+    assert!(j.copy_prefix("parent", "child", 1, cf).is_err());
+    j.create_session(&session("child2", "p", 3)).unwrap();
+    assert!(j.copy_prefix("parent", "child2", 9, 1).is_err());
+}
+
+#[test]
+fn list_pages_newest_first_with_a_keyset_cursor() {
+    let dir = tempfile::tempdir().unwrap();
+    let j = open(&dir);
+    for (uid, at) in [("s-b", 5), ("s-a", 5), ("s-c", 7), ("s-d", 1)] {
+        j.create_session(&session(uid, "p", at)).unwrap();
+    }
+    j.create_session(&session("other", "q", 9)).unwrap();
+    let page1 = j.list_sessions("p", None, 2).unwrap();
+    let uids = |rows: &[SessionRow]| rows.iter().map(|r| r.uid.clone()).collect::<Vec<_>>();
+    assert_eq!(uids(&page1), vec!["s-c", "s-a"]);
+    let last = page1.last().unwrap();
+    let cursor = ListCursor {
+        created_at: last.created_at,
+        uid: last.uid.clone(),
+    };
+    let page2 = j.list_sessions("p", Some(&cursor), 10).unwrap();
+    assert_eq!(uids(&page2), vec!["s-b", "s-d"]);
+}
+
+#[test]
+fn deletion_state_persists() {
+    let dir = tempfile::tempdir().unwrap();
+    let j = open(&dir);
+    j.create_session(&session("s", "p", 1)).unwrap();
+    j.set_deletion("s", DeletionState::Deleting).unwrap();
+    assert_eq!(
+        j.get_session("s").unwrap().unwrap().deletion,
+        DeletionState::Deleting
+    );
+    assert!(matches!(
+        j.set_deletion("nope", DeletionState::Deleted),
+        Err(JournalError::NotFound(_))
+    ));
+}
+
+#[test]
+fn newer_schema_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("journal.db");
+    Connection::open(&path)
+        .unwrap()
+        .execute_batch("PRAGMA user_version = 2")
+        .unwrap();
+    assert!(matches!(
+        SqliteJournal::open(&path, Durability::Full),
+        Err(JournalError::SchemaTooNew {
+            found: 2,
+            supported: 1
+        })
+    ));
+}
+
+const CHILD_DB_ENV: &str = "AGENTVM_TEST_APPENDER_DB";
+
+/// Runs inside a child process: appends until killed, printing each seq once `append` returned.
+#[test]
+#[ignore = "helper process for kill_9_right_after_append_loses_nothing"]
+fn appender_child_process() {
+    let path = std::env::var(CHILD_DB_ENV).expect("run by kill_9_right_after_append_loses_nothing");
+    let j = SqliteJournal::open(Path::new(&path), Durability::Full).unwrap();
+    j.create_session(&session("s", "p", 1)).unwrap();
+    let end = Event {
+        kind: EventKind::EventEnd as i32,
+        body: Some(Body::End(HarnessEnd {
+            state: "COMPLETED".into(),
+            error: None,
+        })),
+        ..Default::default()
+    };
+    let mut head = 0;
+    loop {
+        head = j.append("s", head, 0, &[end.clone()]).unwrap()[0].seq;
+        println!("appended {head}");
+    }
+}
+
+#[test]
+fn kill_9_right_after_append_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("journal.db");
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "journal::sqlite::tests::appender_child_process",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_DB_ENV, &path)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut acknowledged = 0;
+    for line in BufReader::new(stdout).lines() {
+        let line = line.unwrap();
+        if let Some(n) = line.strip_prefix("appended ") {
+            acknowledged = n.parse().unwrap();
+            if acknowledged >= 50 {
+                break;
+            }
+        }
+    }
+    // SIGKILL: no destructors, no chance to flush anything the append had not made durable.
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(acknowledged >= 50, "child stopped early at {acknowledged}");
+    let j = SqliteJournal::open(&path, Durability::Full).unwrap();
+    let all = j.read("s", 0, 0).unwrap();
+    assert!(
+        all.len() as i64 >= acknowledged,
+        "acknowledged {acknowledged}, found {}",
+        all.len()
+    );
+    assert_eq!(verify_chain(&all), Ok(all.len() as i64));
+}
