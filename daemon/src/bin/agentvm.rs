@@ -1,1 +1,122 @@
-fn main() {}
+//! agentvm: the client CLI.
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use agentvmd::config;
+use agentvmd::journal::Journal;
+use agentvmd::journal::records_json::{parse_records, write_records};
+use agentvmd::journal::sqlite::{Durability, SqliteJournal};
+use agentvmd::journal::verify::verify_chain;
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(name = "agentvm", version, about = "agentvm client")]
+struct Cli {
+    /// Print machine-readable JSON.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Work with hash-chained session journals.
+    #[command(subcommand)]
+    Journal(JournalCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum JournalCommand {
+    /// Verify a log of LogRecords (proto3 JSON: an array or JSON lines; `-` reads stdin).
+    Verify { file: String },
+    /// Write a session's log as JSON lines, in the format `verify` reads.
+    Export {
+        session: String,
+        /// The journal database. Default: journal.db in the daemon's default state directory.
+        #[arg(long)]
+        db: Option<PathBuf>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(&cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("agentvm: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
+    match &cli.command {
+        Command::Journal(JournalCommand::Verify { file }) => verify(file, cli.json),
+        Command::Journal(JournalCommand::Export { session, db }) => {
+            let db = db
+                .clone()
+                .unwrap_or_else(|| config::journal_path(&config::default_state_dir()));
+            if !db.exists() {
+                anyhow::bail!("journal {} does not exist", db.display());
+            }
+            let journal = SqliteJournal::open(&db, Durability::Full)
+                .with_context(|| format!("opening journal {}", db.display()))?;
+            if journal.get_session(session)?.is_none() {
+                anyhow::bail!("session {session} not found in {}", db.display());
+            }
+            let records = journal.read(session, 1, 0)?;
+            let stdout = std::io::stdout();
+            let mut out = std::io::BufWriter::new(stdout.lock());
+            write_records(&records, &mut out)?;
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn verify(file: &str, json: bool) -> anyhow::Result<ExitCode> {
+    let mut input = String::new();
+    if file == "-" {
+        std::io::stdin()
+            .read_to_string(&mut input)
+            .context("reading stdin")?;
+    } else {
+        input = std::fs::read_to_string(file).with_context(|| format!("reading {file}"))?;
+    }
+    let records = match parse_records(&input) {
+        Ok(r) => r,
+        Err(e) => {
+            report(json, false, None, &format!("{file}: {e}"));
+            return Ok(ExitCode::from(1));
+        }
+    };
+    match verify_chain(&records) {
+        Ok(n) => {
+            report(
+                json,
+                true,
+                None,
+                &format!("{file}: {n} records, chain intact"),
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(e) => {
+            report(json, false, Some(e.seq()), &format!("{file}: {e}"));
+            Ok(ExitCode::from(1))
+        }
+    }
+}
+
+fn report(json: bool, ok: bool, seq: Option<i64>, message: &str) {
+    if json {
+        let v = serde_json::json!({"ok": ok, "bad_seq": seq, "message": message});
+        println!("{v}");
+    } else if ok {
+        println!("{message}");
+    } else {
+        eprintln!("{message}");
+    }
+}

@@ -1,0 +1,114 @@
+//! The gRPC front of agentvmd: binds the listeners and serves health and reflection
+//! (the Sessions service joins here once the session host lands).
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::net::UnixListener;
+use tokio::sync::Notify;
+use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
+use tonic::transport::Server;
+use tracing::{info, warn};
+
+use crate::config::ListenAddr;
+
+/// Removes a stale socket file left by a previous run, refusing to touch anything else.
+fn clear_stale_socket(path: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => std::fs::remove_file(path)
+            .with_context(|| format!("removing stale socket {}", path.display())),
+        Ok(_) => anyhow::bail!(
+            "{} exists and is not a socket; refusing to replace it",
+            path.display()
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("inspecting {}", path.display())),
+    }
+}
+
+/// How long open connections get to finish after the shutdown signal before the server stops
+/// anyway: an idle client holding a connection must not keep the daemon alive.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Runs `server` until it ends, or until `DRAIN_TIMEOUT` after `signalled` fires.
+async fn bounded_drain<F>(server: F, signalled: Arc<Notify>) -> Result<(), tonic::transport::Error>
+where
+    F: std::future::Future<Output = Result<(), tonic::transport::Error>>,
+{
+    tokio::pin!(server);
+    tokio::select! {
+        r = &mut server => return r,
+        () = signalled.notified() => {}
+    }
+    match tokio::time::timeout(DRAIN_TIMEOUT, server).await {
+        Ok(r) => r,
+        Err(_) => {
+            warn!(timeout = ?DRAIN_TIMEOUT, "connections still open after drain timeout; closing");
+            Ok(())
+        }
+    }
+}
+
+/// Serves on `addr` until `shutdown` resolves.
+pub async fn serve(
+    addr: &ListenAddr,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let signalled = Arc::new(Notify::new());
+    let shutdown = {
+        let signalled = Arc::clone(&signalled);
+        async move {
+            shutdown.await;
+            signalled.notify_one();
+        }
+    };
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_service_status("", tonic_health::ServingStatus::Serving)
+        .await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(agentvm_proto::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .context("building the reflection service")?;
+    let router = Server::builder()
+        .add_service(health)
+        .add_service(reflection);
+
+    match addr {
+        ListenAddr::Unix(path) => {
+            if let Some(dir) = path.parent() {
+                std::fs::create_dir_all(dir)
+                    .with_context(|| format!("creating {}", dir.display()))?;
+            }
+            clear_stale_socket(path)?;
+            let listener =
+                UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
+            // The socket's permissions are the API's access control: owner and group only.
+            std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o660))
+                .with_context(|| format!("restricting {}", path.display()))?;
+            info!(listen = %addr, "serving");
+            let result = bounded_drain(
+                router.serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown),
+                signalled,
+            )
+            .await;
+            let _ = std::fs::remove_file(path);
+            result.context("gRPC server on unix socket")
+        }
+        ListenAddr::Tcp(sock) => {
+            let listener = tokio::net::TcpListener::bind(sock)
+                .await
+                .with_context(|| format!("binding {sock}"))?;
+            info!(listen = %addr, "serving");
+            bounded_drain(
+                router.serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown),
+                signalled,
+            )
+            .await
+            .context("gRPC server on TCP")
+        }
+    }
+}
