@@ -1,1 +1,103 @@
-fn main() {}
+//! Journal benchmarks: append throughput with an fsync per record and with group commit,
+//! and chain-verify throughput over 100k records. Prints min/median/max over several runs.
+//!
+//! `cargo bench -p agentvmd --bench journal`
+
+use std::time::Instant;
+
+use agentvm_proto::v1::{event::Body, part, ComputeState, Event, EventKind, Message, Part, TextPart};
+use agentvmd::journal::sqlite::{Durability, SqliteJournal};
+use agentvmd::journal::verify::verify_chain;
+use agentvmd::journal::{Journal, SessionRow};
+
+fn event(i: usize) -> Event {
+    Event {
+        execution_id: format!("{:016x}", i / 5),
+        kind: EventKind::EventOutput as i32,
+        body: Some(Body::Message(Message {
+            role: "assistant".into(),
+            parts: vec![Part {
+                part: Some(part::Part::Text(TextPart {
+                    text: format!("echo:message number {i}"),
+                })),
+            }],
+        })),
+        ..Default::default()
+    }
+}
+
+fn fresh(dir: &tempfile::TempDir, name: &str, durability: Durability) -> SqliteJournal {
+    let j = SqliteJournal::open(&dir.path().join(name), durability).unwrap();
+    j.create_session(&SessionRow {
+        uid: "s".into(),
+        project: "bench".into(),
+        compute_state: ComputeState::ComputeNone,
+        ..Default::default()
+    })
+    .unwrap();
+    j
+}
+
+/// Appends `total` records in transactions of `batch`; returns records per second.
+fn append_rate(dir: &tempfile::TempDir, run: usize, total: usize, batch: usize) -> f64 {
+    let j = fresh(dir, &format!("append-{batch}-{run}.db"), Durability::Full);
+    let events: Vec<Event> = (0..total).map(event).collect();
+    let start = Instant::now();
+    let mut head = 0;
+    for chunk in events.chunks(batch) {
+        head = j.append("s", head, 0, chunk).unwrap().last().unwrap().seq;
+    }
+    total as f64 / start.elapsed().as_secs_f64()
+}
+
+fn summary(name: &str, unit: &str, mut xs: Vec<f64>) {
+    xs.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    println!(
+        "{name:<44} min {:>10.0}  median {:>10.0}  max {:>10.0}  {unit}  (n={})",
+        xs[0],
+        xs[xs.len() / 2],
+        xs[xs.len() - 1],
+        xs.len()
+    );
+}
+
+fn main() {
+    // `cargo bench` passes --bench; `cargo test --benches` runs this too, with fewer rounds.
+    let quick = !std::env::args().any(|a| a == "--bench");
+    let runs = if quick { 1 } else { 5 };
+    let dir = tempfile::tempdir().unwrap();
+
+    let per_record: Vec<f64> = (0..runs).map(|r| append_rate(&dir, r, 300, 1)).collect();
+    summary("append, fsync per record (1/txn)", "records/s", per_record);
+    for batch in [16, 256] {
+        let grouped: Vec<f64> = (0..runs)
+            .map(|r| append_rate(&dir, r, 256 * 16, batch))
+            .collect();
+        summary(
+            &format!("append, group commit ({batch}/txn)"),
+            "records/s",
+            grouped,
+        );
+    }
+
+    let n = if quick { 5_000 } else { 100_000 };
+    let j = fresh(&dir, "verify.db", Durability::Relaxed);
+    let events: Vec<Event> = (0..n).map(event).collect();
+    let mut head = 0;
+    for chunk in events.chunks(1000) {
+        head = j.append("s", head, 0, chunk).unwrap().last().unwrap().seq;
+    }
+    let mut read_verify = Vec::new();
+    let mut verify_only = Vec::new();
+    for _ in 0..runs.min(3) {
+        let start = Instant::now();
+        let records = j.read("s", 1, 0).unwrap();
+        let read = start.elapsed();
+        assert_eq!(verify_chain(&records).unwrap(), n as i64);
+        let total = start.elapsed();
+        read_verify.push(n as f64 / total.as_secs_f64());
+        verify_only.push(n as f64 / (total - read).as_secs_f64());
+    }
+    summary(&format!("read + verify {n} records"), "records/s", read_verify);
+    summary(&format!("verify only {n} records"), "records/s", verify_only);
+}

@@ -238,7 +238,7 @@ pub fn ecmascript_number(v: f64) -> Result<String, CanonError> {
             s.push_str(&digits[1..]);
         }
         s.push('e');
-        s.push(if n - 1 >= 0 { '+' } else { '-' });
+        s.push(if n > 0 { '+' } else { '-' });
         s.push_str(&(n - 1).abs().to_string());
     }
     Ok(s)

@@ -390,7 +390,7 @@ fn appender_child_process() {
     };
     let mut head = 0;
     loop {
-        head = j.append("s", head, 0, &[end.clone()]).unwrap()[0].seq;
+        head = j.append("s", head, 0, std::slice::from_ref(&end)).unwrap()[0].seq;
         println!("appended {head}");
     }
 }

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs what building agentvm needs on a fresh Debian 12 machine. Idempotent.
+# protoc comes from a registry crate (protoc-bin-vendored) and sqlite is bundled, so the
+# system needs only a C toolchain (for sqlite and, later, the test guest) and git.
+set -euo pipefail
+
+need=()
+command -v cc >/dev/null 2>&1 || need+=(build-essential)
+command -v git >/dev/null 2>&1 || need+=(git)
+command -v curl >/dev/null 2>&1 || need+=(curl ca-certificates)
+if [ ${#need[@]} -gt 0 ]; then
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}"
+fi
+
+if ! command -v cargo >/dev/null 2>&1; then
+    echo "setup: cargo not found; install Rust 1.95 with rustup (rust-toolchain.toml pins it)" >&2
+    exit 1
+fi
