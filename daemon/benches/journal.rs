@@ -5,7 +5,9 @@
 
 use std::time::Instant;
 
-use agentvm_proto::v1::{event::Body, part, ComputeState, Event, EventKind, Message, Part, TextPart};
+use agentvm_proto::v1::{
+    ComputeState, Event, EventKind, Message, Part, TextPart, event::Body, part,
+};
 use agentvmd::journal::sqlite::{Durability, SqliteJournal};
 use agentvmd::journal::verify::verify_chain;
 use agentvmd::journal::{Journal, SessionRow};
@@ -98,6 +100,14 @@ fn main() {
         read_verify.push(n as f64 / total.as_secs_f64());
         verify_only.push(n as f64 / (total - read).as_secs_f64());
     }
-    summary(&format!("read + verify {n} records"), "records/s", read_verify);
-    summary(&format!("verify only {n} records"), "records/s", verify_only);
+    summary(
+        &format!("read + verify {n} records"),
+        "records/s",
+        read_verify,
+    );
+    summary(
+        &format!("verify only {n} records"),
+        "records/s",
+        verify_only,
+    );
 }
