@@ -1,5 +1,6 @@
 //! agentvmd: the per-node agentvm daemon, and the library behind the `agentvm` CLI.
 
+pub mod api;
 pub mod client;
 pub mod config;
 pub mod journal;

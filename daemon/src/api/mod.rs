@@ -1,0 +1,7 @@
+//! Translation between the agentsessions.v1 API and the daemon's internals: status codes,
+//! page tokens and the Session projection. The tonic services themselves live beside these
+//! pieces as the session host lands.
+
+pub mod page_token;
+pub mod session_view;
+pub mod status;
