@@ -4,4 +4,5 @@ pub mod api;
 pub mod client;
 pub mod config;
 pub mod journal;
+pub mod registry;
 pub mod server;

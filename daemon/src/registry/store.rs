@@ -1,0 +1,131 @@
+//! Durable registrations, in the journal's database file (table `harnesses`).
+
+use std::path::Path;
+use std::sync::Mutex;
+
+use agentvm_proto::v1::{HarnessSpec, HarnessState};
+use prost::Message;
+use rusqlite::{Connection, OptionalExtension, params};
+
+#[derive(Debug, thiserror::Error)]
+#[error("harness registry storage ({context}): {source}")]
+pub struct StoreError {
+    context: String,
+    #[source]
+    source: rusqlite::Error,
+}
+
+fn storage(context: impl Into<String>) -> impl FnOnce(rusqlite::Error) -> StoreError {
+    let context = context.into();
+    move |source| StoreError { context, source }
+}
+
+/// One stored registration. `spec` is `None` when the stored bytes no longer decode on this
+/// host (never a partial spec); the digest is kept either way.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredHarness {
+    pub name: String,
+    pub uid: String,
+    pub spec: Option<HarnessSpec>,
+    pub spec_digest: String,
+    pub state: HarnessState,
+    pub retire_time: Option<i64>,
+    pub retire_reason: String,
+    pub created_at: i64,
+    pub updated_at: i64,
+}
+
+pub struct RegistryStore {
+    conn: Mutex<Connection>,
+}
+
+const COLUMNS: &str =
+    "name, uid, spec, spec_digest, state, retire_time, retire_reason, created_at, updated_at";
+
+fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<StoredHarness> {
+    let spec: Vec<u8> = r.get(2)?;
+    Ok(StoredHarness {
+        name: r.get(0)?,
+        uid: r.get(1)?,
+        spec: HarnessSpec::decode(spec.as_slice()).ok(),
+        spec_digest: r.get(3)?,
+        state: HarnessState::try_from(r.get::<_, i32>(4)?).unwrap_or(HarnessState::Unspecified),
+        retire_time: r.get(5)?,
+        retire_reason: r.get(6)?,
+        created_at: r.get(7)?,
+        updated_at: r.get(8)?,
+    })
+}
+
+impl RegistryStore {
+    pub fn open(path: &Path) -> Result<Self, StoreError> {
+        let conn = Connection::open(path).map_err(storage(format!("open {}", path.display())))?;
+        conn.execute_batch(
+            "PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; PRAGMA busy_timeout = 10000;
+             CREATE TABLE IF NOT EXISTS harnesses (
+                 name          TEXT PRIMARY KEY,
+                 uid           TEXT NOT NULL,
+                 spec          BLOB NOT NULL,
+                 spec_digest   TEXT NOT NULL,
+                 state         INTEGER NOT NULL,
+                 retire_time   INTEGER,
+                 retire_reason TEXT NOT NULL DEFAULT '',
+                 created_at    INTEGER NOT NULL,
+                 updated_at    INTEGER NOT NULL
+             );",
+        )
+        .map_err(storage("create harnesses table"))?;
+        Ok(Self {
+            conn: Mutex::new(conn),
+        })
+    }
+
+    fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
+        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn get(&self, name: &str) -> Result<Option<StoredHarness>, StoreError> {
+        self.conn()
+            .prepare_cached(&format!("SELECT {COLUMNS} FROM harnesses WHERE name = ?1"))
+            .and_then(|mut st| st.query_row([name], row).optional())
+            .map_err(storage(format!("get harness {name}")))
+    }
+
+    /// Registrations with names strictly after `after`, in name order.
+    pub fn list_after(&self, after: &str, limit: usize) -> Result<Vec<StoredHarness>, StoreError> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        self.conn()
+            .prepare_cached(&format!(
+                "SELECT {COLUMNS} FROM harnesses WHERE name > ?1 ORDER BY name LIMIT ?2"
+            ))
+            .and_then(|mut st| {
+                st.query_map(params![after, limit], row)?
+                    .collect::<rusqlite::Result<Vec<_>>>()
+            })
+            .map_err(storage("list harnesses"))
+    }
+
+    /// Inserts or replaces one registration.
+    pub fn put(&self, h: &StoredHarness, spec: &HarnessSpec) -> Result<(), StoreError> {
+        self.conn()
+            .prepare_cached(&format!(
+                "INSERT OR REPLACE INTO harnesses ({COLUMNS})
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)"
+            ))
+            .and_then(|mut st| {
+                st.execute(params![
+                    h.name,
+                    h.uid,
+                    spec.encode_to_vec(),
+                    h.spec_digest,
+                    h.state as i32,
+                    h.retire_time,
+                    h.retire_reason,
+                    h.created_at,
+                    h.updated_at
+                ])
+            })
+            .map_err(storage(format!("store harness {}", h.name)))?;
+        Ok(())
+    }
+}
