@@ -31,3 +31,18 @@ pub async fn connect(addr: &ListenAddr) -> anyhow::Result<Channel> {
         }
     }
 }
+
+/// Dials a harness placement address: `unix:///abs`, `unix://rel` (a path) or `host:port`.
+/// Unlike [`connect`], TCP is not limited to loopback: a registered harness may live anywhere
+/// the operator put it.
+pub async fn connect_address(address: &str) -> anyhow::Result<Channel> {
+    if let Some(path) = address.strip_prefix("unix://") {
+        return connect(&ListenAddr::Unix(path.into())).await;
+    }
+    Endpoint::from_shared(format!("http://{address}"))
+        .with_context(|| format!("harness address {address:?}"))?
+        .connect_timeout(std::time::Duration::from_secs(5))
+        .connect()
+        .await
+        .with_context(|| format!("connecting to {address}"))
+}

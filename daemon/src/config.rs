@@ -90,6 +90,20 @@ pub fn default_listen() -> ListenAddr {
     ListenAddr::Unix(base.join("agentvm/agentvmd.sock"))
 }
 
+/// The admin (HarnessRegistry) listener: `admin.sock` beside a unix API socket, else in the
+/// default runtime directory.
+pub fn default_admin_listen(api: &ListenAddr) -> ListenAddr {
+    let dir = match api {
+        ListenAddr::Unix(p) => p.parent().map(Path::to_path_buf),
+        ListenAddr::Tcp(_) => None,
+    };
+    let dir = dir.unwrap_or_else(|| match default_listen() {
+        ListenAddr::Unix(p) => p.parent().map(Path::to_path_buf).unwrap_or_default(),
+        ListenAddr::Tcp(_) => std::env::temp_dir(),
+    });
+    ListenAddr::Unix(dir.join("admin.sock"))
+}
+
 /// The journal database inside a state directory.
 pub fn journal_path(state_dir: &Path) -> PathBuf {
     state_dir.join("journal.db")

@@ -1,18 +1,23 @@
-//! The gRPC front of agentvmd: binds the listeners and serves health and reflection
-//! (the Sessions service joins here once the session host lands).
+//! The gRPC front of agentvmd: the API listener (health and reflection; the Sessions service
+//! joins it with the session host) and the admin listener (HarnessRegistry), each on its own
+//! socket so the admin surface never shares the client-facing one.
 
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use agentvm_proto::v1::harness_registry_server::HarnessRegistryServer;
 use anyhow::Context;
 use tokio::net::UnixListener;
 use tokio::sync::Notify;
 use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
+use tonic::service::Routes;
 use tonic::transport::Server;
 use tracing::{info, warn};
 
+use crate::api::registry_service::RegistryService;
 use crate::config::ListenAddr;
+use crate::registry::Registry;
 
 /// Removes a stale socket file left by a previous run, refusing to touch anything else.
 fn clear_stale_socket(path: &Path) -> anyhow::Result<()> {
@@ -52,9 +57,29 @@ where
     }
 }
 
-/// Serves on `addr` until `shutdown` resolves.
+/// The routes of the Sessions API listener.
+pub async fn api_routes() -> anyhow::Result<Routes> {
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_service_status("", tonic_health::ServingStatus::Serving)
+        .await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(agentvm_proto::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .context("building the reflection service")?;
+    Ok(Routes::new(health).add_service(reflection))
+}
+
+/// The routes of the admin listener: the harness registry.
+pub fn admin_routes(registry: Arc<Registry>) -> Routes {
+    Routes::new(HarnessRegistryServer::new(RegistryService::new(registry)))
+}
+
+/// Serves `routes` on `addr` until `shutdown` resolves. A unix socket gets `socket_mode`.
 pub async fn serve(
     addr: &ListenAddr,
+    routes: Routes,
+    socket_mode: u32,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let signalled = Arc::new(Notify::new());
@@ -65,17 +90,7 @@ pub async fn serve(
             signalled.notify_one();
         }
     };
-    let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_service_status("", tonic_health::ServingStatus::Serving)
-        .await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(agentvm_proto::FILE_DESCRIPTOR_SET)
-        .build_v1()
-        .context("building the reflection service")?;
-    let router = Server::builder()
-        .add_service(health)
-        .add_service(reflection);
+    let router = Server::builder().add_routes(routes);
 
     match addr {
         ListenAddr::Unix(path) => {
@@ -86,9 +101,12 @@ pub async fn serve(
             clear_stale_socket(path)?;
             let listener =
                 UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
-            // The socket's permissions are the API's access control: owner and group only.
-            std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o660))
-                .with_context(|| format!("restricting {}", path.display()))?;
+            // The socket's permissions are its access control.
+            std::fs::set_permissions(
+                path,
+                std::os::unix::fs::PermissionsExt::from_mode(socket_mode),
+            )
+            .with_context(|| format!("restricting {}", path.display()))?;
             info!(listen = %addr, "serving");
             let result = bounded_drain(
                 router.serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown),

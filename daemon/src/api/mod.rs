@@ -3,5 +3,6 @@
 //! pieces as the session host lands.
 
 pub mod page_token;
+pub mod registry_service;
 pub mod session_view;
 pub mod status;

@@ -1,9 +1,13 @@
 //! agentvmd: one per node. Owns the journal and serves the agentsessions API.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use agentvmd::config::{self, ListenAddr};
 use agentvmd::journal::sqlite::{Durability, SqliteJournal};
+use agentvmd::registry::store::RegistryStore;
+use agentvmd::registry::{Registry, builtin_harnesses};
+use agentvmd::server;
 use anyhow::Context;
 use clap::Parser;
 use tracing::info;
@@ -18,6 +22,10 @@ struct Args {
     /// Listener, `unix:PATH` or `HOST:PORT` (loopback). Default: unix:/run/agentvm/agentvmd.sock.
     #[arg(long)]
     listen: Option<ListenAddr>,
+    /// Admin listener for the HarnessRegistry API (unix socket or loopback TCP).
+    /// Default: admin.sock beside the API socket.
+    #[arg(long)]
+    admin_listen: Option<ListenAddr>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -35,12 +43,42 @@ fn main() -> anyhow::Result<()> {
     let _journal = SqliteJournal::open(&journal_path, Durability::Full)
         .with_context(|| format!("opening journal {}", journal_path.display()))?;
     info!(journal = %journal_path.display(), "journal open");
+    let registry = Arc::new(Registry::new(
+        builtin_harnesses(),
+        RegistryStore::open(&journal_path)
+            .with_context(|| format!("opening harness registry in {}", journal_path.display()))?,
+    ));
+    let admin_listen = args
+        .admin_listen
+        .unwrap_or_else(|| config::default_admin_listen(&listen));
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    runtime.block_on(agentvmd::server::serve(&listen, shutdown_signal()))
+    runtime.block_on(async move {
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|stop| *stop).await;
+        };
+        let api = server::serve(
+            &listen,
+            server::api_routes().await?,
+            0o660,
+            stopped(stop_rx.clone()),
+        );
+        let admin = server::serve(
+            &admin_listen,
+            server::admin_routes(registry),
+            0o600,
+            stopped(stop_rx),
+        );
+        tokio::spawn(async move {
+            shutdown_signal().await;
+            let _ = stop_tx.send(true);
+        });
+        tokio::try_join!(api, admin).map(|_| ())
+    })
 }
 
 async fn shutdown_signal() {

@@ -162,7 +162,7 @@ pub struct Registry {
 /// One entry of the merged view, in name order.
 pub enum Entry<'a> {
     Static(&'a StaticHarness),
-    Registered(StoredHarness),
+    Registered(Box<StoredHarness>),
 }
 
 impl Registry {
@@ -269,7 +269,7 @@ impl Registry {
         }
         self.store
             .get(name)?
-            .map(Entry::Registered)
+            .map(|h| Entry::Registered(Box::new(h)))
             .ok_or_else(|| RegistryError::NotFound(name.to_owned()))
     }
 
@@ -299,7 +299,11 @@ impl Registry {
             .iter()
             .filter(|s| s.name > after)
             .map(Entry::Static)
-            .chain(registered.into_iter().map(Entry::Registered))
+            .chain(
+                registered
+                    .into_iter()
+                    .map(|h| Entry::Registered(Box::new(h))),
+            )
             .collect();
         out.sort_by(|a, b| entry_name(a).cmp(entry_name(b)));
         out.truncate(limit);
