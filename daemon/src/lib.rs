@@ -2,6 +2,7 @@
 
 pub mod api;
 pub mod client;
+pub mod clock;
 pub mod config;
 pub mod journal;
 pub mod registry;

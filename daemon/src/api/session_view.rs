@@ -5,14 +5,8 @@ use agentvm_proto::v1::{
     ApprovalRef, EventKind, ExecState, LogRecord, ResourceMetadata, Session, event::Body,
 };
 
+use crate::clock::timestamp;
 use crate::journal::SessionRow;
-
-fn timestamp(nanos: i64) -> prost_types::Timestamp {
-    prost_types::Timestamp {
-        seconds: nanos.div_euclid(1_000_000_000),
-        nanos: nanos.rem_euclid(1_000_000_000) as i32,
-    }
-}
 
 /// The unresolved, owned approval request of the session's latest execution, if any.
 ///

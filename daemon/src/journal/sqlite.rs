@@ -7,7 +7,6 @@
 
 use std::path::Path;
 use std::sync::Mutex;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use agentvm_proto::canon;
 use agentvm_proto::v1::{ComputeState, Event, IdentityRef, LogRecord, Origin};
@@ -17,6 +16,7 @@ use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 use super::{
     DeletionState, Journal, JournalError, ListCursor, Result, SessionRow, project_compute_state,
 };
+use crate::clock::now_nanos;
 
 /// Stamped in `PRAGMA user_version`; a database with a higher stamp is refused.
 pub const SCHEMA_VERSION: i64 = 1;
@@ -72,13 +72,6 @@ pub struct SqliteJournal {
 fn storage(context: impl Into<String>) -> impl FnOnce(rusqlite::Error) -> JournalError {
     let context = context.into();
     move |source| JournalError::Storage { context, source }
-}
-
-fn now_nanos() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as i64)
-        .unwrap_or(0)
 }
 
 fn configure(conn: &Connection, durability: Durability) -> Result<()> {

@@ -4,8 +4,6 @@
 
 pub mod store;
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use agentvm_proto::canon;
 use agentvm_proto::v1::{
     Capabilities, HarnessRegistration, HarnessSource, HarnessSpec, HarnessState, RegisterOutcome,
@@ -13,6 +11,7 @@ use agentvm_proto::v1::{
 };
 use rand::Rng;
 
+use crate::clock::{now_nanos, timestamp};
 use store::{RegistryStore, StoreError, StoredHarness};
 
 /// A harness this daemon provides without registration.
@@ -137,20 +136,6 @@ fn validate_address(address: &str) -> Result<(), RegistryError> {
             Ok(())
         }
         _ => bad("is neither unix://PATH nor HOST:PORT"),
-    }
-}
-
-fn now_nanos() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as i64)
-        .unwrap_or(0)
-}
-
-fn timestamp(nanos: i64) -> prost_types::Timestamp {
-    prost_types::Timestamp {
-        seconds: nanos.div_euclid(1_000_000_000),
-        nanos: nanos.rem_euclid(1_000_000_000) as i32,
     }
 }
 
