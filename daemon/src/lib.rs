@@ -5,5 +5,6 @@ pub mod client;
 pub mod clock;
 pub mod config;
 pub mod journal;
+pub mod model;
 pub mod registry;
 pub mod server;
