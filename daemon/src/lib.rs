@@ -7,4 +7,5 @@ pub mod config;
 pub mod journal;
 pub mod model;
 pub mod registry;
+pub mod runtime;
 pub mod server;

@@ -1,0 +1,98 @@
+//! The compute SPI (upstream's Go `api.Runtime`), implemented natively by each backend
+//! (`process` for harnesses as local processes, `microvm` on agentvm-vmm).
+//!
+//! Data flows down only: the controller calls a runtime; a runtime never calls back up.
+
+pub mod placement;
+
+use agentvm_proto::v1::{IdentityRef, RuntimeCapabilities, SnapshotRef};
+
+/// LOCAL keeps state on this node (warm); EXTERNAL owns the whole cold transition: capture,
+/// free the compute, keep a restore handle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SnapshotKind {
+    Local,
+    External,
+}
+
+/// What a runtime needs to start a session's compute.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct SessionSpec {
+    pub session_uid: String,
+    /// Image or harness bundle reference, backend-specific.
+    pub image: String,
+    pub harness: String,
+    pub identity: Option<IdentityRef>,
+}
+
+/// One live compute instance of a session. `id` is the session uid on every backend.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Incarnation {
+    pub id: String,
+    pub worker: String,
+    /// Where the harness is reached (a unix socket, `host:port`, or a vsock socket path).
+    pub address: String,
+    pub runtime: String,
+    pub fence_token: i64,
+}
+
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ForkOpts {
+    pub child_session_uid: String,
+}
+
+/// The compute state a runtime observes (a live probe, unlike the journal's projection).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ObservedState {
+    Live,
+    Warm,
+    Cold,
+    Terminated,
+    /// The runtime has no record of this incarnation.
+    Unknown,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("{runtime}: {operation} is not supported by this backend")]
+    Unsupported {
+        runtime: &'static str,
+        operation: &'static str,
+    },
+    #[error("{runtime}: session {session}: {reason}")]
+    Failed {
+        runtime: &'static str,
+        session: String,
+        reason: String,
+    },
+    #[error("{runtime}: snapshot of session {session} was superseded")]
+    SnapshotSuperseded {
+        runtime: &'static str,
+        session: String,
+    },
+}
+
+pub type Result<T> = std::result::Result<T, RuntimeError>;
+
+#[async_trait::async_trait]
+pub trait Runtime: Send + Sync {
+    /// The backend's name as ComputeRef.runtime reports it.
+    fn name(&self) -> &'static str;
+
+    fn capabilities(&self) -> RuntimeCapabilities;
+
+    /// Starts a session's compute from nothing (or attaches to it when already running).
+    async fn create(&self, spec: &SessionSpec) -> Result<Incarnation>;
+
+    async fn snapshot(&self, incarnation: &Incarnation, kind: SnapshotKind) -> Result<SnapshotRef>;
+
+    async fn restore(&self, snapshot: &SnapshotRef) -> Result<Incarnation>;
+
+    /// A child from a parent's snapshot. Must not leak a half-built child on failure.
+    async fn fork(&self, snapshot: &SnapshotRef, opts: &ForkOpts) -> Result<Incarnation>;
+
+    /// Destroys the compute and frees its worker.
+    async fn stop(&self, incarnation: &Incarnation) -> Result<()>;
+
+    async fn status(&self, incarnation: &Incarnation) -> Result<ObservedState>;
+}
