@@ -2,3 +2,4 @@
 //! journaled completion (replay), and fingerprints every request for the I0 check.
 
 pub mod input_hash;
+pub mod provider;
