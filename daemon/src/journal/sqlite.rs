@@ -74,22 +74,25 @@ fn storage(context: impl Into<String>) -> impl FnOnce(rusqlite::Error) -> Journa
     move |source| JournalError::Storage { context, source }
 }
 
-fn configure(conn: &Connection, durability: Durability) -> Result<()> {
+/// Opens a connection to the journal database with the settings every user of that file
+/// shares (WAL, the commit durability, a generous busy timeout for the single writer).
+pub fn open_connection(path: &Path, durability: Durability) -> rusqlite::Result<Connection> {
+    let conn = Connection::open(path)?;
     let sync = match durability {
         Durability::Full => "FULL",
         Durability::Relaxed => "NORMAL",
     };
     conn.execute_batch(&format!(
         "PRAGMA journal_mode = WAL; PRAGMA synchronous = {sync}; PRAGMA busy_timeout = 10000;"
-    ))
-    .map_err(storage("configure connection"))
+    ))?;
+    Ok(conn)
 }
 
 impl SqliteJournal {
     /// Opens (creating if needed) the journal database at `path`.
     pub fn open(path: &Path, durability: Durability) -> Result<Self> {
-        let writer = Connection::open(path).map_err(storage(format!("open {}", path.display())))?;
-        configure(&writer, durability)?;
+        let writer = open_connection(path, durability)
+            .map_err(storage(format!("open {}", path.display())))?;
         let found: i64 = writer
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .map_err(storage("read schema version"))?;
@@ -105,8 +108,8 @@ impl SqliteJournal {
         writer
             .execute_batch(&format!("PRAGMA user_version = {SCHEMA_VERSION}"))
             .map_err(storage("stamp schema version"))?;
-        let reader = Connection::open(path).map_err(storage(format!("open {}", path.display())))?;
-        configure(&reader, durability)?;
+        let reader = open_connection(path, durability)
+            .map_err(storage(format!("open {}", path.display())))?;
         Ok(Self {
             writer: Mutex::new(writer),
             reader: Mutex::new(reader),

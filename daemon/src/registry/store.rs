@@ -7,6 +7,8 @@ use agentvm_proto::v1::{HarnessSpec, HarnessState};
 use prost::Message;
 use rusqlite::{Connection, OptionalExtension, params};
 
+use crate::journal::sqlite::{Durability, open_connection};
+
 #[derive(Debug, thiserror::Error)]
 #[error("harness registry storage ({context}): {source}")]
 pub struct StoreError {
@@ -59,10 +61,10 @@ fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<StoredHarness> {
 
 impl RegistryStore {
     pub fn open(path: &Path) -> Result<Self, StoreError> {
-        let conn = Connection::open(path).map_err(storage(format!("open {}", path.display())))?;
+        let conn = open_connection(path, Durability::Full)
+            .map_err(storage(format!("open {}", path.display())))?;
         conn.execute_batch(
-            "PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; PRAGMA busy_timeout = 10000;
-             CREATE TABLE IF NOT EXISTS harnesses (
+            "CREATE TABLE IF NOT EXISTS harnesses (
                  name          TEXT PRIMARY KEY,
                  uid           TEXT NOT NULL,
                  spec          BLOB NOT NULL,
