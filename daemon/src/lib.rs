@@ -4,6 +4,7 @@ pub mod api;
 pub mod client;
 pub mod clock;
 pub mod config;
+pub mod controller;
 pub mod journal;
 pub mod model;
 pub mod registry;

@@ -1,0 +1,108 @@
+//! How the controller reaches a harness: `Describe` and one `Connect` stream per execution.
+//!
+//! [`GrpcEndpoint`] speaks upstream's gRPC service (local process, remote address);
+//! [`InProcessEndpoint`] runs a harness of this binary over channels. The microVM runtime adds
+//! one over the guest frame protocol. The controller sees only [`HarnessEndpoint`].
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use agentvm_harnesses::sdk::{Harness, drive};
+use agentvm_proto::v1::harness_client::HarnessClient;
+use agentvm_proto::v1::{ControllerFrame, DescribeRequest, Event, HarnessDescriptor};
+use tokio::sync::mpsc;
+use tokio_stream::Stream;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Status;
+use tonic::transport::Channel;
+
+/// Frames the host sends before it waits for the harness to read.
+const FRAME_BUFFER: usize = 16;
+const EVENT_BUFFER: usize = 64;
+
+pub type EventStream = Pin<Box<dyn Stream<Item = Result<Event, Status>> + Send>>;
+
+/// One open execution stream. Dropping `frames` half-closes the host side.
+pub struct HarnessStream {
+    pub frames: mpsc::Sender<ControllerFrame>,
+    pub events: EventStream,
+}
+
+#[async_trait::async_trait]
+pub trait HarnessEndpoint: Send + Sync {
+    async fn describe(&self) -> Result<HarnessDescriptor, Status>;
+    async fn connect(&self) -> Result<HarnessStream, Status>;
+}
+
+/// A harness serving `agentsessions.v1.Harness` over gRPC.
+#[derive(Clone)]
+pub struct GrpcEndpoint {
+    client: HarnessClient<Channel>,
+}
+
+impl GrpcEndpoint {
+    pub fn new(channel: Channel) -> Self {
+        Self {
+            client: HarnessClient::new(channel),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl HarnessEndpoint for GrpcEndpoint {
+    async fn describe(&self) -> Result<HarnessDescriptor, Status> {
+        Ok(self
+            .client
+            .clone()
+            .describe(DescribeRequest {})
+            .await?
+            .into_inner())
+    }
+
+    async fn connect(&self) -> Result<HarnessStream, Status> {
+        let (tx, rx) = mpsc::channel(FRAME_BUFFER);
+        let events = self
+            .client
+            .clone()
+            .connect(ReceiverStream::new(rx))
+            .await?
+            .into_inner();
+        Ok(HarnessStream {
+            frames: tx,
+            events: Box::pin(events),
+        })
+    }
+}
+
+/// A harness compiled into this process, reached over channels (tests, offline use).
+#[derive(Clone)]
+pub struct InProcessEndpoint {
+    harness: Arc<dyn Harness>,
+}
+
+impl InProcessEndpoint {
+    pub fn new(harness: Arc<dyn Harness>) -> Self {
+        Self { harness }
+    }
+}
+
+#[async_trait::async_trait]
+impl HarnessEndpoint for InProcessEndpoint {
+    async fn describe(&self) -> Result<HarnessDescriptor, Status> {
+        Ok(self.harness.descriptor())
+    }
+
+    async fn connect(&self) -> Result<HarnessStream, Status> {
+        let (frame_tx, frame_rx) = mpsc::channel::<ControllerFrame>(FRAME_BUFFER);
+        let (event_tx, event_rx) = mpsc::channel(EVENT_BUFFER);
+        let frames = Box::pin(tokio_stream::StreamExt::map(
+            ReceiverStream::new(frame_rx),
+            Ok::<_, Status>,
+        ));
+        tokio::spawn(drive(self.harness.clone(), frames, event_tx));
+        Ok(HarnessStream {
+            frames: frame_tx,
+            events: Box::pin(ReceiverStream::new(event_rx)),
+        })
+    }
+}

@@ -1,0 +1,559 @@
+//! The controller: the single writer of a session's log while one of its executions runs.
+//!
+//! - [`Controller::exec`] starts a new execution: EXECUTION_START and its INPUTs in one
+//!   CAS-checked append, then the harness's effects as they happen, then END (or an audit ERROR).
+//! - [`Controller::resume`] re-drives the trailing interrupted execution: recorded effects are
+//!   served, the rest runs live (crash recovery, approval completion).
+//! - [`Controller::replay`] re-runs every completed execution against the journal only; it
+//!   appends nothing and never reaches the model or a tool executor.
+//!
+//! The caller (the session service) owns admission, the runtime and the fence: a [`Turn`]
+//! carries an already-dialed harness and the fence minted for this incarnation.
+
+pub mod drive;
+pub mod endpoint;
+pub mod error;
+pub mod log;
+pub mod sink;
+pub mod tools;
+
+#[cfg(test)]
+mod tests;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use agentvm_proto::v1::{
+    ApprovalRef, ControllerFrame, Error as EventError, Event, EventKind, ExecUpdate,
+    ExecutionStart, HarnessDescriptor, HarnessEnd, IdentityContext, IdentityRef, Lifecycle,
+    Mediation, Message, Resumability, Start, controller_frame::Frame, event::Body,
+    lifecycle::Kind as LifecycleKind,
+};
+use rand::Rng;
+use tokio::sync::{mpsc, watch};
+
+use crate::clock::{now_nanos, timestamp};
+use crate::journal::Journal;
+use crate::model::provider::ModelProvider;
+use drive::{RunEnd, run_stream};
+use endpoint::HarnessEndpoint;
+use error::ControllerError;
+use log::{ExecutionLog, Recorded, SessionLog};
+use sink::{EffectSink, Mode, TurnIo};
+use tools::ToolExecutor;
+
+pub type Result<T, E = ControllerError> = std::result::Result<T, E>;
+
+/// Live side effects the controller performed, for proving replay performs none (I1).
+#[derive(Debug, Default)]
+pub struct Counters {
+    model_calls: AtomicU64,
+    executor_calls: AtomicU64,
+}
+
+impl Counters {
+    pub fn model_calls(&self) -> u64 {
+        self.model_calls.load(Ordering::Relaxed)
+    }
+    pub fn executor_calls(&self) -> u64 {
+        self.executor_calls.load(Ordering::Relaxed)
+    }
+    fn count_model_call(&self) {
+        self.model_calls.fetch_add(1, Ordering::Relaxed);
+    }
+    fn count_executor_call(&self) {
+        self.executor_calls.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Why the host stops a running execution from outside.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Interrupt {
+    /// The Cancel RPC: the execution ends CANCELED.
+    Cancel(String),
+    /// A checkpoint or a newer incarnation took over; the execution stays resumable.
+    Supersede(String),
+}
+
+/// One incarnation's turn: everything admission decided.
+pub struct Turn {
+    pub session: String,
+    pub fence: i64,
+    /// Records at or below this seq were copied from a fork parent (not owned).
+    pub fork_seq: i64,
+    /// The resolved registry name, recorded on EXECUTION_START and checked on re-runs (R6).
+    pub harness: String,
+    /// What the dialed harness reported.
+    pub descriptor: HarnessDescriptor,
+    pub endpoint: Arc<dyn HarnessEndpoint>,
+    pub identity: Option<IdentityRef>,
+    pub observer: Option<mpsc::Sender<ExecUpdate>>,
+    pub deadline: Option<tokio::time::Instant>,
+    pub interrupt: Option<watch::Receiver<Option<Interrupt>>>,
+}
+
+impl Turn {
+    fn memory_tier(&self) -> bool {
+        self.descriptor
+            .capabilities
+            .as_ref()
+            .is_some_and(|c| c.resumability == Resumability::RequiresMemorySnapshot as i32)
+    }
+}
+
+/// What a new execution brings.
+#[derive(Debug, Clone, Default)]
+pub struct NewExecution {
+    pub inputs: Vec<Message>,
+    pub config: Vec<u8>,
+    pub resume_from_seq: i64,
+    /// None appends at the head; Some(n) asserts the head is n (0 = "no events yet").
+    pub expected_last_seq: Option<i64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TurnOutcome {
+    Completed {
+        execution_id: String,
+    },
+    /// Stopped at an approval gate; `head` is the log head the park left (for the SUSPEND).
+    Parked {
+        park: ApprovalRef,
+        head: i64,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ReplaySummary {
+    pub executions: usize,
+}
+
+/// Where an execution's last gated call stands (semantics.md §4.6).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GateState {
+    /// No gated call lacks its receipt.
+    Clear,
+    /// A gated TOOL_CALL whose APPROVAL_REQUEST was never appended.
+    CallOnly { tool_call_id: String },
+    /// Request appended, no decision yet.
+    Pending(ApprovalRef),
+    /// Decided, receipt still to be produced.
+    Decided(ApprovalRef),
+}
+
+pub fn gate_state(x: &ExecutionLog) -> GateState {
+    let mut state = GateState::Clear;
+    for Recorded { seq, event } in &x.effects {
+        match (&event.body, EventKind::try_from(event.kind)) {
+            (Some(Body::Tool(call)), Ok(EventKind::EventToolCall))
+                if call.mediation == Mediation::RequiresApproval as i32 =>
+            {
+                state = GateState::CallOnly {
+                    tool_call_id: call.id.clone(),
+                };
+            }
+            (Some(Body::Approval(req)), Ok(EventKind::EventApprovalRequest)) => {
+                state = GateState::Pending(ApprovalRef {
+                    execution_id: x.id.clone(),
+                    tool_call_id: req.tool_call_id.clone(),
+                    request_seq: *seq,
+                });
+            }
+            (Some(Body::ApprovalResult(d)), Ok(EventKind::EventApprovalResult)) => {
+                if let GateState::Pending(r) = &state
+                    && r.tool_call_id == d.tool_call_id
+                {
+                    state = GateState::Decided(r.clone());
+                }
+            }
+            (Some(Body::Result(r)), Ok(EventKind::EventToolResult)) => {
+                let answers = match &state {
+                    GateState::Decided(g) | GateState::Pending(g) => g.tool_call_id == r.id,
+                    GateState::CallOnly { tool_call_id } => *tool_call_id == r.id,
+                    GateState::Clear => false,
+                };
+                if answers {
+                    state = GateState::Clear;
+                }
+            }
+            _ => {}
+        }
+    }
+    state
+}
+
+/// The first tool call at or below `fork_seq` that has no result in `x` (I3: a child cannot
+/// re-drive its parent's effect).
+pub fn inherited_open_intent(x: &ExecutionLog, fork_seq: i64) -> Option<String> {
+    x.effects
+        .iter()
+        .filter(|r| r.seq <= fork_seq)
+        .find_map(|r| match &r.event.body {
+            Some(Body::Tool(call)) if r.event.kind == EventKind::EventToolCall as i32 => {
+                let answered = x.effects.iter().any(|later| {
+                    later.seq > r.seq
+                        && matches!(&later.event.body, Some(Body::Result(res)) if res.id == call.id)
+                });
+                (!answered).then(|| call.id.clone())
+            }
+            _ => None,
+        })
+}
+
+/// A fresh execution id: 16 lowercase hex characters.
+pub fn new_execution_id() -> String {
+    let bytes: [u8; 8] = rand::rng().random();
+    hex::encode(bytes)
+}
+
+/// A host-stamped event of `execution_id` (empty for session-scoped lifecycle records).
+pub fn stamp(execution_id: &str, kind: EventKind, body: Body) -> Event {
+    Event {
+        execution_id: execution_id.to_owned(),
+        ts: Some(timestamp(now_nanos())),
+        schema_version: 1,
+        kind: kind as i32,
+        body: Some(body),
+        actor: None,
+    }
+}
+
+pub struct Controller {
+    journal: Arc<dyn Journal>,
+    provider: Arc<dyn ModelProvider>,
+    executor: Option<Arc<dyn ToolExecutor>>,
+    counters: Arc<Counters>,
+}
+
+impl Controller {
+    pub fn new(
+        journal: Arc<dyn Journal>,
+        provider: Arc<dyn ModelProvider>,
+        executor: Option<Arc<dyn ToolExecutor>>,
+    ) -> Self {
+        Self {
+            journal,
+            provider,
+            executor,
+            counters: Arc::default(),
+        }
+    }
+
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    pub fn journal(&self) -> &Arc<dyn Journal> {
+        &self.journal
+    }
+
+    fn io<'a>(&'a self, turn: &'a Turn) -> TurnIo<'a> {
+        TurnIo {
+            journal: self.journal.as_ref(),
+            provider: self.provider.as_ref(),
+            executor: self.executor.as_deref(),
+            counters: &self.counters,
+            observer: turn.observer.as_ref(),
+            session: &turn.session,
+            fence: turn.fence,
+            memory_tier: turn.memory_tier(),
+        }
+    }
+
+    fn read_log(&self, session: &str) -> Result<SessionLog> {
+        SessionLog::parse(self.journal.read(session, 1, 0)?)
+    }
+
+    /// A new execution with `new.inputs`.
+    pub async fn exec(&self, turn: &Turn, new: NewExecution) -> Result<TurnOutcome> {
+        let log = self.read_log(&turn.session)?;
+        let expected = new.expected_last_seq.unwrap_or(log.head());
+        let execution_id = new_execution_id();
+        let mut bodies = vec![(
+            EventKind::EventExecutionStart,
+            Body::ExecutionStart(ExecutionStart {
+                config: new.config.clone(),
+                resume_from_seq: new.resume_from_seq,
+                input_count: Some(new.inputs.len() as i64),
+                harness: turn.harness.clone(),
+                harness_version: turn.descriptor.version.clone(),
+            }),
+        )];
+        bodies.extend(
+            new.inputs
+                .iter()
+                .map(|m| (EventKind::EventInput, Body::Message(m.clone()))),
+        );
+        let mut sink = EffectSink::new(
+            self.io(turn),
+            execution_id.clone(),
+            Mode::Live,
+            vec![],
+            expected,
+        );
+        sink.append(bodies).await?;
+        let start = Start {
+            config: new.config,
+            history: log.records.into_iter().filter_map(|r| r.event).collect(),
+            inputs: new.inputs,
+            identity: identity_context(turn),
+            resume_from_seq: new.resume_from_seq,
+        };
+        self.run(turn, sink, start).await
+    }
+
+    /// Re-drives the trailing unfinished execution; `Ok(None)` when there is none.
+    pub async fn resume(&self, turn: &Turn) -> Result<Option<TurnOutcome>> {
+        let log = self.read_log(&turn.session)?;
+        let Some(x) = log.pending() else {
+            return Ok(None);
+        };
+        if x.is_legacy() {
+            return Err(ControllerError::InvalidExecutionLog(format!(
+                "the unfinished legacy turn at seq {} has no execution id to re-drive",
+                x.first_seq
+            )));
+        }
+        x.check_inputs()
+            .map_err(ControllerError::IncompleteInvocation)?;
+        if let Some(call) = inherited_open_intent(x, turn.fork_seq) {
+            return Err(ControllerError::InheritedToolIntent(call));
+        }
+        if let GateState::Pending(park) = gate_state(x) {
+            if park.request_seq <= turn.fork_seq {
+                return Err(ControllerError::InheritedToolIntent(park.tool_call_id));
+            }
+            // Still waiting for a decision: nothing to do, nothing to append.
+            return Ok(Some(TurnOutcome::Parked {
+                park,
+                head: log.head(),
+            }));
+        }
+        let start_record = x.start.clone().unwrap_or_default();
+        check_harness_identity(&start_record, turn)?;
+        let start = Start {
+            config: start_record.config,
+            history: log.history_before(x.first_index),
+            inputs: x.inputs.clone(),
+            identity: identity_context(turn),
+            resume_from_seq: start_record.resume_from_seq,
+        };
+        let sink = EffectSink::new(
+            self.io(turn),
+            x.id.clone(),
+            Mode::Recover,
+            x.effects.clone(),
+            log.head(),
+        );
+        self.run(turn, sink, start).await.map(Some)
+    }
+
+    /// Runs every completed execution against the journal (R7): read-only, no model, no tools.
+    pub async fn replay(&self, turn: &Turn) -> Result<ReplaySummary> {
+        let log = self.read_log(&turn.session)?;
+        let completed: Vec<&ExecutionLog> = log
+            .executions
+            .iter()
+            .filter(|x| x.is_completed() && !x.is_legacy())
+            .collect();
+        // Fail closed before running anything (R5, R6).
+        for x in &completed {
+            x.check_inputs()
+                .map_err(ControllerError::InvalidExecutionLog)?;
+            check_harness_identity(x.start.as_ref().expect("checked"), turn)?;
+        }
+        for x in &completed {
+            let recorded_start = x.start.clone().expect("checked");
+            let start = Start {
+                config: recorded_start.config,
+                history: log.history_before(x.first_index),
+                inputs: x.inputs.clone(),
+                identity: identity_context(turn),
+                resume_from_seq: recorded_start.resume_from_seq,
+            };
+            let mut sink = EffectSink::new(
+                self.io(turn),
+                x.id.clone(),
+                Mode::Replay,
+                x.effects.clone(),
+                log.head(),
+            );
+            let stream = turn
+                .endpoint
+                .connect()
+                .await
+                .map_err(|s| ControllerError::HarnessUnavailable(s.message().to_owned()))?;
+            match run_stream(&mut sink, stream, start_frame(turn, &x.id, start)).await? {
+                RunEnd::Completed => {}
+                RunEnd::Parked(p) => {
+                    return Err(ControllerError::ReplayDiverged(format!(
+                        "replay of completed execution {} parked at call {:?}",
+                        x.id, p.tool_call_id
+                    )));
+                }
+            }
+        }
+        Ok(ReplaySummary {
+            executions: completed.len(),
+        })
+    }
+
+    async fn run(
+        &self,
+        turn: &Turn,
+        mut sink: EffectSink<'_>,
+        start: Start,
+    ) -> Result<TurnOutcome> {
+        let execution_id = start_execution_id(&sink);
+        let outcome = self
+            .run_interruptible(turn, &mut sink, &execution_id, start)
+            .await;
+        match outcome {
+            Ok(RunEnd::Completed) => {
+                sink.append(vec![(
+                    EventKind::EventEnd,
+                    Body::End(HarnessEnd {
+                        state: "COMPLETED".into(),
+                        error: None,
+                    }),
+                )])
+                .await?;
+                Ok(TurnOutcome::Completed { execution_id })
+            }
+            Ok(RunEnd::Parked(park)) => Ok(TurnOutcome::Parked {
+                park,
+                head: sink.head(),
+            }),
+            Err(ControllerError::Cancelled(reason)) if sink.open_gate().is_none() => {
+                sink.append(vec![(
+                    EventKind::EventEnd,
+                    Body::End(HarnessEnd {
+                        state: "CANCELED".into(),
+                        error: Some(EventError {
+                            code: tonic::Code::Cancelled as i32,
+                            description: reason.clone(),
+                        }),
+                    }),
+                )])
+                .await?;
+                let cancel = stamp(
+                    "",
+                    EventKind::EventLifecycle,
+                    Body::Lifecycle(Lifecycle {
+                        kind: LifecycleKind::LifecycleCancel as i32,
+                        detail: reason.clone(),
+                        ..Default::default()
+                    }),
+                );
+                let records =
+                    self.journal
+                        .append(&turn.session, sink.head(), turn.fence, &[cancel])?;
+                if let Some(observer) = &turn.observer {
+                    for r in records {
+                        let _ = observer
+                            .send(ExecUpdate {
+                                update: Some(agentvm_proto::v1::exec_update::Update::Record(r)),
+                            })
+                            .await;
+                    }
+                }
+                Err(ControllerError::Cancelled(reason))
+            }
+            Err(e) => {
+                // No continuation after an open gate (§4.6), and no ERROR for what the host did.
+                if sink.open_gate().is_none() && !e.is_host_interruption() {
+                    let error = (
+                        EventKind::EventError,
+                        Body::Error(EventError {
+                            code: e.code() as i32,
+                            description: e.to_string(),
+                        }),
+                    );
+                    if let Err(append_err) = sink.append(vec![error]).await {
+                        tracing::warn!(session = %turn.session, error = %append_err, "could not journal the turn's ERROR");
+                    }
+                }
+                Err(e)
+            }
+        }
+    }
+
+    async fn run_interruptible(
+        &self,
+        turn: &Turn,
+        sink: &mut EffectSink<'_>,
+        execution_id: &str,
+        start: Start,
+    ) -> Result<RunEnd> {
+        let stream = turn
+            .endpoint
+            .connect()
+            .await
+            .map_err(|s| ControllerError::HarnessUnavailable(s.message().to_owned()))?;
+        let run = run_stream(sink, stream, start_frame(turn, execution_id, start));
+        let mut interrupt = turn.interrupt.clone();
+        let interrupted = async {
+            match interrupt.as_mut() {
+                Some(rx) => loop {
+                    if let Some(i) = rx.borrow_and_update().clone() {
+                        return i;
+                    }
+                    if rx.changed().await.is_err() {
+                        std::future::pending::<()>().await;
+                    }
+                },
+                None => std::future::pending().await,
+            }
+        };
+        let deadline = async {
+            match turn.deadline {
+                Some(d) => tokio::time::sleep_until(d).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            r = run => r,
+            i = interrupted => Err(match i {
+                Interrupt::Cancel(reason) => ControllerError::Cancelled(reason),
+                Interrupt::Supersede(reason) => ControllerError::Superseded(reason),
+            }),
+            () = deadline => Err(ControllerError::DeadlineExceeded),
+        }
+    }
+}
+
+fn start_execution_id(sink: &EffectSink<'_>) -> String {
+    sink.execution_id().to_owned()
+}
+
+fn start_frame(turn: &Turn, execution_id: &str, start: Start) -> ControllerFrame {
+    ControllerFrame {
+        session: turn.session.clone(),
+        execution_id: execution_id.to_owned(),
+        frame: Some(Frame::Start(start)),
+    }
+}
+
+fn identity_context(turn: &Turn) -> Option<IdentityContext> {
+    turn.identity.as_ref().map(|p| IdentityContext {
+        principal: Some(p.clone()),
+        can_mint_tokens: false,
+    })
+}
+
+/// R6: a re-run needs the harness the execution was recorded with, at the same version.
+fn check_harness_identity(recorded: &ExecutionStart, turn: &Turn) -> Result<()> {
+    if !recorded.harness.is_empty() && recorded.harness != turn.harness {
+        return Err(ControllerError::HarnessMismatch {
+            recorded: recorded.harness.clone(),
+            served: turn.harness.clone(),
+        });
+    }
+    if !recorded.harness_version.is_empty() && recorded.harness_version != turn.descriptor.version {
+        return Err(ControllerError::HarnessVersionMismatch {
+            recorded: recorded.harness_version.clone(),
+            served: turn.descriptor.version.clone(),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,88 @@
+//! `chat` (STATELESS_REPLAY, fork-safe): a history-aware conversation. The model request is
+//! every INPUT and OUTPUT message of History in journal order, then this turn's inputs, with an
+//! optional system prompt from the JSON config `{"system_prompt": "...", "model": "..."}`.
+//! The model defaults to `echo`; a config that is not JSON fails the turn.
+
+use agentvm_proto::v1::{
+    Capabilities, EventKind, HarnessDescriptor, ModelCall, Resumability, event::Body,
+};
+
+use crate::sdk::{Execution, Harness, HarnessFailure, Sink};
+use crate::text::text_message;
+
+pub struct Chat;
+
+pub const VERSION: &str = "1";
+
+struct ChatConfig {
+    system_prompt: Option<String>,
+    model: String,
+}
+
+fn parse_config(config: &[u8]) -> Result<ChatConfig, HarnessFailure> {
+    let mut parsed = ChatConfig {
+        system_prompt: None,
+        model: "echo".into(),
+    };
+    if config.is_empty() {
+        return Ok(parsed);
+    }
+    let value: serde_json::Value = serde_json::from_slice(config)
+        .map_err(|e| HarnessFailure::new(format!("chat config is not JSON: {e}")))?;
+    let obj = value
+        .as_object()
+        .ok_or_else(|| HarnessFailure::new("chat config must be a JSON object"))?;
+    if let Some(p) = obj.get("system_prompt") {
+        let p = p
+            .as_str()
+            .ok_or_else(|| HarnessFailure::new("chat config system_prompt must be a string"))?;
+        parsed.system_prompt = Some(p.to_owned());
+    }
+    if let Some(m) = obj.get("model") {
+        parsed.model = m
+            .as_str()
+            .ok_or_else(|| HarnessFailure::new("chat config model must be a string"))?
+            .to_owned();
+    }
+    Ok(parsed)
+}
+
+#[async_trait::async_trait]
+impl Harness for Chat {
+    fn descriptor(&self) -> HarnessDescriptor {
+        HarnessDescriptor {
+            id: "chat".into(),
+            models: vec!["echo".into()],
+            capabilities: Some(Capabilities {
+                resumability: Resumability::StatelessReplay as i32,
+                fork_safe: true,
+                ..Default::default()
+            }),
+            version: VERSION.into(),
+            ..Default::default()
+        }
+    }
+
+    async fn run(&self, exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure> {
+        let config = parse_config(&exec.start.config)?;
+        let mut messages = Vec::new();
+        if let Some(p) = config.system_prompt {
+            messages.push(text_message("system", p));
+        }
+        for event in &exec.start.history {
+            let conversational = event.kind == EventKind::EventInput as i32
+                || event.kind == EventKind::EventOutput as i32;
+            if let (true, Some(Body::Message(m))) = (conversational, &event.body) {
+                messages.push(m.clone());
+            }
+        }
+        messages.extend(exec.start.inputs.iter().cloned());
+        sink.model(ModelCall {
+            model: config.model,
+            messages,
+            ..Default::default()
+        })
+        .await?;
+        Ok(())
+    }
+}

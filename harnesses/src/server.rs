@@ -1,0 +1,52 @@
+//! Serves any [`Harness`] as the `agentsessions.v1.Harness` gRPC service.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use agentvm_proto::v1::harness_server::{Harness as HarnessService, HarnessServer};
+use agentvm_proto::v1::{ControllerFrame, DescribeRequest, Event, HarnessDescriptor};
+use tokio::sync::mpsc;
+use tokio_stream::Stream;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::sdk::{Harness, drive};
+
+/// Events buffered per stream before the harness waits for the host to read.
+const EVENT_BUFFER: usize = 64;
+
+pub struct GrpcHarness {
+    harness: Arc<dyn Harness>,
+}
+
+impl GrpcHarness {
+    pub fn new(harness: Arc<dyn Harness>) -> Self {
+        Self { harness }
+    }
+
+    pub fn into_service(self) -> HarnessServer<Self> {
+        HarnessServer::new(self)
+    }
+}
+
+#[tonic::async_trait]
+impl HarnessService for GrpcHarness {
+    async fn describe(
+        &self,
+        _request: Request<DescribeRequest>,
+    ) -> Result<Response<HarnessDescriptor>, Status> {
+        Ok(Response::new(self.harness.descriptor()))
+    }
+
+    type ConnectStream = Pin<Box<dyn Stream<Item = Result<Event, Status>> + Send>>;
+
+    async fn connect(
+        &self,
+        request: Request<Streaming<ControllerFrame>>,
+    ) -> Result<Response<Self::ConnectStream>, Status> {
+        let frames = Box::pin(request.into_inner());
+        let (tx, rx) = mpsc::channel(EVENT_BUFFER);
+        tokio::spawn(drive(self.harness.clone(), frames, tx));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
