@@ -1,1 +1,1391 @@
+//! Controller conformance at the controller level: semantics.md §6 A and B, each test named
+//! after its scenario number. Harnesses run in-process over the same frame protocol a remote
+//! one speaks (`InProcessEndpoint`), the journal is sqlite on disk.
 
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use agentvm_harnesses::sdk::{Execution, Harness, HarnessFailure, Sink, SinkError};
+use agentvm_proto::v1::{
+    ApprovalResult, Capabilities, ComputeState, EventKind, ExecUpdate, HarnessDescriptor,
+    LogRecord, Mediation, Message, ModelCall, Part, Resumability, TextPart, ToolCall, ToolResult,
+    event::Body, exec_update::Update, part,
+};
+use prost_types::{Struct, Value, value::Kind};
+use tokio::sync::mpsc;
+
+use super::endpoint::InProcessEndpoint;
+use super::error::ControllerError;
+use super::tools::{ToolCallContext, ToolExecutor};
+use super::*;
+use crate::journal::sqlite::{Durability, SqliteJournal};
+use crate::journal::verify::verify_chain;
+use crate::journal::{Journal, SessionRow};
+use crate::model::provider::{Chunk, Completion, EchoProvider, ModelProvider, ProviderError};
+
+// ---------- fixtures ----------
+
+fn text(role: &str, t: &str) -> Message {
+    Message {
+        role: role.into(),
+        parts: vec![Part {
+            part: Some(part::Part::Text(TextPart { text: t.into() })),
+        }],
+    }
+}
+
+fn text_of(m: &Message) -> String {
+    m.parts
+        .iter()
+        .filter_map(|p| match &p.part {
+            Some(part::Part::Text(t)) => Some(t.text.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+    journal: Arc<SqliteJournal>,
+    uid: String,
+}
+
+impl Fixture {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("journal.db");
+        let journal = Arc::new(SqliteJournal::open(&path, Durability::Relaxed).unwrap());
+        let uid = "sess-000000000000000000000001".to_owned();
+        journal
+            .create_session(&SessionRow {
+                uid: uid.clone(),
+                project: "default".into(),
+                harness: "echo".into(),
+                compute_state: ComputeState::ComputeNone,
+                ..Default::default()
+            })
+            .unwrap();
+        Fixture {
+            _dir: dir,
+            path,
+            journal,
+            uid,
+        }
+    }
+
+    /// A fresh journal handle on the same file (a new process's view).
+    fn reopen(&self) -> Arc<SqliteJournal> {
+        Arc::new(SqliteJournal::open(&self.path, Durability::Relaxed).unwrap())
+    }
+
+    fn records(&self) -> Vec<LogRecord> {
+        self.journal.read(&self.uid, 1, 0).unwrap()
+    }
+
+    fn kinds(&self) -> Vec<EventKind> {
+        kinds(&self.records())
+    }
+
+    /// Simulates a crash: every record after `keep` is gone, as if never committed.
+    fn cut_after(&self, keep: i64) {
+        cut_after(&self.path, &self.uid, keep);
+    }
+
+    /// A fresh incarnation: a new fence, the harness dialed in-process.
+    fn turn(&self, harness: Arc<dyn Harness>) -> Turn {
+        let fence = self.journal.new_fence(&self.uid).unwrap();
+        turn_with(&self.uid, fence, harness)
+    }
+}
+
+fn turn_with(uid: &str, fence: i64, harness: Arc<dyn Harness>) -> Turn {
+    Turn {
+        session: uid.to_owned(),
+        fence,
+        fork_seq: 0,
+        harness: "echo".into(),
+        descriptor: harness.descriptor(),
+        endpoint: Arc::new(InProcessEndpoint::new(harness)),
+        identity: None,
+        observer: None,
+        deadline: None,
+        interrupt: None,
+    }
+}
+
+fn cut_after(path: &Path, uid: &str, keep: i64) {
+    let conn = rusqlite::Connection::open(path).unwrap();
+    conn.execute(
+        "DELETE FROM events WHERE session = ?1 AND seq > ?2",
+        rusqlite::params![uid, keep],
+    )
+    .unwrap();
+    conn.execute(
+        "UPDATE sessions SET last_seq = ?2, head_hash = COALESCE(
+             (SELECT hash FROM events WHERE session = ?1 AND seq = ?2), '')
+         WHERE session = ?1",
+        rusqlite::params![uid, keep],
+    )
+    .unwrap();
+}
+
+fn kinds(records: &[LogRecord]) -> Vec<EventKind> {
+    records
+        .iter()
+        .map(|r| EventKind::try_from(r.event.as_ref().unwrap().kind).unwrap())
+        .collect()
+}
+
+fn seq_of(records: &[LogRecord], kind: EventKind) -> i64 {
+    records
+        .iter()
+        .find(|r| r.event.as_ref().unwrap().kind == kind as i32)
+        .map(|r| r.seq)
+        .unwrap()
+}
+
+fn outputs(records: &[LogRecord]) -> Vec<String> {
+    records
+        .iter()
+        .filter_map(|r| match &r.event.as_ref().unwrap().body {
+            Some(Body::Message(m)) if m.role == "assistant" => Some(text_of(m)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn controller(journal: Arc<dyn Journal>, provider: Arc<dyn ModelProvider>) -> Controller {
+    Controller::new(journal, provider, None)
+}
+
+fn controller_with_tools(journal: Arc<dyn Journal>, executor: Arc<CountingExecutor>) -> Controller {
+    Controller::new(journal, Arc::new(EchoProvider), Some(executor))
+}
+
+fn inputs(texts: &[&str]) -> NewExecution {
+    NewExecution {
+        inputs: texts.iter().map(|t| text("user", t)).collect(),
+        ..Default::default()
+    }
+}
+
+fn echo() -> Arc<dyn Harness> {
+    Arc::new(agentvm_harnesses::echo::Echo)
+}
+
+// ---------- providers ----------
+
+/// A new answer on every call: replay must serve the recorded one.
+#[derive(Default)]
+struct Nondeterministic {
+    calls: AtomicU64,
+}
+
+#[async_trait::async_trait]
+impl ModelProvider for Nondeterministic {
+    fn name(&self) -> &'static str {
+        "nondeterministic"
+    }
+    async fn complete(
+        &self,
+        _call: &ModelCall,
+        _stream: Option<mpsc::Sender<Chunk>>,
+    ) -> Result<Completion, ProviderError> {
+        let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        Ok(Completion {
+            message: text("assistant", &format!("answer-{n}")),
+            usage: None,
+        })
+    }
+}
+
+/// Fails the first `failures` calls, then answers like echo.
+struct FlakyProvider {
+    failures: u64,
+    calls: AtomicU64,
+}
+
+#[async_trait::async_trait]
+impl ModelProvider for FlakyProvider {
+    fn name(&self) -> &'static str {
+        "flaky"
+    }
+    async fn complete(
+        &self,
+        call: &ModelCall,
+        stream: Option<mpsc::Sender<Chunk>>,
+    ) -> Result<Completion, ProviderError> {
+        let n = self.calls.fetch_add(1, Ordering::SeqCst);
+        if n < self.failures {
+            return Err(ProviderError::Unavailable {
+                provider: "flaky",
+                reason: format!("failure {}", n + 1),
+            });
+        }
+        EchoProvider.complete(call, stream).await
+    }
+}
+
+// ---------- harnesses ----------
+
+/// Echo, but tampering with the model input on demand (an I0 violator).
+struct AlteredEcho;
+
+#[async_trait::async_trait]
+impl Harness for AlteredEcho {
+    fn descriptor(&self) -> HarnessDescriptor {
+        agentvm_harnesses::echo::Echo.descriptor()
+    }
+    async fn run(&self, exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure> {
+        let last = exec.start.inputs.last().map(text_of).unwrap_or_default();
+        sink.model(ModelCall {
+            model: "echo".into(),
+            messages: vec![text("user", &format!("{last}!"))],
+            ..Default::default()
+        })
+        .await?;
+        Ok(())
+    }
+}
+
+/// Emits only its own OUTPUT with a fixed text (no model call).
+struct Says(&'static str);
+
+#[async_trait::async_trait]
+impl Harness for Says {
+    fn descriptor(&self) -> HarnessDescriptor {
+        agentvm_harnesses::echo::Echo.descriptor()
+    }
+    async fn run(&self, _exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure> {
+        sink.output(text("assistant", self.0)).await?;
+        Ok(())
+    }
+}
+
+/// Two model calls per turn, or just one when `short` (an under-consuming replay).
+struct TwoCalls {
+    short: bool,
+}
+
+#[async_trait::async_trait]
+impl Harness for TwoCalls {
+    fn descriptor(&self) -> HarnessDescriptor {
+        agentvm_harnesses::echo::Echo.descriptor()
+    }
+    async fn run(&self, _exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure> {
+        for i in 0..if self.short { 1 } else { 2 } {
+            sink.model(ModelCall {
+                model: "echo".into(),
+                messages: vec![text("user", &format!("call {i}"))],
+                ..Default::default()
+            })
+            .await?;
+        }
+        Ok(())
+    }
+}
+
+struct Fails;
+
+#[async_trait::async_trait]
+impl Harness for Fails {
+    fn descriptor(&self) -> HarnessDescriptor {
+        agentvm_harnesses::echo::Echo.descriptor()
+    }
+    async fn run(&self, _exec: &Execution, _sink: &mut Sink) -> Result<(), HarnessFailure> {
+        Err(HarnessFailure::new("the harness gave up"))
+    }
+}
+
+/// Records what each Start carried.
+#[derive(Default)]
+struct StartRecorder {
+    starts: Mutex<Vec<Execution>>,
+}
+
+#[async_trait::async_trait]
+impl Harness for StartRecorder {
+    fn descriptor(&self) -> HarnessDescriptor {
+        agentvm_harnesses::echo::Echo.descriptor()
+    }
+    async fn run(&self, exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure> {
+        self.starts.lock().unwrap().push(exec.clone());
+        agentvm_harnesses::echo::Echo.run(exec, sink).await
+    }
+}
+
+/// Calls one tool, then reports its outcome as OUTPUT. Swallows errors from the tool call
+/// when `swallow` (the host's sticky failure must still fail the turn).
+struct ToolUser {
+    call: ToolCall,
+    memory: bool,
+    swallow: bool,
+    seen: Mutex<Vec<ToolAnswerSeen>>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct ToolAnswerSeen {
+    result: ToolResult,
+    approval: Option<ApprovalResult>,
+}
+
+impl ToolUser {
+    fn new(call: ToolCall) -> Self {
+        ToolUser {
+            call,
+            memory: false,
+            swallow: false,
+            seen: Mutex::default(),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Harness for ToolUser {
+    fn descriptor(&self) -> HarnessDescriptor {
+        let mut d = agentvm_harnesses::echo::Echo.descriptor();
+        if self.memory {
+            d.capabilities = Some(Capabilities {
+                resumability: Resumability::RequiresMemorySnapshot as i32,
+                ..Default::default()
+            });
+        }
+        d
+    }
+    async fn run(&self, _exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure> {
+        match sink.tool_call(self.call.clone()).await {
+            Ok(answer) => {
+                self.seen.lock().unwrap().push(ToolAnswerSeen {
+                    result: answer.result.clone(),
+                    approval: answer.approval.clone(),
+                });
+                let said = if answer.result.is_error {
+                    format!("error:{}", answer.result.error)
+                } else {
+                    "ok".to_owned()
+                };
+                sink.output(text("assistant", &said)).await?;
+                Ok(())
+            }
+            Err(SinkError::Parked(p)) => Err(SinkError::Parked(p).into()),
+            Err(e) if self.swallow => {
+                let _ = e;
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+fn args(pairs: &[(&str, f64)]) -> Option<Struct> {
+    Some(Struct {
+        fields: pairs
+            .iter()
+            .map(|(k, v)| {
+                (
+                    (*k).to_owned(),
+                    Value {
+                        kind: Some(Kind::NumberValue(*v)),
+                    },
+                )
+            })
+            .collect::<BTreeMap<_, _>>(),
+    })
+}
+
+fn tool_call(mediation: Mediation, key: &str) -> ToolCall {
+    ToolCall {
+        id: "call-1".into(),
+        tool: "add".into(),
+        args: args(&[("x", 2.0)]),
+        mediation: mediation as i32,
+        idempotency_key: key.into(),
+    }
+}
+
+/// A deduplicating executor: a repeated (session, key) returns the first result without
+/// repeating the effect.
+#[derive(Default)]
+struct CountingExecutor {
+    calls: AtomicU64,
+    effects: AtomicU64,
+    done: Mutex<HashMap<(String, String), ToolResult>>,
+    fail_with: Option<String>,
+}
+
+#[async_trait::async_trait]
+impl ToolExecutor for CountingExecutor {
+    async fn execute(&self, ctx: &ToolCallContext, call: &ToolCall) -> Result<ToolResult, String> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        if let Some(e) = &self.fail_with {
+            return Err(e.clone());
+        }
+        let key = (ctx.session_uid.clone(), call.idempotency_key.clone());
+        let mut done = self.done.lock().unwrap();
+        if let Some(r) = done.get(&key) {
+            return Ok(r.clone());
+        }
+        self.effects.fetch_add(1, Ordering::SeqCst);
+        let r = ToolResult {
+            id: "executor-chosen-id".into(),
+            output: args(&[("sum", 4.0)]),
+            ..Default::default()
+        };
+        done.insert(key, r.clone());
+        Ok(r)
+    }
+}
+
+// ---------- A. replay conformance ----------
+
+#[tokio::test]
+async fn scenario_01_replay_under_nondeterminism() {
+    let f = Fixture::new();
+    let provider = Arc::new(Nondeterministic::default());
+    let c = controller(f.journal.clone(), provider.clone());
+    c.exec(&f.turn(echo()), inputs(&["hi"])).await.unwrap();
+    let before = f.records();
+    assert_eq!(outputs(&before), ["answer-1"]);
+
+    let fresh = controller(f.reopen(), provider.clone());
+    let summary = fresh.replay(&f.turn(echo())).await.unwrap();
+    assert_eq!(summary.executions, 1);
+    assert_eq!(fresh.counters().model_calls(), 0);
+    assert_eq!(provider.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(f.records(), before, "replay is read-only");
+    // A direct call to the model now answers differently.
+    let direct = provider
+        .complete(&ModelCall::default(), None)
+        .await
+        .unwrap();
+    assert_ne!(text_of(&direct.message), "answer-1");
+}
+
+#[tokio::test]
+async fn scenario_02_multi_turn_across_incarnations() {
+    let f = Fixture::new();
+    for word in ["one", "two", "three"] {
+        let journal = f.reopen();
+        let head = journal.get_session(&f.uid).unwrap().unwrap().last_seq;
+        let c = controller(journal, Arc::new(EchoProvider));
+        let mut new = inputs(&[word]);
+        new.expected_last_seq = Some(head);
+        c.exec(&f.turn(echo()), new).await.unwrap();
+    }
+    let records = f.records();
+    assert_eq!(outputs(&records), ["echo:one", "echo:two", "echo:three"]);
+    assert_eq!(records.len(), 15);
+    verify_chain(&records).unwrap();
+}
+
+#[tokio::test]
+async fn scenario_03_crash_after_output_before_end() {
+    let f = Fixture::new();
+    let c = controller(f.journal.clone(), Arc::new(EchoProvider));
+    c.exec(&f.turn(echo()), inputs(&["hi"])).await.unwrap();
+    f.cut_after(4);
+    let fresh = controller(f.reopen(), Arc::new(EchoProvider));
+    let outcome = fresh.resume(&f.turn(echo())).await.unwrap();
+    assert!(matches!(outcome, Some(TurnOutcome::Completed { .. })));
+    assert_eq!(fresh.counters().model_calls(), 0);
+    let records = f.records();
+    assert_eq!(*kinds(&records).last().unwrap(), EventKind::EventEnd);
+    assert_eq!(outputs(&records).len(), 1);
+    verify_chain(&records).unwrap();
+    // Nothing left to resume.
+    assert_eq!(fresh.resume(&f.turn(echo())).await.unwrap(), None);
+}
+
+#[tokio::test]
+async fn scenario_05_single_writer_stale_cas() {
+    let f = Fixture::new();
+    let c = controller(f.journal.clone(), Arc::new(EchoProvider));
+    c.exec(&f.turn(echo()), inputs(&["first"])).await.unwrap();
+    let second = controller(f.reopen(), Arc::new(EchoProvider));
+    let mut stale = inputs(&["second"]);
+    stale.expected_last_seq = Some(0);
+    let err = second.exec(&f.turn(echo()), stale).await.unwrap_err();
+    assert!(
+        matches!(err, ControllerError::Journal(JournalError::Conflict { .. })),
+        "{err}"
+    );
+    assert_eq!(err.code(), tonic::Code::Aborted);
+    assert_eq!(f.records().len(), 5);
+}
+
+#[tokio::test]
+async fn scenario_07_crash_between_tool_execute_and_result() {
+    let f = Fixture::new();
+    let exec = Arc::new(CountingExecutor::default());
+    let c = controller_with_tools(f.journal.clone(), exec.clone());
+    let h = Arc::new(ToolUser::new(tool_call(
+        Mediation::ControllerMediated,
+        "k1",
+    )));
+    c.exec(&f.turn(h.clone()), inputs(&["go"])).await.unwrap();
+    let records = f.records();
+    assert_eq!(
+        kinds(&records),
+        [
+            EventKind::EventExecutionStart,
+            EventKind::EventInput,
+            EventKind::EventToolCall,
+            EventKind::EventToolResult,
+            EventKind::EventOutput,
+            EventKind::EventEnd
+        ]
+    );
+    // The recorded result answers the call id, whatever id the executor chose (scenario 44).
+    match &records[3].event.as_ref().unwrap().body {
+        Some(Body::Result(r)) => assert_eq!(r.id, "call-1"),
+        other => panic!("{other:?}"),
+    }
+    f.cut_after(seq_of(&records, EventKind::EventToolCall));
+    let fresh = controller_with_tools(f.reopen(), exec.clone());
+    fresh.resume(&f.turn(h)).await.unwrap().unwrap();
+    assert_eq!(exec.calls.load(Ordering::SeqCst), 2, "re-driven once");
+    assert_eq!(
+        exec.effects.load(Ordering::SeqCst),
+        1,
+        "the executor deduplicated"
+    );
+    let records = f.records();
+    let results = kinds(&records)
+        .iter()
+        .filter(|k| **k == EventKind::EventToolResult)
+        .count();
+    assert_eq!(results, 1);
+    assert_eq!(*kinds(&records).last().unwrap(), EventKind::EventEnd);
+    verify_chain(&records).unwrap();
+}
+
+#[tokio::test]
+async fn scenario_08_keyless_mediated_tool() {
+    let f = Fixture::new();
+    let exec = Arc::new(CountingExecutor::default());
+    let c = controller_with_tools(f.journal.clone(), exec.clone());
+    let h = Arc::new(ToolUser::new(tool_call(Mediation::ControllerMediated, "")));
+    let err = c.exec(&f.turn(h), inputs(&["go"])).await.unwrap_err();
+    assert!(
+        matches!(err, ControllerError::MissingIdempotencyKey(_)),
+        "{err}"
+    );
+    assert!(!f.kinds().contains(&EventKind::EventToolCall));
+    assert_eq!(*f.kinds().last().unwrap(), EventKind::EventError);
+    assert_eq!(exec.calls.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn scenario_09_unmediated_tool_call() {
+    let f = Fixture::new();
+    let exec = Arc::new(CountingExecutor::default());
+    let c = controller_with_tools(f.journal.clone(), exec.clone());
+    let h = Arc::new(ToolUser::new(tool_call(Mediation::Unspecified, "k")));
+    let err = c.exec(&f.turn(h), inputs(&["go"])).await.unwrap_err();
+    assert!(
+        matches!(err, ControllerError::UnmediatedToolCall(..)),
+        "{err}"
+    );
+    let k = f.kinds();
+    assert!(!k.contains(&EventKind::EventToolResult) && !k.contains(&EventKind::EventToolCall));
+}
+
+#[tokio::test]
+async fn scenario_11_and_12_streaming_changes_nothing_and_replay_has_no_deltas() {
+    let f = Fixture::new();
+    let c = controller(f.journal.clone(), Arc::new(EchoProvider));
+    let (tx, mut rx) = mpsc::channel(256);
+    let mut t = f.turn(echo());
+    t.observer = Some(tx);
+    c.exec(&t, inputs(&["hello big world"])).await.unwrap();
+    drop(t);
+    let mut deltas = Vec::new();
+    let mut streamed = Vec::new();
+    while let Some(ExecUpdate { update }) = rx.recv().await {
+        match update {
+            Some(Update::Delta(d)) => deltas.push(d),
+            Some(Update::Record(r)) => streamed.push(r),
+            _ => {}
+        }
+    }
+    assert!(
+        deltas.len() > 2 && deltas.last().unwrap().done,
+        "{deltas:?}"
+    );
+    let joined: String = deltas.iter().map(|d| d.chunk.as_str()).collect();
+    assert_eq!(joined, "echo:hello big world");
+    // The streamed records are the journal, and its shape equals an unstreamed turn's.
+    assert_eq!(streamed, f.records());
+    let g = Fixture::new();
+    controller(g.journal.clone(), Arc::new(EchoProvider))
+        .exec(&g.turn(echo()), inputs(&["hello big world"]))
+        .await
+        .unwrap();
+    assert_eq!(kinds(&streamed), g.kinds());
+    assert_eq!(outputs(&streamed), outputs(&g.records()));
+
+    let (tx, mut rx) = mpsc::channel(256);
+    let mut t = f.turn(echo());
+    t.observer = Some(tx);
+    let fresh = controller(f.reopen(), Arc::new(EchoProvider));
+    fresh.replay(&t).await.unwrap();
+    drop(t);
+    assert!(
+        rx.recv().await.is_none(),
+        "replay emits neither deltas nor records"
+    );
+    assert_eq!(fresh.counters().model_calls(), 0);
+}
+
+#[tokio::test]
+async fn scenario_13_failed_harness() {
+    let f = Fixture::new();
+    let c = controller(f.journal.clone(), Arc::new(EchoProvider));
+    let err = c
+        .exec(&f.turn(Arc::new(Fails)), inputs(&["hi"]))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("the harness gave up"), "{err}");
+    assert_eq!(err.code(), tonic::Code::Internal);
+    let records = f.records();
+    assert_eq!(*kinds(&records).last().unwrap(), EventKind::EventError);
+    verify_chain(&records).unwrap();
+}
+
+#[tokio::test]
+async fn scenario_16_invalid_tool_args() {
+    for bad in [f64::NAN, f64::INFINITY, 9_007_199_254_740_993.0] {
+        let f = Fixture::new();
+        let exec = Arc::new(CountingExecutor::default());
+        let c = controller_with_tools(f.journal.clone(), exec.clone());
+        let mut call = tool_call(Mediation::ControllerMediated, "k");
+        call.args = args(&[("x", bad)]);
+        let err = c
+            .exec(&f.turn(Arc::new(ToolUser::new(call))), inputs(&["go"]))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, ControllerError::InvalidToolArgs(..)), "{err}");
+        assert_eq!(exec.calls.load(Ordering::SeqCst), 0);
+        assert_eq!(
+            f.kinds(),
+            [
+                EventKind::EventExecutionStart,
+                EventKind::EventInput,
+                EventKind::EventError
+            ]
+        );
+    }
+}
+
+#[tokio::test]
+async fn scenario_18_swallowed_invalid_args_still_fail() {
+    let f = Fixture::new();
+    let exec = Arc::new(CountingExecutor::default());
+    let c = controller_with_tools(f.journal.clone(), exec.clone());
+    let mut call = tool_call(Mediation::ControllerMediated, "k");
+    call.args = args(&[("x", f64::NAN)]);
+    let mut h = ToolUser::new(call);
+    h.swallow = true;
+    let err = c
+        .exec(&f.turn(Arc::new(h)), inputs(&["go"]))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ControllerError::InvalidToolArgs(..)), "{err}");
+    assert!(!f.kinds().contains(&EventKind::EventEnd));
+    assert_eq!(exec.calls.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn scenario_19_changed_tool_request_on_resume() {
+    let f = Fixture::new();
+    let exec = Arc::new(CountingExecutor::default());
+    let c = controller_with_tools(f.journal.clone(), exec.clone());
+    let h = Arc::new(ToolUser::new(tool_call(Mediation::ControllerMediated, "k")));
+    c.exec(&f.turn(h), inputs(&["go"])).await.unwrap();
+    f.cut_after(seq_of(&f.records(), EventKind::EventToolCall));
+    let mut changed = tool_call(Mediation::ControllerMediated, "k");
+    changed.args = args(&[("x", 3.0)]);
+    let err = c
+        .resume(&f.turn(Arc::new(ToolUser::new(changed))))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, ControllerError::ReplayDiverged(ref m) if m.contains("args")),
+        "{err}"
+    );
+    assert_eq!(
+        exec.calls.load(Ordering::SeqCst),
+        1,
+        "only the original run executed"
+    );
+}
+
+// ---------- B. controller ----------
+
+#[tokio::test]
+async fn scenario_24_restart_replay_is_byte_identical() {
+    let f = Fixture::new();
+    controller(f.journal.clone(), Arc::new(EchoProvider))
+        .exec(&f.turn(echo()), inputs(&["hi"]))
+        .await
+        .unwrap();
+    let before = f.records();
+    drop(f.journal.clone());
+    let fresh = controller(f.reopen(), Arc::new(EchoProvider));
+    fresh.replay(&f.turn(echo())).await.unwrap();
+    assert_eq!(fresh.counters().model_calls(), 0);
+    assert_eq!(f.records(), before);
+    verify_chain(&before).unwrap();
+}
+
+#[tokio::test]
+async fn scenario_25_i0_mismatch() {
+    let f = Fixture::new();
+    let c = controller(f.journal.clone(), Arc::new(EchoProvider));
+    c.exec(&f.turn(echo()), inputs(&["hi"])).await.unwrap();
+    let before = f.records();
+    let err = c.replay(&f.turn(Arc::new(AlteredEcho))).await.unwrap_err();
+    assert!(
+        matches!(err, ControllerError::ReplayDiverged(ref m) if m.contains("I0")),
+        "{err}"
+    );
+    assert_eq!(f.records(), before, "a diverging replay appends nothing");
+}
+
+#[tokio::test]
+async fn scenario_26_stale_fence() {
+    let f = Fixture::new();
+    let c = controller(f.journal.clone(), Arc::new(EchoProvider));
+    let old = f.turn(echo());
+    let _newer = f.journal.new_fence(&f.uid).unwrap();
+    let head = f.journal.get_session(&f.uid).unwrap().unwrap().last_seq;
+    let mut new = inputs(&["hi"]);
+    new.expected_last_seq = Some(head);
+    let err = c.exec(&old, new).await.unwrap_err();
+    assert!(
+        matches!(err, ControllerError::Journal(JournalError::Fenced { .. })),
+        "{err}"
+    );
+    assert!(f.records().is_empty());
+}
+
+#[tokio::test]
+async fn scenario_27_cas_conflict() {
+    let f = Fixture::new();
+    let c = controller(f.journal.clone(), Arc::new(EchoProvider));
+    let mut first = inputs(&["one"]);
+    first.expected_last_seq = Some(0);
+    c.exec(&f.turn(echo()), first.clone()).await.unwrap();
+    let err = c.exec(&f.turn(echo()), first).await.unwrap_err();
+    assert!(
+        matches!(err, ControllerError::Journal(JournalError::Conflict { .. })),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn scenario_30_under_consumption_and_output_divergence() {
+    let f = Fixture::new();
+    let c = controller(f.journal.clone(), Arc::new(EchoProvider));
+    c.exec(&f.turn(Arc::new(TwoCalls { short: false })), inputs(&["x"]))
+        .await
+        .unwrap();
+    let err = c
+        .replay(&f.turn(Arc::new(TwoCalls { short: true })))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, ControllerError::ReplayDiverged(ref m) if m.contains("consumed 2 of 4")),
+        "{err}"
+    );
+    c.replay(&f.turn(Arc::new(TwoCalls { short: false })))
+        .await
+        .unwrap();
+
+    let g = Fixture::new();
+    let c = controller(g.journal.clone(), Arc::new(EchoProvider));
+    c.exec(&g.turn(Arc::new(Says("a"))), inputs(&["x"]))
+        .await
+        .unwrap();
+    let err = c.replay(&g.turn(Arc::new(Says("b")))).await.unwrap_err();
+    assert!(matches!(err, ControllerError::ReplayDiverged(_)), "{err}");
+    c.replay(&g.turn(Arc::new(Says("a")))).await.unwrap();
+}
+
+#[tokio::test]
+async fn scenario_31_cut_at_model_call() {
+    // Provider error: the journal ends MODEL_CALL + ERROR; Resume invokes once.
+    let f = Fixture::new();
+    let flaky = Arc::new(FlakyProvider {
+        failures: 1,
+        calls: AtomicU64::new(0),
+    });
+    let c = controller(f.journal.clone(), flaky.clone());
+    let err = c.exec(&f.turn(echo()), inputs(&["hi"])).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Internal, "{err}");
+    assert_eq!(
+        f.kinds(),
+        [
+            EventKind::EventExecutionStart,
+            EventKind::EventInput,
+            EventKind::EventModelCall,
+            EventKind::EventError
+        ]
+    );
+    c.resume(&f.turn(echo())).await.unwrap().unwrap();
+    assert_eq!(flaky.calls.load(Ordering::SeqCst), 2);
+    let records = f.records();
+    let count = |k| kinds(&records).iter().filter(|x| **x == k).count();
+    assert_eq!(count(EventKind::EventModelCall), 1);
+    assert_eq!(count(EventKind::EventOutput), 1);
+    assert_eq!(*kinds(&records).last().unwrap(), EventKind::EventEnd);
+    let fresh = controller(f.reopen(), flaky.clone());
+    fresh.replay(&f.turn(echo())).await.unwrap();
+    assert_eq!(
+        flaky.calls.load(Ordering::SeqCst),
+        2,
+        "replay makes no call"
+    );
+    verify_chain(&records).unwrap();
+}
+
+#[tokio::test]
+async fn scenario_32_repeated_failed_resumes() {
+    let f = Fixture::new();
+    let flaky = Arc::new(FlakyProvider {
+        failures: 3,
+        calls: AtomicU64::new(0),
+    });
+    let c = controller(f.journal.clone(), flaky.clone());
+    c.exec(&f.turn(echo()), inputs(&["hi"])).await.unwrap_err();
+    c.resume(&f.turn(echo())).await.unwrap_err();
+    c.resume(&f.turn(echo())).await.unwrap_err();
+    c.resume(&f.turn(echo())).await.unwrap().unwrap();
+    assert_eq!(flaky.calls.load(Ordering::SeqCst), 4);
+    let k = f.kinds();
+    assert_eq!(k.iter().filter(|x| **x == EventKind::EventError).count(), 3);
+    assert_eq!(*k.last().unwrap(), EventKind::EventEnd);
+}
+
+#[tokio::test]
+async fn scenario_34_hash_mismatch_at_cut() {
+    let f = Fixture::new();
+    let flaky = Arc::new(FlakyProvider {
+        failures: 1,
+        calls: AtomicU64::new(0),
+    });
+    let c = controller(f.journal.clone(), flaky.clone());
+    c.exec(&f.turn(echo()), inputs(&["hi"])).await.unwrap_err();
+    let err = c.resume(&f.turn(Arc::new(AlteredEcho))).await.unwrap_err();
+    assert!(matches!(err, ControllerError::ReplayDiverged(_)), "{err}");
+    assert_eq!(
+        flaky.calls.load(Ordering::SeqCst),
+        1,
+        "no provider call on divergence"
+    );
+    assert_eq!(*f.kinds().last().unwrap(), EventKind::EventError);
+    c.resume(&f.turn(echo())).await.unwrap().unwrap();
+    assert_eq!(flaky.calls.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn scenario_36_recorded_output_before_cut() {
+    let f = Fixture::new();
+    let provider = Arc::new(Nondeterministic::default());
+    let c = controller(f.journal.clone(), provider.clone());
+    c.exec(&f.turn(Arc::new(TwoCalls { short: false })), inputs(&["x"]))
+        .await
+        .unwrap();
+    // Cut after the first call's OUTPUT: the first completion is served, the second invoked.
+    f.cut_after(4);
+    c.resume(&f.turn(Arc::new(TwoCalls { short: false })))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(provider.calls.load(Ordering::SeqCst), 3);
+    assert_eq!(outputs(&f.records()), ["answer-1", "answer-3"]);
+}
+
+#[tokio::test]
+async fn scenario_37_and_39_incomplete_inputs_are_refused() {
+    let f = Fixture::new();
+    let c = controller(f.journal.clone(), Arc::new(EchoProvider));
+    c.exec(&f.turn(echo()), inputs(&["a", "b"])).await.unwrap();
+    // The second INPUT never committed.
+    f.cut_after(2);
+    let before = f.records();
+    let err = c.resume(&f.turn(echo())).await.unwrap_err();
+    assert!(
+        matches!(err, ControllerError::IncompleteInvocation(_)),
+        "{err}"
+    );
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+    assert_eq!(f.records(), before);
+}
+
+#[tokio::test]
+async fn scenario_38_inputless_execution_resumes_and_runs_once() {
+    let f = Fixture::new();
+    let provider = Arc::new(Nondeterministic::default());
+    let c = controller(f.journal.clone(), provider.clone());
+    c.exec(&f.turn(echo()), NewExecution::default())
+        .await
+        .unwrap();
+    f.cut_after(1);
+    c.resume(&f.turn(echo())).await.unwrap().unwrap();
+    assert_eq!(provider.calls.load(Ordering::SeqCst), 2);
+    assert_eq!(*f.kinds().last().unwrap(), EventKind::EventEnd);
+}
+
+#[tokio::test]
+async fn scenario_40_turn_boundaries_by_execution_id() {
+    let f = Fixture::new();
+    let c = controller(f.journal.clone(), Arc::new(EchoProvider));
+    c.exec(&f.turn(echo()), inputs(&["same"])).await.unwrap();
+    c.exec(&f.turn(echo()), inputs(&["same"])).await.unwrap();
+    let records = f.records();
+    let first = &records[0].event.as_ref().unwrap().execution_id;
+    let second = &records[5].event.as_ref().unwrap().execution_id;
+    assert_ne!(first, second);
+    assert!(
+        records[..5]
+            .iter()
+            .all(|r| &r.event.as_ref().unwrap().execution_id == first)
+    );
+    let recorder = Arc::new(StartRecorder::default());
+    c.replay(&f.turn(recorder.clone())).await.unwrap();
+    let starts = recorder.starts.lock().unwrap();
+    assert_eq!(starts.len(), 2);
+    assert!(starts[0].start.history.is_empty());
+    let history_kinds: Vec<i32> = starts[1].start.history.iter().map(|e| e.kind).collect();
+    assert_eq!(
+        history_kinds,
+        kinds(&records[..5])
+            .iter()
+            .map(|k| *k as i32)
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(starts[1].execution_id, *second);
+    assert_eq!(text_of(&starts[1].start.inputs[0]), "same");
+    assert_eq!(f.records(), records);
+}
+
+#[tokio::test]
+async fn scenario_41_failed_turn_in_later_history() {
+    let f = Fixture::new();
+    let c = controller(f.journal.clone(), Arc::new(EchoProvider));
+    c.exec(&f.turn(Arc::new(Fails)), inputs(&["bad"]))
+        .await
+        .unwrap_err();
+    c.exec(&f.turn(echo()), inputs(&["good"])).await.unwrap();
+    let recorder = Arc::new(StartRecorder::default());
+    c.replay(&f.turn(recorder.clone())).await.unwrap();
+    let starts = recorder.starts.lock().unwrap();
+    assert_eq!(starts.len(), 1, "only the completed turn replays");
+    let history: Vec<i32> = starts[0].start.history.iter().map(|e| e.kind).collect();
+    assert_eq!(
+        history,
+        [
+            EventKind::EventExecutionStart as i32,
+            EventKind::EventInput as i32,
+            EventKind::EventError as i32
+        ]
+    );
+}
+
+#[tokio::test]
+async fn scenario_42_missing_execution_id_after_modern_start() {
+    let f = Fixture::new();
+    let c = controller(f.journal.clone(), Arc::new(EchoProvider));
+    c.exec(&f.turn(echo()), inputs(&["hi"])).await.unwrap();
+    let fence = f.journal.new_fence(&f.uid).unwrap();
+    f.journal
+        .append(
+            &f.uid,
+            5,
+            fence,
+            &[stamp(
+                "",
+                EventKind::EventInput,
+                Body::Message(text("user", "x")),
+            )],
+        )
+        .unwrap();
+    let err = c.replay(&f.turn(echo())).await.unwrap_err();
+    assert!(
+        matches!(err, ControllerError::InvalidExecutionLog(_)),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn scenario_43_tool_identity_divergence_on_replay() {
+    let f = Fixture::new();
+    let exec = Arc::new(CountingExecutor::default());
+    let c = controller_with_tools(f.journal.clone(), exec.clone());
+    c.exec(
+        &f.turn(Arc::new(ToolUser::new(tool_call(
+            Mediation::ControllerMediated,
+            "k",
+        )))),
+        inputs(&["go"]),
+    )
+    .await
+    .unwrap();
+    type Change = Box<dyn Fn(&mut ToolCall)>;
+    let variants: Vec<(&str, Change)> = vec![
+        ("id", Box::new(|c| c.id = "call-2".into())),
+        ("tool", Box::new(|c| c.tool = "sub".into())),
+        (
+            "idempotency_key",
+            Box::new(|c| c.idempotency_key = "k2".into()),
+        ),
+        (
+            "mediation",
+            Box::new(|c| c.mediation = Mediation::RequiresApproval as i32),
+        ),
+        ("args", Box::new(|c| c.args = Some(Struct::default()))),
+        ("args", Box::new(|c| c.args = None)),
+    ];
+    for (field, change) in variants {
+        let mut call = tool_call(Mediation::ControllerMediated, "k");
+        change(&mut call);
+        let h = Arc::new(ToolUser::new(call));
+        let err = c.replay(&f.turn(h.clone())).await.unwrap_err();
+        assert!(
+            matches!(err, ControllerError::ReplayDiverged(ref m) if m.contains(field)),
+            "{field}: {err}"
+        );
+        assert!(h.seen.lock().unwrap().is_empty(), "no result served");
+    }
+    assert_eq!(exec.calls.load(Ordering::SeqCst), 1);
+    // The identical call replays and is served the recorded result, decorated with its id.
+    let h = Arc::new(ToolUser::new(tool_call(Mediation::ControllerMediated, "k")));
+    c.replay(&f.turn(h.clone())).await.unwrap();
+    assert_eq!(h.seen.lock().unwrap()[0].result.id, "call-1");
+    assert_eq!(exec.calls.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn scenario_46_recovery_executes_only_new_calls() {
+    // An executor error is returned to the harness unrecorded; the turn still completes.
+    let f = Fixture::new();
+    let failing = Arc::new(CountingExecutor {
+        fail_with: Some("disk full".into()),
+        ..Default::default()
+    });
+    let c = controller_with_tools(f.journal.clone(), failing.clone());
+    let h = Arc::new(ToolUser::new(tool_call(Mediation::ControllerMediated, "k")));
+    c.exec(&f.turn(h.clone()), inputs(&["go"])).await.unwrap();
+    assert_eq!(outputs(&f.records()), ["error:disk full"]);
+    assert!(!f.kinds().contains(&EventKind::EventToolResult));
+    // Replay answers the result-less call with the bounded error, without the executor.
+    let h2 = Arc::new(ToolUser::new(tool_call(Mediation::ControllerMediated, "k")));
+    let fresh = controller_with_tools(f.reopen(), Arc::new(CountingExecutor::default()));
+    let err = fresh.replay(&f.turn(h2)).await.unwrap_err();
+    // The harness then says something else than it recorded: that is a divergence.
+    assert!(matches!(err, ControllerError::ReplayDiverged(_)), "{err}");
+    assert_eq!(fresh.counters().executor_calls(), 0);
+}
+
+// ---------- approvals ----------
+
+fn gated() -> ToolCall {
+    tool_call(Mediation::RequiresApproval, "k-approve")
+}
+
+async fn park(f: &Fixture, c: &Controller) -> ApprovalRef {
+    match c
+        .exec(&f.turn(Arc::new(ToolUser::new(gated()))), inputs(&["go"]))
+        .await
+        .unwrap()
+    {
+        TurnOutcome::Parked { park, head } => {
+            assert_eq!(head, park.request_seq);
+            park
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+fn decide(f: &Fixture, park: &ApprovalRef, approved: bool) -> i64 {
+    let fence = f.journal.new_fence(&f.uid).unwrap();
+    let head = f.journal.get_session(&f.uid).unwrap().unwrap().last_seq;
+    let ev = stamp(
+        &park.execution_id,
+        EventKind::EventApprovalResult,
+        Body::ApprovalResult(ApprovalResult {
+            tool_call_id: park.tool_call_id.clone(),
+            approved,
+            reason: "reviewed".into(),
+            request_seq: park.request_seq,
+        }),
+    );
+    f.journal.append(&f.uid, head, fence, &[ev]).unwrap()[0].seq
+}
+
+#[tokio::test]
+async fn scenario_47_live_park() {
+    let f = Fixture::new();
+    let exec = Arc::new(CountingExecutor::default());
+    let c = controller_with_tools(f.journal.clone(), exec.clone());
+    let p = park(&f, &c).await;
+    let records = f.records();
+    assert_eq!(
+        kinds(&records),
+        [
+            EventKind::EventExecutionStart,
+            EventKind::EventInput,
+            EventKind::EventToolCall,
+            EventKind::EventApprovalRequest
+        ]
+    );
+    assert!(p.request_seq > seq_of(&records, EventKind::EventToolCall));
+    assert_eq!(p.tool_call_id, "call-1");
+    assert_eq!(exec.calls.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn scenario_49_pending_resume_is_idempotent() {
+    let f = Fixture::new();
+    let c = controller_with_tools(f.journal.clone(), Arc::new(CountingExecutor::default()));
+    let p = park(&f, &c).await;
+    let before = f.records();
+    for _ in 0..2 {
+        let again = c
+            .resume(&f.turn(Arc::new(ToolUser::new(gated()))))
+            .await
+            .unwrap();
+        assert_eq!(
+            again,
+            Some(TurnOutcome::Parked {
+                park: p.clone(),
+                head: before.len() as i64
+            })
+        );
+    }
+    assert_eq!(f.records(), before);
+
+    // A call-only cut is repaired once: one APPROVAL_REQUEST, then the same park.
+    f.cut_after(seq_of(&before, EventKind::EventToolCall));
+    let repaired = c
+        .resume(&f.turn(Arc::new(ToolUser::new(gated()))))
+        .await
+        .unwrap();
+    let again = c
+        .resume(&f.turn(Arc::new(ToolUser::new(gated()))))
+        .await
+        .unwrap();
+    assert_eq!(repaired, again);
+    let requests = f
+        .kinds()
+        .iter()
+        .filter(|k| **k == EventKind::EventApprovalRequest)
+        .count();
+    assert_eq!(requests, 1);
+    verify_chain(&f.records()).unwrap();
+}
+
+#[tokio::test]
+async fn scenario_50_decided_recovery_approved_and_denied() {
+    for approved in [true, false] {
+        let f = Fixture::new();
+        let exec = Arc::new(CountingExecutor::default());
+        let c = controller_with_tools(f.journal.clone(), exec.clone());
+        let p = park(&f, &c).await;
+        let decision_seq = decide(&f, &p, approved);
+        let h = Arc::new(ToolUser::new(gated()));
+        c.resume(&f.turn(h.clone())).await.unwrap().unwrap();
+        assert_eq!(exec.calls.load(Ordering::SeqCst), u64::from(approved));
+        let seen = h.seen.lock().unwrap()[0].clone();
+        assert_eq!(seen.approval.as_ref().unwrap().approved, approved);
+        assert_eq!(seen.result.approval_request_seq, p.request_seq);
+        assert_eq!(seen.result.approval_decision_seq, decision_seq);
+        if approved {
+            assert!(!seen.result.is_error);
+        } else {
+            assert!(seen.result.is_error);
+            assert_eq!(seen.result.code, tool_result::Code::ApprovalDenied as i32);
+            assert_eq!(
+                text_of(&Message {
+                    role: String::new(),
+                    parts: seen.result.content.clone()
+                }),
+                "denied"
+            );
+        }
+        assert_eq!(*f.kinds().last().unwrap(), EventKind::EventEnd);
+        // Replay serves request, decision and receipt without the executor.
+        let before = f.records();
+        let h2 = Arc::new(ToolUser::new(gated()));
+        c.replay(&f.turn(h2.clone())).await.unwrap();
+        assert_eq!(h2.seen.lock().unwrap()[0], seen);
+        assert_eq!(exec.calls.load(Ordering::SeqCst), u64::from(approved));
+        assert_eq!(f.records(), before);
+        verify_chain(&before).unwrap();
+    }
+}
+
+#[tokio::test]
+async fn scenario_51_missing_executor_after_approval_is_recoverable() {
+    let f = Fixture::new();
+    let c = controller(f.journal.clone(), Arc::new(EchoProvider));
+    let p = park(&f, &c).await;
+    decide(&f, &p, true);
+    let err = c
+        .resume(&f.turn(Arc::new(ToolUser::new(gated()))))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, ControllerError::MissingToolExecutor(_)),
+        "{err}"
+    );
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+    let with = controller_with_tools(f.journal.clone(), Arc::new(CountingExecutor::default()));
+    with.resume(&f.turn(Arc::new(ToolUser::new(gated()))))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(*f.kinds().last().unwrap(), EventKind::EventEnd);
+}
+
+#[tokio::test]
+async fn scenario_52_validation_before_intent() {
+    let f = Fixture::new();
+    let c = controller_with_tools(f.journal.clone(), Arc::new(CountingExecutor::default()));
+    let mut memory = ToolUser::new(gated());
+    memory.memory = true;
+    let err = c
+        .exec(&f.turn(Arc::new(memory)), inputs(&["go"]))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, ControllerError::ApprovalUnavailable(_)),
+        "{err}"
+    );
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+    let mut no_id = gated();
+    no_id.id.clear();
+    let err = c
+        .exec(&f.turn(Arc::new(ToolUser::new(no_id))), inputs(&["go"]))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, ControllerError::InvalidApprovalCall(_)),
+        "{err}"
+    );
+    let mut no_key = gated();
+    no_key.idempotency_key.clear();
+    let err = c
+        .exec(&f.turn(Arc::new(ToolUser::new(no_key))), inputs(&["go"]))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, ControllerError::MissingIdempotencyKey(_)),
+        "{err}"
+    );
+    let k = f.kinds();
+    assert!(
+        !k.contains(&EventKind::EventToolCall) && !k.contains(&EventKind::EventApprovalRequest)
+    );
+}
+
+// ---------- interruption ----------
+
+/// Waits forever inside a model call (a provider that never answers).
+struct Stuck;
+
+#[async_trait::async_trait]
+impl ModelProvider for Stuck {
+    fn name(&self) -> &'static str {
+        "stuck"
+    }
+    async fn complete(
+        &self,
+        _call: &ModelCall,
+        _stream: Option<mpsc::Sender<Chunk>>,
+    ) -> Result<Completion, ProviderError> {
+        std::future::pending().await
+    }
+}
+
+#[tokio::test]
+async fn cancel_ends_the_execution_canceled() {
+    let f = Fixture::new();
+    let c = controller(f.journal.clone(), Arc::new(Stuck));
+    let (tx, rx) = tokio::sync::watch::channel(None);
+    let mut t = f.turn(echo());
+    t.interrupt = Some(rx);
+    let run = c.exec(&t, inputs(&["hi"]));
+    let cancel = async {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        tx.send(Some(Interrupt::Cancel("user asked".into())))
+            .unwrap();
+    };
+    let (r, ()) = tokio::join!(run, cancel);
+    assert!(matches!(r, Err(ControllerError::Cancelled(_))));
+    let records = f.records();
+    assert_eq!(
+        kinds(&records)[3..],
+        [EventKind::EventEnd, EventKind::EventLifecycle]
+    );
+    // A canceled execution is finished: nothing to resume, nothing to replay.
+    assert_eq!(c.resume(&f.turn(echo())).await.unwrap(), None);
+    assert_eq!(c.replay(&f.turn(echo())).await.unwrap().executions, 0);
+}
+
+#[tokio::test]
+async fn supersede_leaves_the_execution_resumable() {
+    let f = Fixture::new();
+    let c = controller(f.journal.clone(), Arc::new(Stuck));
+    let (tx, rx) = tokio::sync::watch::channel(None);
+    let mut t = f.turn(echo());
+    t.interrupt = Some(rx);
+    tx.send(Some(Interrupt::Supersede("suspend".into())))
+        .unwrap();
+    let err = c.exec(&t, inputs(&["hi"])).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Aborted);
+    assert!(
+        !f.kinds().contains(&EventKind::EventError),
+        "no ERROR for a host interruption"
+    );
+    let live = controller(f.journal.clone(), Arc::new(EchoProvider));
+    live.resume(&f.turn(echo())).await.unwrap().unwrap();
+    assert_eq!(outputs(&f.records()), ["echo:hi"]);
+}
+
+#[tokio::test]
+async fn deadline_fails_the_turn() {
+    let f = Fixture::new();
+    let c = controller(f.journal.clone(), Arc::new(Stuck));
+    let mut t = f.turn(echo());
+    t.deadline = Some(tokio::time::Instant::now() + std::time::Duration::from_millis(30));
+    let err = c.exec(&t, inputs(&["hi"])).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::DeadlineExceeded);
+    assert_eq!(*f.kinds().last().unwrap(), EventKind::EventError);
+}
+
+#[tokio::test]
+async fn harness_version_and_name_must_match_on_rerun() {
+    let f = Fixture::new();
+    let c = controller(f.journal.clone(), Arc::new(EchoProvider));
+    c.exec(&f.turn(echo()), inputs(&["hi"])).await.unwrap();
+    let mut t = f.turn(echo());
+    t.descriptor.version = "2".into();
+    assert!(matches!(
+        c.replay(&t).await.unwrap_err(),
+        ControllerError::HarnessVersionMismatch { .. }
+    ));
+    let mut t = f.turn(echo());
+    t.harness = "chat".into();
+    assert!(matches!(
+        c.replay(&t).await.unwrap_err(),
+        ControllerError::HarnessMismatch { .. }
+    ));
+}
+
+use crate::journal::JournalError;
+use agentvm_proto::v1::{ApprovalRef, tool_result};
