@@ -7,6 +7,8 @@ pub mod config;
 pub mod controller;
 pub mod journal;
 pub mod model;
+pub mod node;
 pub mod registry;
 pub mod runtime;
 pub mod server;
+pub mod session;

@@ -1,6 +1,6 @@
-//! The gRPC front of agentvmd: the API listener (health and reflection; the Sessions service
-//! joins it with the session host) and the admin listener (HarnessRegistry), each on its own
-//! socket so the admin surface never shares the client-facing one.
+//! The gRPC front of agentvmd: the API listener (Sessions, health and reflection) and the admin
+//! listener (HarnessRegistry), each on its own socket so the admin surface never shares the
+//! client-facing one.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -16,8 +16,10 @@ use tonic::transport::Server;
 use tracing::{info, warn};
 
 use crate::api::registry_service::RegistryService;
+use crate::api::sessions_service::SessionsService;
 use crate::config::ListenAddr;
 use crate::registry::Registry;
+use crate::session::SessionHost;
 
 /// Removes a stale socket file left by a previous run, refusing to touch anything else.
 fn clear_stale_socket(path: &Path) -> anyhow::Result<()> {
@@ -58,7 +60,7 @@ where
 }
 
 /// The routes of the Sessions API listener.
-pub async fn api_routes() -> anyhow::Result<Routes> {
+pub async fn api_routes(host: Arc<SessionHost>) -> anyhow::Result<Routes> {
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter
         .set_service_status("", tonic_health::ServingStatus::Serving)
@@ -67,7 +69,9 @@ pub async fn api_routes() -> anyhow::Result<Routes> {
         .register_encoded_file_descriptor_set(agentvm_proto::FILE_DESCRIPTOR_SET)
         .build_v1()
         .context("building the reflection service")?;
-    Ok(Routes::new(health).add_service(reflection))
+    Ok(Routes::new(health)
+        .add_service(reflection)
+        .add_service(SessionsService::new(host).into_server()))
 }
 
 /// The routes of the admin listener: the harness registry.

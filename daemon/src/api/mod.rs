@@ -5,4 +5,5 @@
 pub mod page_token;
 pub mod registry_service;
 pub mod session_view;
+pub mod sessions_service;
 pub mod status;

@@ -1,12 +1,9 @@
 //! agentvmd: one per node. Owns the journal and serves the agentsessions API.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use agentvmd::config::{self, ListenAddr};
-use agentvmd::journal::sqlite::{Durability, SqliteJournal};
-use agentvmd::registry::store::RegistryStore;
-use agentvmd::registry::{Registry, builtin_harnesses};
+use agentvmd::node::{Node, NodeConfig};
 use agentvmd::server;
 use anyhow::Context;
 use clap::Parser;
@@ -26,6 +23,10 @@ struct Args {
     /// Default: admin.sock beside the API socket.
     #[arg(long)]
     admin_listen: Option<ListenAddr>,
+    /// Program that serves a built-in harness for the process runtime, invoked as
+    /// `PROGRAM harness serve NAME --listen unix:PATH`. Default: `agentvm` beside agentvmd.
+    #[arg(long)]
+    harness_bin: Option<PathBuf>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -37,17 +38,13 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let state_dir = args.state_dir.unwrap_or_else(config::default_state_dir);
     let listen = args.listen.unwrap_or_else(config::default_listen);
-    std::fs::create_dir_all(&state_dir)
-        .with_context(|| format!("creating state directory {}", state_dir.display()))?;
-    let journal_path = config::journal_path(&state_dir);
-    let _journal = SqliteJournal::open(&journal_path, Durability::Full)
-        .with_context(|| format!("opening journal {}", journal_path.display()))?;
-    info!(journal = %journal_path.display(), "journal open");
-    let registry = Arc::new(Registry::new(
-        builtin_harnesses(),
-        RegistryStore::open(&journal_path)
-            .with_context(|| format!("opening harness registry in {}", journal_path.display()))?,
-    ));
+    let mut node_config = NodeConfig::new(state_dir.clone());
+    if let Some(bin) = &args.harness_bin {
+        node_config.harness_command =
+            vec![bin.display().to_string(), "harness".into(), "serve".into()];
+    }
+    let node = Node::open(node_config)?;
+    info!(state_dir = %state_dir.display(), "journal open");
     let admin_listen = args
         .admin_listen
         .unwrap_or_else(|| config::default_admin_listen(&listen));
@@ -63,13 +60,13 @@ fn main() -> anyhow::Result<()> {
         };
         let api = server::serve(
             &listen,
-            server::api_routes().await?,
+            server::api_routes(node.host.clone()).await?,
             0o660,
             stopped(stop_rx.clone()),
         );
         let admin = server::serve(
             &admin_listen,
-            server::admin_routes(registry),
+            server::admin_routes(node.registry.clone()),
             0o600,
             stopped(stop_rx),
         );

@@ -140,7 +140,7 @@ pub trait Journal: Send + Sync {
 
     fn get_session(&self, uid: &str) -> Result<Option<SessionRow>>;
 
-    /// One page of a project's sessions, newest first, strictly after `after`.
+    /// One page of a project's live (not DELETED) sessions, newest first, strictly after `after`.
     fn list_sessions(
         &self,
         project: &str,

@@ -281,6 +281,7 @@ impl Journal for SqliteJournal {
             None => conn
                 .prepare_cached(&format!(
                     "SELECT {SESSION_COLUMNS} FROM sessions WHERE project = ?1
+                       AND deletion_state != 'DELETED'
                      ORDER BY created_at DESC, session ASC LIMIT ?2"
                 ))
                 .and_then(|mut st| {
@@ -290,6 +291,7 @@ impl Journal for SqliteJournal {
             Some(c) => conn
                 .prepare_cached(&format!(
                     "SELECT {SESSION_COLUMNS} FROM sessions WHERE project = ?1
+                       AND deletion_state != 'DELETED'
                        AND (created_at < ?2 OR (created_at = ?2 AND session > ?3))
                      ORDER BY created_at DESC, session ASC LIMIT ?4"
                 ))

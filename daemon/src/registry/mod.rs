@@ -24,35 +24,31 @@ pub struct StaticHarness {
 }
 
 /// The names reserved for built-in harnesses (ARCHITECTURE.md, fixed contracts).
-pub fn builtin_harnesses() -> Vec<StaticHarness> {
+/// `unservable` says why this host cannot run one of them (None when it can).
+pub fn builtin_harnesses(
+    unservable: impl Fn(&str, &Capabilities) -> Option<String>,
+) -> Vec<StaticHarness> {
     let caps = |resumability: Resumability, fork_safe: bool| Capabilities {
         resumability: resumability as i32,
         fork_safe,
         ..Default::default()
     };
-    let pending = "no runtime on this host serves it yet".to_owned();
-    vec![
-        StaticHarness {
-            name: "chat",
-            capabilities: caps(Resumability::StatelessReplay, true),
-            unservable_reason: pending.clone(),
-        },
-        StaticHarness {
-            name: "counter",
-            capabilities: caps(Resumability::RequiresMemorySnapshot, false),
-            unservable_reason: pending.clone(),
-        },
-        StaticHarness {
-            name: "echo",
-            capabilities: caps(Resumability::StatelessReplay, true),
-            unservable_reason: pending.clone(),
-        },
-        StaticHarness {
-            name: "testguest",
-            capabilities: caps(Resumability::RequiresMemorySnapshot, false),
-            unservable_reason: pending,
-        },
+    [
+        ("chat", caps(Resumability::StatelessReplay, true)),
+        ("counter", caps(Resumability::RequiresMemorySnapshot, false)),
+        ("echo", caps(Resumability::StatelessReplay, true)),
+        (
+            "testguest",
+            caps(Resumability::RequiresMemorySnapshot, false),
+        ),
     ]
+    .into_iter()
+    .map(|(name, capabilities)| StaticHarness {
+        name,
+        unservable_reason: unservable(name, &capabilities).unwrap_or_default(),
+        capabilities,
+    })
+    .collect()
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -4,7 +4,10 @@ use super::*;
 
 fn registry(dir: &tempfile::TempDir) -> Registry {
     let store = RegistryStore::open(&dir.path().join("journal.db")).unwrap();
-    Registry::new(builtin_harnesses(), store)
+    Registry::new(
+        builtin_harnesses(|_, _| Some("no runtime in this test".into())),
+        store,
+    )
 }
 
 fn remote(address: &str) -> HarnessSpec {

@@ -4,8 +4,14 @@
 //! Data flows down only: the controller calls a runtime; a runtime never calls back up.
 
 pub mod placement;
+pub mod process;
+pub mod remote;
+
+use std::sync::Arc;
 
 use agentvm_proto::v1::{IdentityRef, RuntimeCapabilities, SnapshotRef};
+
+use crate::controller::endpoint::HarnessEndpoint;
 
 /// LOCAL keeps state on this node (warm); EXTERNAL owns the whole cold transition: capture,
 /// free the compute, keep a restore handle.
@@ -39,6 +45,8 @@ pub struct Incarnation {
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct ForkOpts {
     pub child_session_uid: String,
+    /// What the child runs (the parent's image and harness under the child's uid).
+    pub spec: SessionSpec,
 }
 
 /// The compute state a runtime observes (a live probe, unlike the journal's projection).
@@ -86,13 +94,20 @@ pub trait Runtime: Send + Sync {
 
     async fn snapshot(&self, incarnation: &Incarnation, kind: SnapshotKind) -> Result<SnapshotRef>;
 
-    async fn restore(&self, snapshot: &SnapshotRef) -> Result<Incarnation>;
+    /// Brings a session back from `snapshot`. Unlike upstream's SPI it also gets the session's
+    /// spec: a backend that re-provisions (a process, a VMM) must know what to start.
+    async fn restore(&self, snapshot: &SnapshotRef, spec: &SessionSpec) -> Result<Incarnation>;
 
     /// A child from a parent's snapshot. Must not leak a half-built child on failure.
-    async fn fork(&self, snapshot: &SnapshotRef, opts: &ForkOpts) -> Result<Incarnation>;
+    /// `None` when the backend provisions nothing at fork time (a replay fork: the child's
+    /// first Exec creates its compute and the host replays the copied prefix into it).
+    async fn fork(&self, snapshot: &SnapshotRef, opts: &ForkOpts) -> Result<Option<Incarnation>>;
 
     /// Destroys the compute and frees its worker.
     async fn stop(&self, incarnation: &Incarnation) -> Result<()>;
 
     async fn status(&self, incarnation: &Incarnation) -> Result<ObservedState>;
+
+    /// Opens the harness channel of a live incarnation.
+    async fn dial(&self, incarnation: &Incarnation) -> Result<Arc<dyn HarnessEndpoint>>;
 }

@@ -1,5 +1,7 @@
 //! agentvm: the client CLI.
 
+mod harness_cmd;
+
 use std::io::Read;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -27,6 +29,20 @@ enum Command {
     /// Work with hash-chained session journals.
     #[command(subcommand)]
     Journal(JournalCommand),
+    /// Run a reference harness.
+    #[command(subcommand)]
+    Harness(HarnessCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum HarnessCommand {
+    /// Serve a built-in harness (echo, counter, chat) over gRPC.
+    Serve {
+        name: String,
+        /// `unix:PATH` or `HOST:PORT` (loopback).
+        #[arg(long)]
+        listen: config::ListenAddr,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -55,6 +71,10 @@ fn main() -> ExitCode {
 
 fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
     match &cli.command {
+        Command::Harness(HarnessCommand::Serve { name, listen }) => {
+            harness_cmd::serve(name, listen)?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Journal(JournalCommand::Verify { file }) => verify(file, cli.json),
         Command::Journal(JournalCommand::Export { session, db }) => {
             let db = db

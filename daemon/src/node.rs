@@ -1,0 +1,106 @@
+//! Assembles one node's daemon from its configuration: journal, harness registry, runtimes,
+//! controller and session host. The binary and the end-to-end tests build it the same way.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use agentvm_proto::v1::Capabilities;
+use anyhow::Context;
+
+use crate::config;
+use crate::controller::Controller;
+use crate::journal::sqlite::{Durability, SqliteJournal};
+use crate::model::provider::EchoProvider;
+use crate::registry::store::RegistryStore;
+use crate::registry::{Registry, builtin_harnesses};
+use crate::runtime::Runtime;
+use crate::runtime::placement::can_place;
+use crate::runtime::process::ProcessRuntime;
+use crate::session::SessionHost;
+
+/// The built-in harnesses the `process` runtime runs (`agentvm harness serve NAME`).
+pub const PROCESS_HARNESSES: [&str; 3] = ["chat", "counter", "echo"];
+
+pub struct NodeConfig {
+    pub state_dir: PathBuf,
+    /// Program and leading arguments that serve a built-in harness; `NAME --listen unix:PATH`
+    /// follow. Default: the `agentvm` binary beside this one, `harness serve`.
+    pub harness_command: Vec<String>,
+    pub durability: Durability,
+}
+
+impl NodeConfig {
+    pub fn new(state_dir: PathBuf) -> Self {
+        Self {
+            state_dir,
+            harness_command: default_harness_command(),
+            durability: Durability::Full,
+        }
+    }
+}
+
+/// `<dir of this executable>/agentvm harness serve`.
+pub fn default_harness_command() -> Vec<String> {
+    let cli = std::env::current_exe()
+        .ok()
+        .and_then(|p| p.parent().map(|d| d.join("agentvm")))
+        .unwrap_or_else(|| PathBuf::from("agentvm"));
+    vec![cli.display().to_string(), "harness".into(), "serve".into()]
+}
+
+pub struct Node {
+    pub journal: Arc<SqliteJournal>,
+    pub registry: Arc<Registry>,
+    pub host: Arc<SessionHost>,
+}
+
+impl Node {
+    pub fn open(cfg: NodeConfig) -> anyhow::Result<Node> {
+        std::fs::create_dir_all(&cfg.state_dir)
+            .with_context(|| format!("creating state directory {}", cfg.state_dir.display()))?;
+        let journal_path = config::journal_path(&cfg.state_dir);
+        let journal = Arc::new(
+            SqliteJournal::open(&journal_path, cfg.durability)
+                .with_context(|| format!("opening journal {}", journal_path.display()))?,
+        );
+        let process: Arc<dyn Runtime> = Arc::new(ProcessRuntime::new(
+            cfg.harness_command.clone(),
+            cfg.state_dir.join("harnesses"),
+        ));
+        let builtin_runtimes: HashMap<String, Arc<dyn Runtime>> = PROCESS_HARNESSES
+            .iter()
+            .map(|name| ((*name).to_owned(), Arc::clone(&process)))
+            .collect();
+        let unservable = |name: &str, caps: &Capabilities| match builtin_runtimes.get(name) {
+            Some(rt) => can_place(caps, rt.name(), &rt.capabilities())
+                .err()
+                .map(|refusal| refusal.to_string()),
+            None => {
+                Some("it runs on the microvm runtime, which this node does not have yet".into())
+            }
+        };
+        let registry = Arc::new(Registry::new(
+            builtin_harnesses(unservable),
+            RegistryStore::open(&journal_path).with_context(|| {
+                format!("opening harness registry in {}", journal_path.display())
+            })?,
+        ));
+        let controller = Arc::new(Controller::new(
+            journal.clone(),
+            Arc::new(EchoProvider),
+            None,
+        ));
+        let host = Arc::new(SessionHost::new(
+            journal.clone(),
+            registry.clone(),
+            controller,
+            builtin_runtimes,
+        ));
+        Ok(Node {
+            journal,
+            registry,
+            host,
+        })
+    }
+}

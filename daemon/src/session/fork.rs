@@ -1,0 +1,198 @@
+//! Fork: N children from one point of a parent's log (semantics.md §3 Fork, §4.3).
+
+use agentvm_proto::v1::{ForkRequest, Session, SnapshotRef, lifecycle::Kind as LifecycleKind};
+use tonic::Status;
+
+use super::guard::Hold;
+use super::{SessionHost, busy, new_session_uid, runtime_status};
+use crate::api::status::journal_status;
+use crate::clock::now_nanos;
+use crate::controller::Interrupt;
+use crate::journal::{DeletionState, SessionRow};
+use crate::runtime::placement::can_place;
+use crate::runtime::{ForkOpts, Incarnation, SessionSpec};
+
+/// Each provisioned child gets this long to stop when a fan-out is rolled back.
+const ROLLBACK_STOP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+impl SessionHost {
+    pub async fn fork(&self, req: ForkRequest) -> Result<Vec<Session>, Status> {
+        let parent = self.active_row(&req.session)?;
+        let uid = parent.uid.clone();
+        let placement = self.place(&parent.harness)?;
+        can_place(
+            &placement.capabilities,
+            placement.runtime.name(),
+            &placement.runtime.capabilities(),
+        )
+        .map_err(|e| Status::failed_precondition(e.to_string()))?;
+        let head = parent.last_seq;
+        let at_seq = if req.at_seq == 0 { head } else { req.at_seq };
+        if at_seq > head {
+            return Err(Status::invalid_argument(format!(
+                "at_seq: {at_seq} is beyond the head of session {uid} ({head})"
+            )));
+        }
+        let memory = placement.memory_tier();
+        if memory && at_seq != head {
+            return Err(Status::failed_precondition(format!(
+                "at_seq: a memory-snapshot session forks only at its head ({head}), not at {at_seq}"
+            )));
+        }
+        let _held = if memory {
+            self.guards
+                .preempt_and_hold(
+                    &uid,
+                    Hold::Checkpoint,
+                    Interrupt::Supersede("forked".into()),
+                )
+                .await
+        } else {
+            self.guards.try_hold(&uid, Hold::Checkpoint)
+        }
+        .map_err(|b| busy(&uid, b))?;
+
+        let source = if memory {
+            let fence = self
+                .journal
+                .new_fence(&uid)
+                .map_err(|e| journal_status(&e))?;
+            if self.row(&uid)?.last_seq != at_seq {
+                return Err(Status::aborted(format!(
+                    "session {uid} advanced during the fork; fork again at the new head"
+                )));
+            }
+            let snapshot = self.checkpoint(&uid).await?;
+            self.append_lifecycle(
+                &uid,
+                at_seq,
+                fence,
+                LifecycleKind::LifecycleSuspend,
+                "fork",
+                Some(snapshot.clone()),
+            )?;
+            if snapshot.external_uri.is_empty() {
+                return Err(Status::failed_precondition(format!(
+                    "the runtime gave no external snapshot of session {uid} to fork from"
+                )));
+            }
+            snapshot
+        } else {
+            SnapshotRef {
+                local: uid.clone(),
+                ..Default::default()
+            }
+        };
+
+        let count = req.count as usize;
+        let mut provisioned: Vec<(String, Option<Incarnation>)> = Vec::with_capacity(count);
+        for _ in 0..count {
+            let child = new_session_uid();
+            let opts = ForkOpts {
+                child_session_uid: child.clone(),
+                spec: SessionSpec {
+                    session_uid: child.clone(),
+                    image: String::new(),
+                    harness: placement.harness.clone(),
+                    identity: parent.identity.clone(),
+                },
+            };
+            match placement.runtime.fork(&source, &opts).await {
+                Ok(inc) => provisioned.push((child, inc)),
+                Err(e) => {
+                    self.roll_back(&placement, &provisioned, &[]).await;
+                    return Err(runtime_status(&e));
+                }
+            }
+        }
+
+        let mut written: Vec<String> = Vec::with_capacity(count);
+        for (i, (child, _)) in provisioned.iter().enumerate() {
+            let result = self.write_child(&parent, child, &req, i, at_seq);
+            match result {
+                Ok(()) => written.push(child.clone()),
+                Err(e) => {
+                    written.push(child.clone());
+                    self.roll_back(&placement, &provisioned, &written).await;
+                    return Err(e);
+                }
+            }
+        }
+        let mut children = Vec::with_capacity(count);
+        for (child, inc) in provisioned {
+            if let Some(inc) = inc {
+                self.live_put(&child, inc, placement.runtime.clone());
+            }
+            children.push(self.view(&child)?);
+        }
+        tracing::info!(session = %uid, children = children.len(), at_seq, "session forked");
+        Ok(children)
+    }
+
+    fn write_child(
+        &self,
+        parent: &SessionRow,
+        child: &str,
+        req: &ForkRequest,
+        index: usize,
+        at_seq: i64,
+    ) -> Result<(), Status> {
+        let now = now_nanos();
+        let row = SessionRow {
+            uid: child.to_owned(),
+            project: parent.project.clone(),
+            name: req.child_names.get(index).cloned().unwrap_or_default(),
+            harness: parent.harness.clone(),
+            model: parent.model.clone(),
+            labels: req.labels.clone().into_iter().collect(),
+            annotations: parent.annotations.clone(),
+            origin: parent.origin.clone(),
+            identity: parent.identity.clone(),
+            parent_uid: parent.uid.clone(),
+            fork_seq: at_seq,
+            created_at: now,
+            updated_at: now,
+            ..Default::default()
+        };
+        let j = |e| journal_status(&e);
+        self.journal.create_session(&row).map_err(j)?;
+        let fence = self.journal.new_fence(child).map_err(j)?;
+        self.journal
+            .copy_prefix(&parent.uid, child, at_seq, fence)
+            .map_err(j)?;
+        self.append_lifecycle(
+            child,
+            at_seq,
+            fence,
+            LifecycleKind::LifecycleFork,
+            &format!("parent@{at_seq}"),
+            None,
+        )?;
+        Ok(())
+    }
+
+    /// All-or-nothing: stop every provisioned child and tombstone every written row.
+    async fn roll_back(
+        &self,
+        placement: &super::Placement,
+        provisioned: &[(String, Option<Incarnation>)],
+        written: &[String],
+    ) {
+        for (child, inc) in provisioned {
+            if let Some(inc) = inc {
+                let stop = placement.runtime.stop(inc);
+                if tokio::time::timeout(ROLLBACK_STOP_TIMEOUT, stop)
+                    .await
+                    .is_err()
+                {
+                    tracing::warn!(session = %child, "fork rollback: stopping the child timed out");
+                }
+            }
+        }
+        for child in written {
+            if let Err(e) = self.journal.set_deletion(child, DeletionState::Deleted) {
+                tracing::warn!(session = %child, error = %e, "fork rollback: could not tombstone the child");
+            }
+        }
+    }
+}

@@ -1,0 +1,406 @@
+//! The session host: the Sessions API's behaviour behind the tonic adapter (semantics.md §3).
+//! It owns admission (harness resolution, CanPlace, runtime, dial, Describe, fence), the
+//! per-session guard, the live incarnations, and calls the controller for every execution.
+//! Requests reaching it are already validated field by field by `api::sessions_service`.
+
+mod decisions;
+mod fork;
+pub mod guard;
+mod turns;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use agentvm_proto::v1::{
+    Capabilities, ComputeState, EventKind, HarnessDescriptor, IdentityRef, LogRecord, Origin,
+    Resumability, Session, SnapshotRef, event::Body, harness_spec::Placement as SpecPlacement,
+    lifecycle::Kind as LifecycleKind,
+};
+use rand::Rng;
+use tonic::Status;
+
+use crate::api::session_view::session_view;
+use crate::api::status::journal_status;
+use crate::clock::now_nanos;
+use crate::controller::Controller;
+use crate::journal::{DeletionState, Journal, ListCursor, SessionRow};
+use crate::registry::{Entry, Registry};
+use crate::runtime::remote::RemoteRuntime;
+use crate::runtime::{Incarnation, Runtime, RuntimeError};
+use guard::{Busy, Guards, Hold};
+
+/// Describe is bounded (R6 / admission).
+pub const DESCRIBE_TIMEOUT: Duration = Duration::from_secs(10);
+pub const DEFAULT_PROJECT: &str = "default";
+pub const DEFAULT_HARNESS: &str = "echo";
+
+/// A harness name resolved to where it runs.
+#[derive(Clone)]
+pub struct Placement {
+    pub harness: String,
+    pub runtime: Arc<dyn Runtime>,
+    /// What the registry declares; re-checked against the live descriptor after dial.
+    pub capabilities: Capabilities,
+    /// Required `Descriptor.id` ("" accepts any).
+    pub descriptor_id: String,
+    pub registered: bool,
+    pub retired: bool,
+}
+
+impl Placement {
+    pub fn memory_tier(&self) -> bool {
+        self.capabilities.resumability == Resumability::RequiresMemorySnapshot as i32
+    }
+}
+
+struct Live {
+    incarnation: Incarnation,
+    runtime: Arc<dyn Runtime>,
+}
+
+/// The fields a new session takes from its creator.
+#[derive(Debug, Clone, Default)]
+pub struct NewSession {
+    pub project: String,
+    pub name: String,
+    pub harness: String,
+    pub model: String,
+    pub labels: BTreeMap<String, String>,
+    pub annotations: BTreeMap<String, String>,
+    pub origin: Option<Origin>,
+    pub identity: Option<IdentityRef>,
+}
+
+pub struct SessionHost {
+    journal: Arc<dyn Journal>,
+    registry: Arc<Registry>,
+    controller: Arc<Controller>,
+    /// Which runtime serves each built-in harness on this node.
+    builtin_runtimes: HashMap<String, Arc<dyn Runtime>>,
+    guards: Arc<Guards>,
+    live: Mutex<HashMap<String, Live>>,
+}
+
+/// A session uid: `sess-` and 24 lowercase hex characters.
+pub fn new_session_uid() -> String {
+    let bytes: [u8; 12] = rand::rng().random();
+    format!("sess-{}", hex::encode(bytes))
+}
+
+fn busy(uid: &str, b: Busy) -> Status {
+    let what = match b.0 {
+        Hold::Turn => "an execution or approval",
+        Hold::Checkpoint => "a checkpoint (suspend, fork, cancel or delete)",
+    };
+    Status::aborted(format!(
+        "SessionBusy: session {uid} is in {what}; retry after reading the session"
+    ))
+}
+
+fn runtime_status(e: &RuntimeError) -> Status {
+    match e {
+        RuntimeError::Unsupported { .. } => Status::failed_precondition(e.to_string()),
+        RuntimeError::SnapshotSuperseded { .. } => Status::aborted(e.to_string()),
+        RuntimeError::Failed { .. } => Status::unavailable(e.to_string()),
+    }
+}
+
+impl SessionHost {
+    pub fn new(
+        journal: Arc<dyn Journal>,
+        registry: Arc<Registry>,
+        controller: Arc<Controller>,
+        builtin_runtimes: HashMap<String, Arc<dyn Runtime>>,
+    ) -> Self {
+        Self {
+            journal,
+            registry,
+            controller,
+            builtin_runtimes,
+            guards: Arc::default(),
+            live: Mutex::default(),
+        }
+    }
+
+    pub fn controller(&self) -> &Controller {
+        &self.controller
+    }
+
+    fn live_get(&self, uid: &str) -> Option<(Incarnation, Arc<dyn Runtime>)> {
+        self.live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(uid)
+            .map(|l| (l.incarnation.clone(), l.runtime.clone()))
+    }
+
+    fn live_put(&self, uid: &str, incarnation: Incarnation, runtime: Arc<dyn Runtime>) {
+        self.live.lock().unwrap_or_else(|p| p.into_inner()).insert(
+            uid.to_owned(),
+            Live {
+                incarnation,
+                runtime,
+            },
+        );
+    }
+
+    fn live_take(&self, uid: &str) -> Option<(Incarnation, Arc<dyn Runtime>)> {
+        self.live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(uid)
+            .map(|l| (l.incarnation, l.runtime))
+    }
+
+    /// Resolves a harness name. Unknown → INVALID_ARGUMENT naming what is served.
+    pub fn place(&self, name: &str) -> Result<Placement, Status> {
+        let entry = self.registry.get(name).map_err(|_| {
+            let served: Vec<String> = self
+                .registry
+                .list("", 50, false)
+                .map(|entries| {
+                    entries
+                        .iter()
+                        .map(|e| crate::registry::entry_name(e).to_owned())
+                        .collect()
+                })
+                .unwrap_or_default();
+            Status::invalid_argument(format!(
+                "harness: {name:?} is not a known harness (known: {})",
+                served.join(", ")
+            ))
+        })?;
+        match entry {
+            Entry::Static(s) => {
+                let runtime = self.builtin_runtimes.get(s.name).cloned().ok_or_else(|| {
+                    Status::failed_precondition(format!(
+                        "harness {name:?} cannot run on this node: {}",
+                        s.unservable_reason
+                    ))
+                })?;
+                Ok(Placement {
+                    harness: s.name.to_owned(),
+                    runtime,
+                    capabilities: s.capabilities,
+                    descriptor_id: String::new(),
+                    registered: false,
+                    retired: false,
+                })
+            }
+            Entry::Registered(h) => {
+                let spec = h.spec.clone().unwrap_or_default();
+                let runtime: Arc<dyn Runtime> = match spec.placement {
+                    Some(SpecPlacement::Remote(r)) => Arc::new(RemoteRuntime::new(r.address)),
+                    Some(SpecPlacement::Substrate(_)) | None => {
+                        return Err(Status::failed_precondition(format!(
+                            "registered harness {name:?} has a placement this node does not serve"
+                        )));
+                    }
+                };
+                Ok(Placement {
+                    harness: h.name.clone(),
+                    runtime,
+                    capabilities: spec.capabilities.unwrap_or_default(),
+                    descriptor_id: spec.descriptor_id,
+                    registered: true,
+                    retired: h.state == agentvm_proto::v1::HarnessState::Retired,
+                })
+            }
+        }
+    }
+
+    fn row(&self, uid: &str) -> Result<SessionRow, Status> {
+        self.journal
+            .get_session(uid)
+            .map_err(|e| journal_status(&e))?
+            .ok_or_else(|| Status::not_found(format!("session {uid} not found")))
+    }
+
+    /// A session that may still be worked on (not being or already deleted).
+    fn active_row(&self, uid: &str) -> Result<SessionRow, Status> {
+        let row = self.row(uid)?;
+        if row.deletion != DeletionState::Active {
+            return Err(Status::failed_precondition(format!(
+                "session {uid} is {}; it accepts no further work",
+                row.deletion.as_str().to_lowercase()
+            )));
+        }
+        Ok(row)
+    }
+
+    fn records(&self, uid: &str) -> Result<Vec<LogRecord>, Status> {
+        self.journal.read(uid, 1, 0).map_err(|e| journal_status(&e))
+    }
+
+    /// The API view, re-read from the journal.
+    pub fn view(&self, uid: &str) -> Result<Session, Status> {
+        let row = self.row(uid)?;
+        let records = self.records(uid)?;
+        Ok(view_of(&row, &records))
+    }
+
+    pub fn create(&self, new: NewSession) -> Result<Session, Status> {
+        let row = self.create_row(new)?;
+        Ok(view_of(&row, &[]))
+    }
+
+    fn create_row(&self, new: NewSession) -> Result<SessionRow, Status> {
+        let harness = if new.harness.is_empty() {
+            DEFAULT_HARNESS.to_owned()
+        } else {
+            new.harness
+        };
+        let placement = self.place(&harness)?;
+        if placement.retired {
+            return Err(Status::failed_precondition(format!(
+                "harness {harness:?} is retired and takes no new sessions"
+            )));
+        }
+        let now = now_nanos();
+        let row = SessionRow {
+            uid: new_session_uid(),
+            project: if new.project.is_empty() {
+                DEFAULT_PROJECT.to_owned()
+            } else {
+                new.project
+            },
+            name: new.name,
+            harness,
+            model: new.model,
+            labels: new.labels,
+            annotations: new.annotations,
+            origin: new.origin,
+            identity: new.identity,
+            created_at: now,
+            updated_at: now,
+            compute_state: ComputeState::ComputeNone,
+            ..Default::default()
+        };
+        self.journal
+            .create_session(&row)
+            .map_err(|e| journal_status(&e))?;
+        tracing::info!(session = %row.uid, harness = %row.harness, "session created");
+        Ok(row)
+    }
+
+    pub fn list(
+        &self,
+        project: &str,
+        page_size: usize,
+        after: Option<&ListCursor>,
+    ) -> Result<(Vec<Session>, Option<ListCursor>), Status> {
+        let project = if project.is_empty() {
+            DEFAULT_PROJECT
+        } else {
+            project
+        };
+        let mut rows = self
+            .journal
+            .list_sessions(project, after, page_size + 1)
+            .map_err(|e| journal_status(&e))?;
+        let next = if rows.len() > page_size {
+            rows.truncate(page_size);
+            rows.last().map(|r| ListCursor {
+                created_at: r.created_at,
+                uid: r.uid.clone(),
+            })
+        } else {
+            None
+        };
+        let sessions = rows
+            .iter()
+            .map(|r| Ok(view_of(r, &self.records(&r.uid)?)))
+            .collect::<Result<Vec<_>, Status>>()?;
+        Ok((sessions, next))
+    }
+
+    pub fn replay(&self, uid: &str, from_seq: i64, to_seq: i64) -> Result<Vec<LogRecord>, Status> {
+        self.row(uid)?;
+        self.journal
+            .read(uid, from_seq.max(1), to_seq)
+            .map_err(|e| journal_status(&e))
+    }
+
+    /// Dials a live incarnation and checks what the harness says about itself against the
+    /// placement: descriptor id, and CanPlace again with the live capabilities.
+    async fn describe(
+        &self,
+        placement: &Placement,
+        incarnation: &Incarnation,
+    ) -> Result<
+        (
+            Arc<dyn crate::controller::endpoint::HarnessEndpoint>,
+            HarnessDescriptor,
+        ),
+        Status,
+    > {
+        let endpoint = placement
+            .runtime
+            .dial(incarnation)
+            .await
+            .map_err(|e| runtime_status(&e))?;
+        let descriptor = match tokio::time::timeout(DESCRIBE_TIMEOUT, endpoint.describe()).await {
+            Ok(Ok(d)) => d,
+            Ok(Err(s)) => {
+                return Err(Status::unavailable(format!(
+                    "HarnessDescribeFailed: harness {:?}: {}",
+                    placement.harness,
+                    s.message()
+                )));
+            }
+            Err(_) => {
+                return Err(Status::unavailable(format!(
+                    "HarnessDescribeFailed: harness {:?} did not answer Describe within {DESCRIBE_TIMEOUT:?}",
+                    placement.harness
+                )));
+            }
+        };
+        if !placement.descriptor_id.is_empty() && descriptor.id != placement.descriptor_id {
+            return Err(Status::failed_precondition(format!(
+                "harness {:?} reports descriptor id {:?}, registered as {:?}",
+                placement.harness, descriptor.id, placement.descriptor_id
+            )));
+        }
+        if let Some(caps) = &descriptor.capabilities {
+            crate::runtime::placement::can_place(
+                caps,
+                placement.runtime.name(),
+                &placement.runtime.capabilities(),
+            )
+            .map_err(|e| Status::failed_precondition(e.to_string()))?;
+        }
+        Ok((endpoint, descriptor))
+    }
+}
+
+/// The API view: the stored row plus what the log says; a deleted session shows TERMINATED.
+pub fn view_of(row: &SessionRow, records: &[LogRecord]) -> Session {
+    let mut s = session_view(row, records);
+    if row.deletion == DeletionState::Deleted {
+        s.compute_state = ComputeState::ComputeTerminated as i32;
+    }
+    s
+}
+
+/// The most recent SUSPEND snapshot this session took itself (inherited parent refs skipped).
+pub fn own_suspend_ref(records: &[LogRecord], uid: &str) -> Option<SnapshotRef> {
+    records
+        .iter()
+        .rev()
+        .find_map(|r| match &r.event.as_ref()?.body {
+            Some(Body::Lifecycle(l))
+                if l.kind == LifecycleKind::LifecycleSuspend as i32
+                    && r.event.as_ref()?.kind == EventKind::EventLifecycle as i32
+                    && l.snapshot_local == uid =>
+            {
+                Some(SnapshotRef {
+                    local: l.snapshot_local.clone(),
+                    external_uri: l.snapshot_external_uri.clone(),
+                    memory: l.snapshot_memory,
+                    sealed: l.snapshot_sealed,
+                })
+            }
+            _ => None,
+        })
+}

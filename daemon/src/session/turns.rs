@@ -1,0 +1,409 @@
+//! Exec, Resume and Suspend: everything that runs an execution or moves a session's compute.
+
+use agentvm_proto::v1::{
+    ComputeState, EventKind, ExecRequest, ExecUpdate, Lifecycle, Session, SnapshotRef, event::Body,
+    exec_update::Update, lifecycle::Kind as LifecycleKind,
+};
+use tokio::sync::mpsc;
+use tonic::Status;
+
+use super::guard::{Held, Hold};
+use super::{NewSession, Placement, SessionHost, busy, own_suspend_ref, runtime_status, view_of};
+use crate::api::status::journal_status;
+use crate::controller::log::SessionLog;
+use crate::controller::{
+    GateState, Interrupt, NewExecution, Turn, TurnOutcome, gate_state, inherited_open_intent, stamp,
+};
+use crate::journal::SessionRow;
+use crate::runtime::placement::can_place;
+use crate::runtime::{Incarnation, SessionSpec, SnapshotKind};
+
+pub type Updates = mpsc::Sender<Result<ExecUpdate, Status>>;
+
+fn session_frame(s: Session) -> Result<ExecUpdate, Status> {
+    Ok(ExecUpdate {
+        update: Some(Update::Session(s)),
+    })
+}
+
+fn parse_log(records: Vec<agentvm_proto::v1::LogRecord>) -> Result<SessionLog, Status> {
+    SessionLog::parse(records).map_err(Status::from)
+}
+
+impl SessionHost {
+    /// Exec: streams the Session first, then records and deltas, then the final Session.
+    /// An error after the first frame is returned for the caller to send as the stream's end.
+    pub async fn exec(&self, req: ExecRequest, updates: &Updates) -> Result<(), Status> {
+        let row = if req.session.is_empty() {
+            self.create_row(NewSession {
+                harness: req.harness.clone(),
+                ..Default::default()
+            })?
+        } else {
+            self.active_row(&req.session)?
+        };
+        let uid = row.uid.clone();
+        let mut harness = row.harness.clone();
+        if !req.harness.is_empty() && req.harness != row.harness {
+            let over = self.place(&req.harness)?;
+            let pinned = self
+                .place(&row.harness)
+                .map(|p| p.registered)
+                .unwrap_or(true);
+            if over.registered || pinned {
+                return Err(Status::failed_precondition(format!(
+                    "harness: session {uid} is pinned to {:?}; a registered harness cannot be switched per turn",
+                    row.harness
+                )));
+            }
+            harness = req.harness.clone();
+        }
+        let records = self.records(&uid)?;
+        if updates
+            .send(session_frame(view_of(&row, &records)))
+            .await
+            .is_err()
+        {
+            return Ok(());
+        }
+
+        let held = self
+            .guards
+            .try_hold(&uid, Hold::Turn)
+            .map_err(|b| busy(&uid, b))?;
+        let deadline = match req.deadline_unix {
+            0 => None,
+            unix => {
+                let now = crate::clock::now_nanos() / 1_000_000_000;
+                if unix <= now {
+                    return Err(Status::deadline_exceeded(format!(
+                        "deadline_unix {unix} has already passed"
+                    )));
+                }
+                Some(
+                    tokio::time::Instant::now()
+                        + std::time::Duration::from_secs((unix - now) as u64),
+                )
+            }
+        };
+        let log = parse_log(records)?;
+        let pending = log.pending().filter(|x| !x.is_legacy());
+        if let Some(x) = pending {
+            match gate_state(x) {
+                GateState::Clear => {}
+                GateState::Pending(_) if req.inputs.is_empty() => {
+                    // Waiting for a decision: the same Session, no IO, no journal change.
+                    let _ = updates.send(session_frame(self.view(&uid)?)).await;
+                    return Ok(());
+                }
+                _ if !req.inputs.is_empty() => {
+                    return Err(Status::failed_precondition(format!(
+                        "ApprovalBlocked: execution {} has an approval gate without a receipt; decide it and resume before new input",
+                        x.id
+                    )));
+                }
+                _ => {}
+            }
+        }
+        let recovering = req.inputs.is_empty() && pending.is_some();
+        if let Some(x) = pending.filter(|_| recovering)
+            && let Some(start) = &x.start
+            && !start.harness.is_empty()
+        {
+            harness = start.harness.clone();
+        }
+        let placement = self.place(&harness).map_err(|s| {
+            if recovering {
+                Status::failed_precondition(format!(
+                    "the interrupted execution's harness is not served here: {}",
+                    s.message()
+                ))
+            } else {
+                s
+            }
+        })?;
+        let turn = self
+            .admit(&row, &placement, &held, deadline, Some(updates.clone()))
+            .await?;
+        let (turn, forward) = turn;
+        let outcome = if recovering {
+            self.controller.resume(&turn).await
+        } else {
+            self.controller
+                .exec(
+                    &turn,
+                    NewExecution {
+                        inputs: req.inputs,
+                        config: req.config,
+                        resume_from_seq: req.resume_from_seq,
+                        expected_last_seq: req.expected_last_seq,
+                    },
+                )
+                .await
+                .map(Some)
+        };
+        let fence = turn.fence;
+        drop(turn);
+        let _ = forward.await;
+        match outcome.map_err(Status::from)? {
+            Some(TurnOutcome::Parked { head, .. }) => {
+                self.park_handoff(&uid, head, fence).await?;
+            }
+            Some(TurnOutcome::Completed { .. }) | None => {}
+        }
+        drop(held);
+        let _ = updates.send(session_frame(self.view(&uid)?)).await;
+        Ok(())
+    }
+
+    /// CanPlace, compute (attach, restore or create), dial, Describe, then a fresh fence.
+    /// The returned task forwards the controller's records and deltas to `updates`.
+    async fn admit(
+        &self,
+        row: &SessionRow,
+        placement: &Placement,
+        held: &Held,
+        deadline: Option<tokio::time::Instant>,
+        updates: Option<Updates>,
+    ) -> Result<(Turn, tokio::task::JoinHandle<()>), Status> {
+        let runtime = &placement.runtime;
+        can_place(
+            &placement.capabilities,
+            runtime.name(),
+            &runtime.capabilities(),
+        )
+        .map_err(|e| Status::failed_precondition(e.to_string()))?;
+        let incarnation = self.provision(row, placement).await?;
+        let (endpoint, descriptor) = match self.describe(placement, &incarnation).await {
+            Ok(d) => d,
+            Err(s) => {
+                // A compute we cannot reach is not kept as the session's incarnation.
+                if let Some((inc, rt)) = self.live_take(&row.uid) {
+                    let _ = rt.stop(&inc).await;
+                }
+                return Err(s);
+            }
+        };
+        let fence = self
+            .journal
+            .new_fence(&row.uid)
+            .map_err(|e| journal_status(&e))?;
+        let (observer, forward) = match updates {
+            Some(updates) => {
+                let (tx, mut rx) = mpsc::channel::<ExecUpdate>(64);
+                let task = tokio::spawn(async move {
+                    while let Some(u) = rx.recv().await {
+                        if updates.send(Ok(u)).await.is_err() {
+                            // The caller stopped reading; keep draining so the turn never blocks.
+                            while rx.recv().await.is_some() {}
+                            return;
+                        }
+                    }
+                });
+                (Some(tx), task)
+            }
+            None => (None, tokio::spawn(async {})),
+        };
+        Ok((
+            Turn {
+                session: row.uid.clone(),
+                fence,
+                fork_seq: row.fork_seq,
+                harness: placement.harness.clone(),
+                descriptor,
+                endpoint,
+                identity: row.identity.clone(),
+                observer,
+                deadline,
+                interrupt: Some(held.interrupt.clone()),
+            },
+            forward,
+        ))
+    }
+
+    /// The session's live incarnation; otherwise restore its own memory snapshot (memory
+    /// tier, cold) or create fresh compute.
+    async fn provision(
+        &self,
+        row: &SessionRow,
+        placement: &Placement,
+    ) -> Result<Incarnation, Status> {
+        if let Some((inc, _)) = self.live_get(&row.uid) {
+            return Ok(inc);
+        }
+        let spec = SessionSpec {
+            session_uid: row.uid.clone(),
+            image: String::new(),
+            harness: placement.harness.clone(),
+            identity: row.identity.clone(),
+        };
+        let snapshot = if placement.memory_tier() && row.compute_state == ComputeState::ComputeCold
+        {
+            own_suspend_ref(&self.records(&row.uid)?, &row.uid).filter(|r| r.memory)
+        } else {
+            None
+        };
+        let inc = match snapshot {
+            Some(r) => placement.runtime.restore(&r, &spec).await,
+            None => placement.runtime.create(&spec).await,
+        }
+        .map_err(|e| runtime_status(&e))?;
+        self.live_put(&row.uid, inc.clone(), placement.runtime.clone());
+        Ok(inc)
+    }
+
+    /// After a park: close the harness, take the external snapshot and append SUSPEND at the
+    /// head the park left, under the execution's fence.
+    async fn park_handoff(&self, uid: &str, head: i64, fence: i64) -> Result<(), Status> {
+        let snapshot = self.checkpoint(uid).await?;
+        self.append_lifecycle(
+            uid,
+            head,
+            fence,
+            LifecycleKind::LifecycleSuspend,
+            "approval park",
+            Some(snapshot),
+        )?;
+        Ok(())
+    }
+
+    /// Snapshot(EXTERNAL) of the live compute (freeing it); a session without live compute
+    /// has nothing in memory, so its reference is the session itself.
+    pub(super) async fn checkpoint(&self, uid: &str) -> Result<SnapshotRef, Status> {
+        match self.live_take(uid) {
+            Some((inc, runtime)) => runtime
+                .snapshot(&inc, SnapshotKind::External)
+                .await
+                .map_err(|e| Status::internal(format!("snapshot of session {uid}: {e}"))),
+            None => Ok(SnapshotRef {
+                local: uid.to_owned(),
+                ..Default::default()
+            }),
+        }
+    }
+
+    pub(super) fn append_lifecycle(
+        &self,
+        uid: &str,
+        head: i64,
+        fence: i64,
+        kind: LifecycleKind,
+        detail: &str,
+        snapshot: Option<SnapshotRef>,
+    ) -> Result<agentvm_proto::v1::LogRecord, Status> {
+        let snapshot = snapshot.unwrap_or_default();
+        let event = stamp(
+            "",
+            EventKind::EventLifecycle,
+            Body::Lifecycle(Lifecycle {
+                kind: kind as i32,
+                detail: detail.to_owned(),
+                snapshot_local: snapshot.local,
+                snapshot_external_uri: snapshot.external_uri,
+                snapshot_memory: snapshot.memory,
+                snapshot_sealed: snapshot.sealed,
+            }),
+        );
+        let mut records = self
+            .journal
+            .append(uid, head, fence, &[event])
+            .map_err(|e| journal_status(&e))?;
+        Ok(records.remove(0))
+    }
+
+    /// Suspend: preempts a running turn (it stays resumable), snapshots and frees the compute,
+    /// appends SUSPEND. Already cold → unchanged.
+    pub async fn suspend(&self, uid: &str) -> Result<Session, Status> {
+        self.active_row(uid)?;
+        let _held = self
+            .guards
+            .preempt_and_hold(
+                uid,
+                Hold::Checkpoint,
+                Interrupt::Supersede("suspended".into()),
+            )
+            .await
+            .map_err(|b| busy(uid, b))?;
+        let row = self.active_row(uid)?;
+        if row.compute_state == ComputeState::ComputeCold && self.live_get(uid).is_none() {
+            return self.view(uid);
+        }
+        let snapshot = self.checkpoint(uid).await?;
+        let fence = self
+            .journal
+            .new_fence(uid)
+            .map_err(|e| journal_status(&e))?;
+        let head = self.row(uid)?.last_seq;
+        self.append_lifecycle(
+            uid,
+            head,
+            fence,
+            LifecycleKind::LifecycleSuspend,
+            "",
+            Some(snapshot),
+        )?;
+        tracing::info!(session = %uid, "session suspended");
+        self.view(uid)
+    }
+
+    /// Resume: bring compute back (restoring the session's own snapshot), re-drive an
+    /// interrupted execution, append RESUME when the session was cold.
+    pub async fn resume(&self, uid: &str) -> Result<Session, Status> {
+        let row = self.active_row(uid)?;
+        let held = self
+            .guards
+            .try_hold(uid, Hold::Turn)
+            .map_err(|b| busy(uid, b))?;
+        let records = self.records(uid)?;
+        let log = parse_log(records.clone())?;
+        let pending = log.pending().filter(|x| !x.is_legacy());
+        let mut harness = row.harness.clone();
+        if let Some(x) = pending {
+            if let GateState::Pending(p) = gate_state(x) {
+                if p.request_seq <= row.fork_seq {
+                    return Err(Status::failed_precondition(format!(
+                        "InheritedToolIntent: the approval gate of call {:?} was inherited from the parent; Exec a new turn",
+                        p.tool_call_id
+                    )));
+                }
+                return Ok(view_of(&row, &records));
+            }
+            if let Some(call) = inherited_open_intent(x, row.fork_seq) {
+                return Err(Status::failed_precondition(format!(
+                    "InheritedToolIntent: tool call {call:?} was started by the parent session; Exec a new turn"
+                )));
+            }
+            if let Some(start) = &x.start
+                && !start.harness.is_empty()
+            {
+                harness = start.harness.clone();
+            }
+        }
+        let placement = self.place(&harness).map_err(|s| {
+            Status::failed_precondition(format!(
+                "recorded harness not served here: {}",
+                s.message()
+            ))
+        })?;
+        let was_cold = row.compute_state == ComputeState::ComputeCold;
+        let (turn, forward) = self.admit(&row, &placement, &held, None, None).await?;
+        let outcome = if pending.is_some() {
+            self.controller.resume(&turn).await.map_err(Status::from)?
+        } else {
+            None
+        };
+        let fence = turn.fence;
+        drop(turn);
+        let _ = forward.await;
+        if let Some(TurnOutcome::Parked { head, .. }) = outcome {
+            self.park_handoff(uid, head, fence).await?;
+            return self.view(uid);
+        }
+        if was_cold {
+            let head = self.row(uid)?.last_seq;
+            self.append_lifecycle(uid, head, fence, LifecycleKind::LifecycleResume, "", None)?;
+        }
+        tracing::info!(session = %uid, "session resumed");
+        self.view(uid)
+    }
+}
