@@ -1,0 +1,1112 @@
+//! The Sessions API over gRPC, end to end: an agentvmd node assembled in-process on a unix
+//! socket, harnesses as real processes (`agentvm harness serve`, the process runtime) or as
+//! test harnesses registered at an address (the remote runtime). Tests are named after the
+//! semantics.md §6 scenarios they prove.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use agentvm_harnesses::sdk::{Execution, Harness, HarnessFailure, Sink};
+use agentvm_harnesses::server::GrpcHarness;
+use agentvm_proto::v1::sessions_client::SessionsClient;
+use agentvm_proto::v1::{
+    ApproveRequest, CancelRequest, Capabilities, ComputeState, CreateSessionRequest,
+    DeleteSessionRequest, EventKind, ExecRequest, ExecState, ExecUpdate, ForkRequest,
+    GetSessionRequest, HarnessDescriptor, HarnessSpec, IdentityRef, ListSessionsRequest, LogRecord,
+    Mediation, Message, ModelCall, Origin, Part, RemotePlacement, ReplayRequest, ResourceMetadata,
+    Resumability, ResumeRequest, Session, SuspendRequest, TextPart, ToolCall, event::Body,
+    exec_update::Update, harness_spec::Placement, part,
+};
+use agentvmd::config::ListenAddr;
+use agentvmd::journal::sqlite::Durability;
+use agentvmd::journal::verify::verify_chain;
+use agentvmd::node::{Node, NodeConfig};
+use tokio::sync::Semaphore;
+use tonic::transport::Channel;
+use tonic::{Code, Status};
+
+// ---------- fixture ----------
+
+struct TestNode {
+    _dir: tempfile::TempDir,
+    dir: PathBuf,
+    node: Node,
+    client: SessionsClient<Channel>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Drop for TestNode {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+async fn start() -> TestNode {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().to_owned();
+    let mut cfg = NodeConfig::new(path.join("state"));
+    cfg.harness_command = vec![
+        env!("CARGO_BIN_EXE_agentvm").into(),
+        "harness".into(),
+        "serve".into(),
+    ];
+    cfg.durability = Durability::Relaxed;
+    let node = Node::open(cfg).unwrap();
+    let socket = path.join("api.sock");
+    let addr = ListenAddr::Unix(socket.clone());
+    let routes = agentvmd::server::api_routes(node.host.clone())
+        .await
+        .unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    {
+        let addr = addr.clone();
+        tokio::spawn(async move {
+            agentvmd::server::serve(&addr, routes, 0o600, async {
+                let _ = stop_rx.await;
+            })
+            .await
+            .unwrap();
+        });
+    }
+    for _ in 0..200 {
+        if socket.exists() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let channel = agentvmd::client::connect(&addr).await.unwrap();
+    TestNode {
+        _dir: dir,
+        dir: path,
+        node,
+        client: SessionsClient::new(channel),
+        stop: Some(stop_tx),
+    }
+}
+
+impl TestNode {
+    fn c(&self) -> SessionsClient<Channel> {
+        self.client.clone()
+    }
+
+    /// Serves `harness` on a socket in the test directory and registers it as `name`.
+    fn register(&self, name: &str, harness: Arc<dyn Harness>) {
+        let socket = self.dir.join(format!("{name}.sock"));
+        let listener = tokio::net::UnixListener::bind(&socket).unwrap();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(GrpcHarness::new(harness.clone()).into_service())
+                .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
+        );
+        let spec = HarnessSpec {
+            placement: Some(Placement::Remote(RemotePlacement {
+                address: format!("unix://{}", socket.display()),
+            })),
+            capabilities: harness.descriptor().capabilities,
+            descriptor_id: String::new(),
+        };
+        self.node.registry.register(name, Some(spec)).unwrap();
+    }
+
+    async fn create(&self, harness: &str) -> Session {
+        self.c()
+            .create_session(CreateSessionRequest {
+                session: Some(Session {
+                    harness: harness.into(),
+                    ..Default::default()
+                }),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
+    async fn get(&self, uid: &str) -> Session {
+        self.c()
+            .get_session(GetSessionRequest { uid: uid.into() })
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
+    async fn replay(&self, uid: &str) -> Vec<LogRecord> {
+        let mut s = self
+            .c()
+            .replay(ReplayRequest {
+                session: uid.into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut out = Vec::new();
+        while let Some(r) = s.message().await.unwrap() {
+            out.push(r);
+        }
+        out
+    }
+}
+
+fn text(role: &str, t: &str) -> Message {
+    Message {
+        role: role.into(),
+        parts: vec![Part {
+            part: Some(part::Part::Text(TextPart { text: t.into() })),
+        }],
+    }
+}
+
+fn uid(s: &Session) -> String {
+    s.metadata.as_ref().unwrap().uid.clone()
+}
+
+fn exec_req(session: &str, input: &str) -> ExecRequest {
+    ExecRequest {
+        session: session.into(),
+        inputs: vec![text("user", input)],
+        ..Default::default()
+    }
+}
+
+/// Everything an Exec stream delivered, and how it ended.
+#[derive(Debug, Default)]
+struct ExecResult {
+    frames: Vec<Update>,
+    end: Option<Status>,
+}
+
+impl ExecResult {
+    fn records(&self) -> Vec<LogRecord> {
+        self.frames
+            .iter()
+            .filter_map(|u| match u {
+                Update::Record(r) => Some(r.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+    fn sessions(&self) -> Vec<Session> {
+        self.frames
+            .iter()
+            .filter_map(|u| match u {
+                Update::Session(s) => Some(s.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+    fn outputs(&self) -> Vec<String> {
+        outputs(&self.records())
+    }
+    fn code(&self) -> Code {
+        self.end.as_ref().map_or(Code::Ok, |s| s.code())
+    }
+}
+
+async fn exec(c: &mut SessionsClient<Channel>, req: ExecRequest) -> ExecResult {
+    let mut result = ExecResult::default();
+    let mut stream = match c.exec(req).await {
+        Ok(s) => s.into_inner(),
+        Err(s) => {
+            result.end = Some(s);
+            return result;
+        }
+    };
+    loop {
+        match stream.message().await {
+            Ok(Some(ExecUpdate { update: Some(u) })) => result.frames.push(u),
+            Ok(Some(_)) => {}
+            Ok(None) => return result,
+            Err(s) => {
+                result.end = Some(s);
+                return result;
+            }
+        }
+    }
+}
+
+fn outputs(records: &[LogRecord]) -> Vec<String> {
+    records
+        .iter()
+        .filter_map(|r| match &r.event.as_ref()?.body {
+            Some(Body::Message(m)) if m.role == "assistant" => Some(
+                m.parts
+                    .iter()
+                    .filter_map(|p| match &p.part {
+                        Some(part::Part::Text(t)) => Some(t.text.clone()),
+                        _ => None,
+                    })
+                    .collect(),
+            ),
+            _ => None,
+        })
+        .collect()
+}
+
+fn kinds(records: &[LogRecord]) -> Vec<EventKind> {
+    records
+        .iter()
+        .map(|r| EventKind::try_from(r.event.as_ref().unwrap().kind).unwrap())
+        .collect()
+}
+
+// ---------- test harnesses ----------
+
+/// Echo that waits for a permit before answering: a turn that stays running.
+struct Gate {
+    permits: Arc<Semaphore>,
+    started: Arc<Semaphore>,
+}
+
+impl Gate {
+    fn new() -> Arc<Self> {
+        Arc::new(Gate {
+            permits: Arc::new(Semaphore::new(0)),
+            started: Arc::new(Semaphore::new(0)),
+        })
+    }
+}
+
+#[async_trait::async_trait]
+impl Harness for Gate {
+    fn descriptor(&self) -> HarnessDescriptor {
+        agentvm_harnesses::echo::Echo.descriptor()
+    }
+    async fn run(&self, exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure> {
+        self.started.add_permits(1);
+        let permit = self
+            .permits
+            .acquire()
+            .await
+            .map_err(|_| HarnessFailure::new("closed"))?;
+        permit.forget();
+        agentvm_harnesses::echo::Echo.run(exec, sink).await
+    }
+}
+
+/// Asks for approval of one tool call, then says how it went.
+struct Approver;
+
+#[async_trait::async_trait]
+impl Harness for Approver {
+    fn descriptor(&self) -> HarnessDescriptor {
+        HarnessDescriptor {
+            id: "approver".into(),
+            version: "1".into(),
+            capabilities: Some(Capabilities {
+                resumability: Resumability::StatelessReplay as i32,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+    async fn run(&self, _exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure> {
+        let answer = sink
+            .tool_call(ToolCall {
+                id: "call-1".into(),
+                tool: "deploy".into(),
+                args: None,
+                mediation: Mediation::RequiresApproval as i32,
+                idempotency_key: "deploy-1".into(),
+            })
+            .await?;
+        let said = if answer.result.is_error {
+            "refused"
+        } else {
+            "done"
+        };
+        sink.output(text("assistant", said)).await?;
+        Ok(())
+    }
+}
+
+/// Echo with a config and cursor check: answers with what Start carried.
+struct StartEcho;
+
+#[async_trait::async_trait]
+impl Harness for StartEcho {
+    fn descriptor(&self) -> HarnessDescriptor {
+        agentvm_harnesses::echo::Echo.descriptor()
+    }
+    async fn run(&self, exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure> {
+        sink.model(ModelCall {
+            model: "echo".into(),
+            messages: vec![text(
+                "user",
+                &format!(
+                    "config={} cursor={}",
+                    String::from_utf8_lossy(&exec.start.config),
+                    exec.start.resume_from_seq
+                ),
+            )],
+            ..Default::default()
+        })
+        .await?;
+        Ok(())
+    }
+}
+
+// ---------- C. placement & service ----------
+
+#[tokio::test]
+async fn scenario_58_service_end_to_end() {
+    let n = start().await;
+    let mut c = n.c();
+    let s = n.create("echo").await;
+    let id = uid(&s);
+    assert_eq!(s.exec_state, ExecState::ExecPending as i32);
+    assert_eq!(s.compute_state, ComputeState::ComputeNone as i32);
+    let r = exec(&mut c, exec_req(&id, "hi")).await;
+    assert_eq!(r.code(), Code::Ok, "{:?}", r.end);
+    assert_eq!(r.outputs(), ["echo:hi"]);
+    let replayed = n.replay(&id).await;
+    assert_eq!(replayed.len(), 5);
+    assert_eq!(
+        replayed,
+        r.records(),
+        "Replay is byte-identical to what Exec streamed"
+    );
+    assert!(replayed.iter().all(|r| r.content_hash.len() == 64));
+
+    let children = c
+        .fork(ForkRequest {
+            session: id.clone(),
+            count: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .children;
+    assert_eq!(children.len(), 1);
+    let child = n.replay(&uid(&children[0])).await;
+    assert_eq!(child.len(), 6);
+    assert_eq!(child[..5], replayed[..]);
+
+    let suspended = c
+        .suspend(SuspendRequest {
+            session: id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(suspended.compute_state, ComputeState::ComputeCold as i32);
+    let resumed = c
+        .resume(ResumeRequest {
+            session: id.clone(),
+            boot: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(resumed.compute_state, ComputeState::ComputeLive as i32);
+    let mut bye = exec_req(&id, "bye");
+    bye.expected_last_seq = Some(resumed.last_seq);
+    let r = exec(&mut c, bye).await;
+    assert_eq!(r.code(), Code::Ok, "{:?}", r.end);
+    assert_eq!(r.outputs(), ["echo:bye"]);
+    let mut stale = exec_req(&id, "again");
+    stale.expected_last_seq = Some(0);
+    let r = exec(&mut c, stale).await;
+    assert_eq!(r.code(), Code::Aborted, "{:?}", r.end);
+    let all = n.replay(&id).await;
+    verify_chain(&all).unwrap();
+    assert_eq!(
+        kinds(&all)[5..7],
+        [EventKind::EventLifecycle, EventKind::EventLifecycle]
+    );
+}
+
+#[tokio::test]
+async fn scenario_59_fork_bounds() {
+    let n = start().await;
+    let mut c = n.c();
+    let id = uid(&n.create("echo").await);
+    assert_eq!(exec(&mut c, exec_req(&id, "x")).await.code(), Code::Ok);
+    let err = c
+        .fork(ForkRequest {
+            session: id.clone(),
+            count: 129,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("count"), "{}", err.message());
+    for bad in [0, -1] {
+        let err = c
+            .fork(ForkRequest {
+                session: id.clone(),
+                count: bad,
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument);
+    }
+    let children = c
+        .fork(ForkRequest {
+            session: id.clone(),
+            count: 128,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .children;
+    assert_eq!(children.len(), 128);
+    let mut uids: Vec<String> = children.iter().map(uid).collect();
+    uids.sort();
+    uids.dedup();
+    assert_eq!(uids.len(), 128);
+}
+
+#[tokio::test]
+async fn scenario_60_routing_errors() {
+    let n = start().await;
+    let mut c = n.c();
+    let err = c
+        .create_session(CreateSessionRequest {
+            session: Some(Session {
+                harness: "nope".into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(
+        err.message().contains("echo"),
+        "lists served names: {}",
+        err.message()
+    );
+    let id = uid(&n.create("echo").await);
+    let mut over = exec_req(&id, "x");
+    over.harness = "nope".into();
+    assert_eq!(exec(&mut c, over).await.code(), Code::InvalidArgument);
+    let r = exec(&mut c, exec_req("sess-000000000000000000000000", "x")).await;
+    assert_eq!(r.code(), Code::NotFound);
+    // A memory-snapshot harness cannot run on the process runtime.
+    let counter = uid(&n.create("counter").await);
+    let r = exec(&mut c, exec_req(&counter, "x")).await;
+    assert_eq!(r.code(), Code::FailedPrecondition, "{:?}", r.end);
+    assert_eq!(
+        n.get(&counter).await.last_seq,
+        0,
+        "refused before anything is journaled"
+    );
+}
+
+#[tokio::test]
+async fn scenario_61_implicit_create() {
+    let n = start().await;
+    let mut c = n.c();
+    let r = exec(
+        &mut c,
+        ExecRequest {
+            inputs: vec![text("user", "hi")],
+            harness: "chat".into(),
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_eq!(r.code(), Code::Ok, "{:?}", r.end);
+    let first = &r.sessions()[0];
+    let got = n.get(&uid(first)).await;
+    assert_eq!(got.harness, "chat");
+    assert_eq!(r.outputs(), ["echo:hi"]);
+}
+
+#[tokio::test]
+async fn scenario_62_session_frame_first_even_on_error() {
+    let n = start().await;
+    let mut c = n.c();
+    let id = uid(&n.create("echo").await);
+    let mut stale = exec_req(&id, "x");
+    stale.expected_last_seq = Some(7);
+    let r = exec(&mut c, stale).await;
+    assert!(
+        matches!(r.frames.first(), Some(Update::Session(_))),
+        "{:?}",
+        r.frames
+    );
+    assert_eq!(r.code(), Code::Aborted);
+    let ok = exec(&mut c, exec_req(&id, "y")).await;
+    assert!(matches!(ok.frames.first(), Some(Update::Session(s)) if s.last_seq == 0));
+    assert!(matches!(ok.frames.last(), Some(Update::Session(s)) if s.last_seq == 5));
+}
+
+#[tokio::test]
+async fn scenario_63_no_cas_appends_at_head_and_explicit_zero() {
+    let n = start().await;
+    let mut c = n.c();
+    let id = uid(&n.create("echo").await);
+    for w in ["a", "b", "c"] {
+        assert_eq!(exec(&mut c, exec_req(&id, w)).await.code(), Code::Ok);
+    }
+    assert_eq!(n.get(&id).await.last_seq, 15);
+    let fresh = uid(&n.create("echo").await);
+    let mut zero = exec_req(&fresh, "a");
+    zero.expected_last_seq = Some(0);
+    assert_eq!(exec(&mut c, zero.clone()).await.code(), Code::Ok);
+    assert_eq!(exec(&mut c, zero).await.code(), Code::Aborted);
+}
+
+#[tokio::test]
+async fn scenario_64_metadata_round_trip() {
+    let n = start().await;
+    let mut c = n.c();
+    let created = c
+        .create_session(CreateSessionRequest {
+            session: Some(Session {
+                metadata: Some(ResourceMetadata {
+                    project: "tenant".into(),
+                    name: "my-session".into(),
+                    ..Default::default()
+                }),
+                harness: "echo".into(),
+                model: "m".into(),
+                identity: Some(IdentityRef {
+                    principal: "p".into(),
+                    issuer: "i".into(),
+                    subject: "s".into(),
+                }),
+                origin: Some(Origin {
+                    source: "src".into(),
+                    ..Default::default()
+                }),
+                labels: [("team".to_owned(), "a".to_owned())].into(),
+                annotations: [("note".to_owned(), "v".to_owned())].into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let got = n.get(&uid(&created)).await;
+    assert_eq!(got.metadata.as_ref().unwrap().name, "my-session");
+    assert_eq!(got.metadata.as_ref().unwrap().project, "tenant");
+    assert_eq!(got.identity.as_ref().unwrap().principal, "p");
+    assert_eq!(got.origin.as_ref().unwrap().source, "src");
+    assert_eq!(got.labels["team"], "a");
+    assert_eq!(got.annotations["note"], "v");
+    let bare = n.get(&uid(&n.create("echo").await)).await;
+    assert!(bare.identity.is_none() && bare.origin.is_none() && bare.labels.is_empty());
+    assert_eq!(bare.metadata.as_ref().unwrap().project, "default");
+
+    let listed = c
+        .list_sessions(ListSessionsRequest {
+            project: "tenant".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(listed.sessions.len(), 1);
+    assert_eq!(listed.sessions[0].labels["team"], "a");
+
+    let id = uid(&created);
+    assert_eq!(exec(&mut c, exec_req(&id, "x")).await.code(), Code::Ok);
+    let child = &c
+        .fork(ForkRequest {
+            session: id,
+            count: 1,
+            labels: [("fork".to_owned(), "yes".to_owned())].into(),
+            child_names: vec!["kid".into()],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .children[0];
+    assert_eq!(
+        child.labels.len(),
+        1,
+        "labels come from the request, never inherited"
+    );
+    assert_eq!(child.labels["fork"], "yes");
+    assert_eq!(child.annotations["note"], "v");
+    assert_eq!(child.origin.as_ref().unwrap().source, "src");
+    assert_eq!(child.metadata.as_ref().unwrap().name, "kid");
+    assert_eq!(child.parent_uid, uid(&created));
+    assert_eq!(child.fork_seq, 5);
+    assert_eq!(child.compute_state, ComputeState::ComputeCold as i32);
+}
+
+#[tokio::test]
+async fn scenario_65_exec_state_and_past_deadline() {
+    let n = start().await;
+    let mut c = n.c();
+    let id = uid(&n.create("echo").await);
+    assert_eq!(n.get(&id).await.exec_state, ExecState::ExecPending as i32);
+    assert_eq!(exec(&mut c, exec_req(&id, "x")).await.code(), Code::Ok);
+    assert_eq!(n.get(&id).await.exec_state, ExecState::ExecCompleted as i32);
+    let mut late = exec_req(&id, "y");
+    late.deadline_unix = 1;
+    assert_eq!(exec(&mut c, late).await.code(), Code::DeadlineExceeded);
+    assert_eq!(n.get(&id).await.last_seq, 5);
+}
+
+#[tokio::test]
+async fn scenario_66_config_and_cursor_reach_the_harness() {
+    let n = start().await;
+    n.register("startecho", Arc::new(StartEcho));
+    let mut c = n.c();
+    let id = uid(&n.create("startecho").await);
+    let mut req = exec_req(&id, "x");
+    req.config = b"cfg-1".to_vec();
+    req.resume_from_seq = 42;
+    let r = exec(&mut c, req).await;
+    assert_eq!(r.code(), Code::Ok, "{:?}", r.end);
+    assert_eq!(r.outputs(), ["echo:config=cfg-1 cursor=42"]);
+    let first = &r.records()[0];
+    assert_eq!(first.seq, 1);
+    match &first.event.as_ref().unwrap().body {
+        Some(Body::ExecutionStart(s)) => {
+            assert_eq!(s.config, b"cfg-1");
+            assert_eq!(s.resume_from_seq, 42);
+            assert_eq!(s.harness, "startecho");
+        }
+        other => panic!("{other:?}"),
+    }
+    let one = c
+        .replay(ReplayRequest {
+            session: id,
+            from_seq: 0,
+            to_seq: 1,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .message()
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(&one, first);
+}
+
+#[tokio::test]
+async fn scenario_68_and_69_overlap_and_checkpoint_preemption() {
+    let n = start().await;
+    let gate = Gate::new();
+    n.register("gate", gate.clone());
+    let id = uid(&n.create("gate").await);
+    let other = uid(&n.create("echo").await);
+    let turn = {
+        let mut c = n.c();
+        let id = id.clone();
+        tokio::spawn(async move { exec(&mut c, exec_req(&id, "slow")).await })
+    };
+    tokio::time::timeout(Duration::from_secs(10), gate.started.acquire())
+        .await
+        .expect("the gated turn never started")
+        .unwrap()
+        .forget();
+    let mut c = n.c();
+    // Overlapping Exec and Resume are refused at once, changing nothing.
+    let before = n.get(&id).await;
+    assert_eq!(
+        exec(&mut c, exec_req(&id, "again")).await.code(),
+        Code::Aborted
+    );
+    let err = c
+        .resume(ResumeRequest {
+            session: id.clone(),
+            boot: false,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Aborted);
+    assert_eq!(n.get(&id).await.last_seq, before.last_seq);
+    // An independent session proceeds.
+    assert_eq!(exec(&mut c, exec_req(&other, "x")).await.code(), Code::Ok);
+    // Suspend preempts the running turn, which ends ABORTED and stays resumable.
+    let s = c
+        .suspend(SuspendRequest {
+            session: id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(s.compute_state, ComputeState::ComputeCold as i32);
+    let r = turn.await.unwrap();
+    assert_eq!(r.code(), Code::Aborted, "{:?}", r.end);
+    let records = n.replay(&id).await;
+    assert!(!kinds(&records).contains(&EventKind::EventError));
+    assert_eq!(*kinds(&records).last().unwrap(), EventKind::EventLifecycle);
+    // Resume re-drives the interrupted turn. The preempted run still waits in the harness
+    // (the host only closed its stream), so it takes one permit and the re-drive the other.
+    gate.permits.add_permits(2);
+    let resumed = c
+        .resume(ResumeRequest {
+            session: id.clone(),
+            boot: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(resumed.compute_state, ComputeState::ComputeLive as i32);
+    let records = n.replay(&id).await;
+    assert_eq!(outputs(&records), ["echo:slow"]);
+    verify_chain(&records).unwrap();
+}
+
+#[tokio::test]
+async fn cancel_stops_a_running_execution() {
+    let n = start().await;
+    let gate = Gate::new();
+    n.register("gate", gate.clone());
+    let id = uid(&n.create("gate").await);
+    let turn = {
+        let mut c = n.c();
+        let id = id.clone();
+        tokio::spawn(async move { exec(&mut c, exec_req(&id, "slow")).await })
+    };
+    tokio::time::timeout(Duration::from_secs(10), gate.started.acquire())
+        .await
+        .expect("the gated turn never started")
+        .unwrap()
+        .forget();
+    let mut c = n.c();
+    c.cancel(CancelRequest {
+        session: id.clone(),
+        execution_id: String::new(),
+        reason: "user pressed stop".into(),
+    })
+    .await
+    .unwrap();
+    assert_eq!(turn.await.unwrap().code(), Code::Cancelled);
+    let records = n.replay(&id).await;
+    assert_eq!(
+        kinds(&records)[2..],
+        [EventKind::EventEnd, EventKind::EventLifecycle]
+    );
+    match &records[2].event.as_ref().unwrap().body {
+        Some(Body::End(e)) => assert_eq!(e.state, "CANCELED"),
+        other => panic!("{other:?}"),
+    }
+    // Nothing unfinished remains: a second Cancel with nothing running is refused.
+    let again = c
+        .cancel(CancelRequest {
+            session: id.clone(),
+            execution_id: "0000000000000000".into(),
+            reason: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(again.code(), Code::FailedPrecondition);
+    // New work still runs after a cancel (one permit frees the abandoned run).
+    gate.permits.add_permits(2);
+    assert_eq!(exec(&mut c, exec_req(&id, "next")).await.code(), Code::Ok);
+    verify_chain(&n.replay(&id).await).unwrap();
+}
+
+#[tokio::test]
+async fn delete_session_refuses_further_work() {
+    let n = start().await;
+    let mut c = n.c();
+    let id = uid(&n.create("echo").await);
+    assert_eq!(exec(&mut c, exec_req(&id, "x")).await.code(), Code::Ok);
+    let deleted = c
+        .delete_session(DeleteSessionRequest { uid: id.clone() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        deleted.compute_state,
+        ComputeState::ComputeTerminated as i32
+    );
+    // Idempotent.
+    c.delete_session(DeleteSessionRequest { uid: id.clone() })
+        .await
+        .unwrap();
+    let r = exec(&mut c, exec_req(&id, "y")).await;
+    assert_eq!(r.code(), Code::FailedPrecondition);
+    let listed = c
+        .list_sessions(ListSessionsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(listed.sessions.iter().all(|s| uid(s) != id));
+    // The log stays readable for audit.
+    assert_eq!(n.replay(&id).await.len(), 5);
+    let err = c
+        .delete_session(DeleteSessionRequest {
+            uid: "sess-000000000000000000000000".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+}
+
+#[tokio::test]
+async fn scenario_81_approval_park_decide_resume() {
+    let n = start().await;
+    n.register("approver", Arc::new(Approver));
+    let mut c = n.c();
+    let id = uid(&n.create("approver").await);
+    let r = exec(&mut c, exec_req(&id, "deploy it")).await;
+    assert_eq!(r.code(), Code::Ok, "a park ends the stream OK: {:?}", r.end);
+    let last = r.sessions().pop().unwrap();
+    assert_eq!(last.exec_state, ExecState::ExecAwaiting as i32);
+    assert_eq!(last.compute_state, ComputeState::ComputeCold as i32);
+    let pending = last.pending_approval.clone().unwrap();
+    assert_eq!(pending.tool_call_id, "call-1");
+    // While pending: Resume and inputless Exec change nothing; new input is refused.
+    let head = n.get(&id).await.last_seq;
+    let again = c
+        .resume(ResumeRequest {
+            session: id.clone(),
+            boot: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(again.pending_approval, Some(pending.clone()));
+    let inputless = exec(
+        &mut c,
+        ExecRequest {
+            session: id.clone(),
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_eq!(inputless.code(), Code::Ok);
+    assert_eq!(n.get(&id).await.last_seq, head);
+    assert_eq!(
+        exec(&mut c, exec_req(&id, "more")).await.code(),
+        Code::FailedPrecondition
+    );
+    // Decide: deny. An exact retry returns the same record; a changed one is refused.
+    let approve = ApproveRequest {
+        session: id.clone(),
+        execution_id: pending.execution_id.clone(),
+        tool_call_id: pending.tool_call_id.clone(),
+        request_seq: pending.request_seq,
+        approved: Some(false),
+        reason: "not today".into(),
+        identity: Some(IdentityRef {
+            principal: "human".into(),
+            ..Default::default()
+        }),
+    };
+    let decided = c.approve(approve.clone()).await.unwrap().into_inner();
+    let retry = c.approve(approve.clone()).await.unwrap().into_inner();
+    assert_eq!(decided.decision, retry.decision);
+    let mut changed = approve.clone();
+    changed.approved = Some(true);
+    assert_eq!(
+        c.approve(changed).await.unwrap_err().code(),
+        Code::FailedPrecondition
+    );
+    assert!(decided.session.unwrap().pending_approval.is_none());
+    // Resume completes the turn with the denial receipt.
+    let done = c
+        .resume(ResumeRequest {
+            session: id.clone(),
+            boot: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(done.exec_state, ExecState::ExecCompleted as i32);
+    let records = n.replay(&id).await;
+    assert_eq!(outputs(&records), ["refused"]);
+    verify_chain(&records).unwrap();
+    // The receipt unlocks new input.
+    let next = exec(&mut c, exec_req(&id, "again")).await;
+    assert_eq!(next.code(), Code::Ok, "{:?}", next.end);
+}
+
+#[tokio::test]
+async fn list_sessions_pages_newest_first() {
+    let n = start().await;
+    let mut c = n.c();
+    let mut made = Vec::new();
+    for _ in 0..5 {
+        made.push(uid(&n.create("echo").await));
+    }
+    let mut seen = Vec::new();
+    let mut token = String::new();
+    loop {
+        let page = c
+            .list_sessions(ListSessionsRequest {
+                project: String::new(),
+                page_size: 2,
+                page_token: token,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(page.sessions.len() <= 2);
+        seen.extend(page.sessions.iter().map(uid));
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        token = page.next_page_token;
+    }
+    made.reverse();
+    assert_eq!(seen, made);
+    let err = c
+        .list_sessions(ListSessionsRequest {
+            page_token: "garbage!".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+}
+
+#[tokio::test]
+async fn bad_requests_name_the_field() {
+    let n = start().await;
+    let mut c = n.c();
+    let id = uid(&n.create("echo").await);
+    let field = |s: Status, f: &str| {
+        assert_eq!(s.code(), Code::InvalidArgument, "{f}: {s:?}");
+        assert!(s.message().starts_with(f), "{f}: {}", s.message());
+    };
+    field(
+        c.get_session(GetSessionRequest::default())
+            .await
+            .unwrap_err(),
+        "uid",
+    );
+    field(
+        c.suspend(SuspendRequest::default()).await.unwrap_err(),
+        "session",
+    );
+    field(
+        c.resume(ResumeRequest::default()).await.unwrap_err(),
+        "session",
+    );
+    field(
+        c.cancel(CancelRequest::default()).await.unwrap_err(),
+        "session",
+    );
+    field(
+        c.delete_session(DeleteSessionRequest::default())
+            .await
+            .unwrap_err(),
+        "uid",
+    );
+    let base = ApproveRequest {
+        session: id.clone(),
+        execution_id: "e".into(),
+        tool_call_id: "t".into(),
+        request_seq: 3,
+        approved: Some(true),
+        ..Default::default()
+    };
+    for (f, req) in [
+        (
+            "session",
+            ApproveRequest {
+                session: String::new(),
+                ..base.clone()
+            },
+        ),
+        (
+            "execution_id",
+            ApproveRequest {
+                execution_id: String::new(),
+                ..base.clone()
+            },
+        ),
+        (
+            "tool_call_id",
+            ApproveRequest {
+                tool_call_id: String::new(),
+                ..base.clone()
+            },
+        ),
+        (
+            "request_seq",
+            ApproveRequest {
+                request_seq: 0,
+                ..base.clone()
+            },
+        ),
+        (
+            "approved",
+            ApproveRequest {
+                approved: None,
+                ..base.clone()
+            },
+        ),
+    ] {
+        field(c.approve(req).await.unwrap_err(), f);
+    }
+    let fork = ForkRequest {
+        session: id.clone(),
+        count: 2,
+        ..Default::default()
+    };
+    field(
+        c.fork(ForkRequest {
+            child_names: vec!["a".into()],
+            ..fork.clone()
+        })
+        .await
+        .unwrap_err(),
+        "child_names",
+    );
+    field(
+        c.fork(ForkRequest {
+            identity: Some(IdentityRef::default()),
+            ..fork.clone()
+        })
+        .await
+        .unwrap_err(),
+        "identity",
+    );
+    field(
+        c.fork(ForkRequest {
+            at_seq: -1,
+            ..fork.clone()
+        })
+        .await
+        .unwrap_err(),
+        "at_seq",
+    );
+    let mut bad_role = exec_req(&id, "x");
+    bad_role.inputs[0].role = "robot".into();
+    field(c.exec(bad_role).await.err().unwrap(), "inputs[0].role");
+    let mut neg = exec_req(&id, "x");
+    neg.expected_last_seq = Some(-1);
+    field(c.exec(neg).await.err().unwrap(), "expected_last_seq");
+    field(
+        c.replay(ReplayRequest {
+            session: id.clone(),
+            from_seq: 5,
+            to_seq: 2,
+        })
+        .await
+        .err()
+        .unwrap(),
+        "to_seq",
+    );
+    field(
+        c.create_session(CreateSessionRequest {
+            session: Some(Session {
+                metadata: Some(ResourceMetadata {
+                    uid: "sess-x".into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap_err(),
+        "session.metadata.uid",
+    );
+    let err = c
+        .get_session(GetSessionRequest {
+            uid: "sess-nope".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+}
