@@ -1,6 +1,7 @@
 //! agentvm: the client CLI.
 
 mod harness_cmd;
+mod sessions_cmd;
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -20,6 +21,9 @@ struct Cli {
     /// Print machine-readable JSON.
     #[arg(long, global = true)]
     json: bool,
+    /// The daemon's API address, `unix:PATH` or `HOST:PORT`. Default: agentvmd's default socket.
+    #[arg(long, global = true, env = "AGENTVM_ADDR")]
+    addr: Option<config::ListenAddr>,
     #[command(subcommand)]
     command: Command,
 }
@@ -32,6 +36,8 @@ enum Command {
     /// Run a reference harness.
     #[command(subcommand)]
     Harness(HarnessCommand),
+    #[command(flatten)]
+    Session(sessions_cmd::SessionCommand),
 }
 
 #[derive(Subcommand, Debug)]
@@ -63,7 +69,10 @@ fn main() -> ExitCode {
     match run(&cli) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("agentvm: {e:#}");
+            match e.downcast_ref::<tonic::Status>() {
+                Some(status) => eprintln!("agentvm: {:?}: {}", status.code(), status.message()),
+                None => eprintln!("agentvm: {e:#}"),
+            }
             ExitCode::from(2)
         }
     }
@@ -71,6 +80,15 @@ fn main() -> ExitCode {
 
 fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
     match &cli.command {
+        Command::Session(cmd) => {
+            let addr = cli.addr.clone().unwrap_or_else(config::default_listen);
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .context("starting the async runtime")?;
+            runtime.block_on(sessions_cmd::run(&addr, cli.json, cmd.clone()))?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Harness(HarnessCommand::Serve { name, listen }) => {
             harness_cmd::serve(name, listen)?;
             Ok(ExitCode::SUCCESS)
