@@ -76,7 +76,10 @@ fn cli(d: &Daemon, args: &[&str]) -> (bool, String, String) {
 fn cli_create_exec_replay_fork_verify() {
     let dir = tempfile::tempdir().unwrap();
     let d = start_daemon(dir.path());
-    let (ok, out, err) = cli(&d, &["--json", "create", "--harness", "echo", "--label", "a=b"]);
+    let (ok, out, err) = cli(
+        &d,
+        &["--json", "create", "--harness", "echo", "--label", "a=b"],
+    );
     assert!(ok, "{err}");
     let created: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     let uid = created["metadata"]["uid"].as_str().unwrap().to_owned();
@@ -85,7 +88,10 @@ fn cli_create_exec_replay_fork_verify() {
     let (ok, out, err) = cli(&d, &["exec", "--session", &uid, "-i", "hello"]);
     assert!(ok, "{err}");
     assert!(out.contains("echo:hello"), "{out}");
-    assert!(out.contains("EXECUTION_START") && out.contains("COMPLETED"), "{out}");
+    assert!(
+        out.contains("EXECUTION_START") && out.contains("COMPLETED"),
+        "{out}"
+    );
 
     let (ok, out, _) = cli(&d, &["--json", "replay", &uid]);
     assert!(ok);
@@ -234,7 +240,10 @@ async fn kill_9_during_a_turn_then_exec_without_inputs_completes_it() {
     while let Some(r) = replay.message().await.unwrap() {
         after.push(r);
     }
-    assert_eq!(after, committed, "every committed record survived, byte for byte");
+    assert_eq!(
+        after, committed,
+        "every committed record survived, byte for byte"
+    );
 
     // One permit frees the run the dead daemon abandoned, the other the re-drive.
     gate.permits.add_permits(2);

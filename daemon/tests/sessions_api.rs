@@ -1110,3 +1110,165 @@ async fn bad_requests_name_the_field() {
         .unwrap_err();
     assert_eq!(err.code(), Code::NotFound);
 }
+
+// ---------- hostile input ----------
+
+/// Random requests on every RPC: each answers OK or a deliberate status, never a panic or a
+/// dropped connection, and every session's log still verifies afterwards.
+#[tokio::test]
+async fn random_requests_never_break_the_server() {
+    use rand::{Rng, SeedableRng};
+    let n = start().await;
+    let mut c = n.c();
+    let mut uids = vec![uid(&n.create("echo").await), uid(&n.create("chat").await)];
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x5e55_1095);
+    let pick_str = |rng: &mut rand::rngs::StdRng, uids: &[String]| -> String {
+        match rng.random_range(0..6) {
+            0 => String::new(),
+            1 | 2 => uids[rng.random_range(0..uids.len())].clone(),
+            3 => "sess-000000000000000000000000".into(),
+            4 => "\u{0}\u{ffff}../../etc".into(),
+            _ => (0..rng.random_range(1..40))
+                .map(|_| rng.random_range(32u8..127) as char)
+                .collect(),
+        }
+    };
+    let pick_int = |rng: &mut rand::rngs::StdRng| -> i64 {
+        match rng.random_range(0..6) {
+            0 => 0,
+            1 => -1,
+            2 => i64::MAX,
+            3 => i64::MIN,
+            _ => rng.random_range(-3..40),
+        }
+    };
+    let roles = ["user", "assistant", "system", "tool", "", "robot"];
+    let allowed = [
+        Code::Ok,
+        Code::InvalidArgument,
+        Code::NotFound,
+        Code::FailedPrecondition,
+        Code::Aborted,
+        Code::DeadlineExceeded,
+        Code::Cancelled,
+    ];
+    for i in 0..400 {
+        let session = pick_str(&mut rng, &uids);
+        let code = match i % 9 {
+            0 => {
+                let inputs = (0..rng.random_range(0..3))
+                    .map(|_| {
+                        let mut m = text(
+                            roles[rng.random_range(0..roles.len())],
+                            &pick_str(&mut rng, &uids),
+                        );
+                        if rng.random_bool(0.1) {
+                            m.parts.push(Part { part: None });
+                        }
+                        m
+                    })
+                    .collect();
+                let req = ExecRequest {
+                    session,
+                    inputs,
+                    resume_from_seq: pick_int(&mut rng),
+                    harness: ["", "echo", "chat", "counter", "nope"][rng.random_range(0..5)].into(),
+                    config: pick_str(&mut rng, &uids).into_bytes(),
+                    expected_last_seq: rng.random_bool(0.5).then(|| pick_int(&mut rng)),
+                    deadline_unix: if rng.random_bool(0.8) {
+                        0
+                    } else {
+                        pick_int(&mut rng)
+                    },
+                };
+                let r = exec(&mut c, req).await;
+                if let Some(Update::Session(s)) = r.frames.first()
+                    && !uids.contains(&uid(s))
+                {
+                    uids.push(uid(s));
+                }
+                r.code()
+            }
+            1 => c
+                .fork(ForkRequest {
+                    session,
+                    at_seq: pick_int(&mut rng),
+                    count: rng.random_range(-2..6),
+                    child_names: vec![pick_str(&mut rng, &uids); rng.random_range(0..3)],
+                    ..Default::default()
+                })
+                .await
+                .map(|_| ())
+                .err()
+                .map_or(Code::Ok, |s| s.code()),
+            2 => c
+                .replay(ReplayRequest {
+                    session,
+                    from_seq: pick_int(&mut rng),
+                    to_seq: pick_int(&mut rng),
+                })
+                .await
+                .map(|_| ())
+                .err()
+                .map_or(Code::Ok, |s| s.code()),
+            3 => c
+                .approve(ApproveRequest {
+                    session,
+                    execution_id: pick_str(&mut rng, &uids),
+                    tool_call_id: pick_str(&mut rng, &uids),
+                    request_seq: pick_int(&mut rng),
+                    approved: rng.random_bool(0.7).then(|| rng.random_bool(0.5)),
+                    ..Default::default()
+                })
+                .await
+                .map(|_| ())
+                .err()
+                .map_or(Code::Ok, |s| s.code()),
+            4 => c
+                .suspend(SuspendRequest { session })
+                .await
+                .map(|_| ())
+                .err()
+                .map_or(Code::Ok, |s| s.code()),
+            5 => c
+                .resume(ResumeRequest {
+                    session,
+                    boot: rng.random_bool(0.5),
+                })
+                .await
+                .map(|_| ())
+                .err()
+                .map_or(Code::Ok, |s| s.code()),
+            6 => c
+                .cancel(CancelRequest {
+                    session,
+                    execution_id: pick_str(&mut rng, &uids),
+                    reason: pick_str(&mut rng, &uids),
+                })
+                .await
+                .map(|_| ())
+                .err()
+                .map_or(Code::Ok, |s| s.code()),
+            7 => c
+                .list_sessions(ListSessionsRequest {
+                    project: pick_str(&mut rng, &uids),
+                    page_size: pick_int(&mut rng) as i32,
+                    page_token: pick_str(&mut rng, &uids),
+                })
+                .await
+                .map(|_| ())
+                .err()
+                .map_or(Code::Ok, |s| s.code()),
+            _ => c
+                .get_session(GetSessionRequest { uid: session })
+                .await
+                .map(|_| ())
+                .err()
+                .map_or(Code::Ok, |s| s.code()),
+        };
+        assert!(allowed.contains(&code), "request {i}: unexpected {code:?}");
+    }
+    for u in &uids {
+        verify_chain(&n.replay(u).await).unwrap();
+    }
+}

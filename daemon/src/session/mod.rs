@@ -24,6 +24,7 @@ use crate::api::session_view::session_view;
 use crate::api::status::journal_status;
 use crate::clock::now_nanos;
 use crate::controller::Controller;
+use crate::controller::endpoint::HarnessEndpoint;
 use crate::journal::{DeletionState, Journal, ListCursor, SessionRow};
 use crate::registry::{Entry, Registry};
 use crate::runtime::remote::RemoteRuntime;
@@ -57,6 +58,8 @@ impl Placement {
 struct Live {
     incarnation: Incarnation,
     runtime: Arc<dyn Runtime>,
+    /// The harness channel, dialed once per incarnation and reused by every turn.
+    endpoint: Option<Arc<dyn HarnessEndpoint>>,
 }
 
 /// The fields a new session takes from its creator.
@@ -141,6 +144,7 @@ impl SessionHost {
             Live {
                 incarnation,
                 runtime,
+                endpoint: None,
             },
         );
     }
@@ -322,6 +326,38 @@ impl SessionHost {
             .map_err(|e| journal_status(&e))
     }
 
+    async fn dial(
+        &self,
+        placement: &Placement,
+        incarnation: &Incarnation,
+    ) -> Result<Arc<dyn HarnessEndpoint>, Status> {
+        let cached = self
+            .live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&incarnation.id)
+            .filter(|l| l.incarnation == *incarnation)
+            .and_then(|l| l.endpoint.clone());
+        if let Some(endpoint) = cached {
+            return Ok(endpoint);
+        }
+        let endpoint = placement
+            .runtime
+            .dial(incarnation)
+            .await
+            .map_err(|e| runtime_status(&e))?;
+        if let Some(l) = self
+            .live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut(&incarnation.id)
+            .filter(|l| l.incarnation == *incarnation)
+        {
+            l.endpoint = Some(endpoint.clone());
+        }
+        Ok(endpoint)
+    }
+
     /// Dials a live incarnation and checks what the harness says about itself against the
     /// placement: descriptor id, and CanPlace again with the live capabilities.
     async fn describe(
@@ -335,11 +371,7 @@ impl SessionHost {
         ),
         Status,
     > {
-        let endpoint = placement
-            .runtime
-            .dial(incarnation)
-            .await
-            .map_err(|e| runtime_status(&e))?;
+        let endpoint = self.dial(placement, incarnation).await?;
         let descriptor = match tokio::time::timeout(DESCRIBE_TIMEOUT, endpoint.describe()).await {
             Ok(Ok(d)) => d,
             Ok(Err(s)) => {

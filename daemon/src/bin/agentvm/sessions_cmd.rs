@@ -10,8 +10,8 @@ use agentvm_proto::v1::sessions_client::SessionsClient;
 use agentvm_proto::v1::{
     ApproveRequest, CancelRequest, CreateSessionRequest, DeleteSessionRequest, ExecRequest,
     ForkRequest, GetSessionRequest, IdentityRef, ListSessionsRequest, LogRecord, Message, Part,
-    ReplayRequest, ResourceMetadata, ResumeRequest, Session, SuspendRequest, TextPart,
-    event::Body, exec_update::Update, part,
+    ReplayRequest, ResourceMetadata, ResumeRequest, Session, SuspendRequest, TextPart, event::Body,
+    exec_update::Update, part,
 };
 use agentvmd::config::ListenAddr;
 use agentvmd::journal::verify::verify_chain;
@@ -36,7 +36,9 @@ pub enum SessionCommand {
         labels: Vec<(String, String)>,
     },
     /// Show one session.
-    Get { session: String },
+    Get {
+        session: String,
+    },
     /// List a project's sessions, newest first.
     List {
         #[arg(long, default_value = "")]
@@ -127,7 +129,9 @@ pub enum SessionCommand {
         session: String,
     },
     /// Fetch a session's log and verify its hash chain.
-    Verify { session: String },
+    Verify {
+        session: String,
+    },
 }
 
 fn key_value(s: &str) -> Result<(String, String), String> {
