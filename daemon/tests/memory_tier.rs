@@ -1,0 +1,560 @@
+//! Memory-tier scenarios ([MEM], [FORK], [SUSP] of semantics.md §6) through the Sessions API,
+//! against a runtime test double that keeps each session's counter "in RAM" and snapshots,
+//! restores and forks it. They prove the host's side of the memory tier — SUSPEND refs, restore
+//! on Resume and on Exec, one checkpoint shared by a fork fan-out, children attached rather
+//! than cold-booted, historical forks refused — independent of the backend. The same scenarios
+//! on real microVMs (the `microvm` runtime and the test guest) belong to the microVM runtime
+//! issue.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use agentvm_harnesses::sdk::{Execution, Harness, HarnessFailure, Sink};
+use agentvm_proto::v1::sessions_client::SessionsClient;
+use agentvm_proto::v1::{
+    Capabilities, ComputeState, CreateSessionRequest, EventKind, ExecRequest, ForkRequest,
+    HarnessDescriptor, LogRecord, Mediation, Message, Part, ReplayRequest, Resumability,
+    ResumeRequest, RuntimeCapabilities, Session, SnapshotRef, SuspendRequest, TextPart, ToolCall,
+    event::Body, exec_update::Update, lifecycle::Kind as LifecycleKind, part,
+};
+use agentvmd::config::ListenAddr;
+use agentvmd::controller::Controller;
+use agentvmd::controller::endpoint::{HarnessEndpoint, InProcessEndpoint};
+use agentvmd::journal::sqlite::{Durability, SqliteJournal};
+use agentvmd::journal::verify::verify_chain;
+use agentvmd::model::provider::EchoProvider;
+use agentvmd::registry::store::RegistryStore;
+use agentvmd::registry::{Registry, builtin_harnesses};
+use agentvmd::runtime::{
+    ForkOpts, Incarnation, ObservedState, Runtime, RuntimeError, SessionSpec, SnapshotKind,
+};
+use agentvmd::session::SessionHost;
+use tonic::Code;
+use tonic::transport::Channel;
+
+// ---------- the runtime test double ----------
+
+/// Each live session has a counter cell (its "RAM"); a snapshot freezes the value under a
+/// fresh URI; restore and fork start a new cell from it.
+#[derive(Default)]
+struct MemoryRuntime {
+    live: Mutex<HashMap<String, Arc<AtomicU64>>>,
+    snapshots: Mutex<HashMap<String, u64>>,
+    next: AtomicU64,
+    calls: Mutex<Vec<String>>,
+}
+
+impl MemoryRuntime {
+    fn log(&self, call: &str) {
+        self.calls.lock().unwrap().push(call.to_owned());
+    }
+    fn incarnation(uid: &str, harness: &str) -> Incarnation {
+        Incarnation {
+            id: uid.to_owned(),
+            worker: "mem".into(),
+            address: harness.to_owned(),
+            runtime: "memory-test".into(),
+            fence_token: 0,
+        }
+    }
+    fn snapshot_value(&self, r: &SnapshotRef) -> Result<u64, RuntimeError> {
+        self.snapshots
+            .lock()
+            .unwrap()
+            .get(&r.external_uri)
+            .copied()
+            .ok_or_else(|| RuntimeError::Failed {
+                runtime: "memory-test",
+                session: r.local.clone(),
+                reason: format!("no snapshot {:?}", r.external_uri),
+            })
+    }
+}
+
+#[async_trait::async_trait]
+impl Runtime for MemoryRuntime {
+    fn name(&self) -> &'static str {
+        "memory-test"
+    }
+    fn capabilities(&self) -> RuntimeCapabilities {
+        RuntimeCapabilities {
+            memory_snapshot: true,
+            cow_fork: true,
+            ..Default::default()
+        }
+    }
+    async fn create(&self, spec: &SessionSpec) -> agentvmd::runtime::Result<Incarnation> {
+        self.log("create");
+        self.live
+            .lock()
+            .unwrap()
+            .entry(spec.session_uid.clone())
+            .or_default();
+        Ok(Self::incarnation(&spec.session_uid, &spec.harness))
+    }
+    async fn snapshot(
+        &self,
+        inc: &Incarnation,
+        kind: SnapshotKind,
+    ) -> agentvmd::runtime::Result<SnapshotRef> {
+        assert_eq!(kind, SnapshotKind::External);
+        self.log("snapshot");
+        let cell = self.live.lock().unwrap().remove(&inc.id).unwrap_or_default();
+        let uri = format!("mem://{}/{}", inc.id, self.next.fetch_add(1, Ordering::SeqCst));
+        self.snapshots
+            .lock()
+            .unwrap()
+            .insert(uri.clone(), cell.load(Ordering::SeqCst));
+        Ok(SnapshotRef {
+            local: inc.id.clone(),
+            external_uri: uri,
+            memory: true,
+            sealed: false,
+        })
+    }
+    async fn restore(
+        &self,
+        r: &SnapshotRef,
+        spec: &SessionSpec,
+    ) -> agentvmd::runtime::Result<Incarnation> {
+        self.log("restore");
+        let v = self.snapshot_value(r)?;
+        self.live
+            .lock()
+            .unwrap()
+            .insert(spec.session_uid.clone(), Arc::new(AtomicU64::new(v)));
+        Ok(Self::incarnation(&spec.session_uid, &spec.harness))
+    }
+    async fn fork(
+        &self,
+        r: &SnapshotRef,
+        opts: &ForkOpts,
+    ) -> agentvmd::runtime::Result<Option<Incarnation>> {
+        self.log("fork");
+        let v = self.snapshot_value(r)?;
+        self.live
+            .lock()
+            .unwrap()
+            .insert(opts.child_session_uid.clone(), Arc::new(AtomicU64::new(v)));
+        Ok(Some(Self::incarnation(&opts.child_session_uid, &opts.spec.harness)))
+    }
+    async fn stop(&self, inc: &Incarnation) -> agentvmd::runtime::Result<()> {
+        self.log("stop");
+        self.live.lock().unwrap().remove(&inc.id);
+        Ok(())
+    }
+    async fn status(&self, inc: &Incarnation) -> agentvmd::runtime::Result<ObservedState> {
+        Ok(if self.live.lock().unwrap().contains_key(&inc.id) {
+            ObservedState::Live
+        } else {
+            ObservedState::Unknown
+        })
+    }
+    async fn dial(&self, inc: &Incarnation) -> agentvmd::runtime::Result<Arc<dyn HarnessEndpoint>> {
+        let cell = self
+            .live
+            .lock()
+            .unwrap()
+            .get(&inc.id)
+            .cloned()
+            .ok_or_else(|| RuntimeError::Failed {
+                runtime: "memory-test",
+                session: inc.id.clone(),
+                reason: "not running".into(),
+            })?;
+        let harness: Arc<dyn Harness> = if inc.address == "testguest" {
+            Arc::new(GatedMemoryHarness)
+        } else {
+            Arc::new(CellCounter { cell })
+        };
+        Ok(Arc::new(InProcessEndpoint::new(harness)))
+    }
+}
+
+fn memory_caps() -> Option<Capabilities> {
+    Some(Capabilities {
+        resumability: Resumability::RequiresMemorySnapshot as i32,
+        ..Default::default()
+    })
+}
+
+/// Counter whose integer lives in the runtime's cell: only memory carries it.
+struct CellCounter {
+    cell: Arc<AtomicU64>,
+}
+
+#[async_trait::async_trait]
+impl Harness for CellCounter {
+    fn descriptor(&self) -> HarnessDescriptor {
+        HarnessDescriptor {
+            id: "counter".into(),
+            version: "1".into(),
+            capabilities: memory_caps(),
+            ..Default::default()
+        }
+    }
+    async fn run(&self, _exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure> {
+        let n = self.cell.fetch_add(1, Ordering::SeqCst) + 1;
+        sink.output(Message {
+            role: "assistant".into(),
+            parts: vec![Part {
+                part: Some(part::Part::Text(TextPart {
+                    text: n.to_string(),
+                })),
+            }],
+        })
+        .await?;
+        Ok(())
+    }
+}
+
+/// A memory-tier harness that asks for an approval gate (which it cannot have).
+struct GatedMemoryHarness;
+
+#[async_trait::async_trait]
+impl Harness for GatedMemoryHarness {
+    fn descriptor(&self) -> HarnessDescriptor {
+        HarnessDescriptor {
+            id: "testguest".into(),
+            version: "1".into(),
+            capabilities: memory_caps(),
+            ..Default::default()
+        }
+    }
+    async fn run(&self, _exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure> {
+        sink.tool_call(ToolCall {
+            id: "c1".into(),
+            tool: "deploy".into(),
+            args: None,
+            mediation: Mediation::RequiresApproval as i32,
+            idempotency_key: "k".into(),
+        })
+        .await?;
+        Ok(())
+    }
+}
+
+// ---------- fixture ----------
+
+struct Node {
+    _dir: tempfile::TempDir,
+    runtime: Arc<MemoryRuntime>,
+    client: SessionsClient<Channel>,
+}
+
+async fn start() -> Node {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("journal.db");
+    let journal = Arc::new(SqliteJournal::open(&db, Durability::Relaxed).unwrap());
+    let registry = Arc::new(Registry::new(
+        builtin_harnesses(|_, _| None),
+        RegistryStore::open(&db).unwrap(),
+    ));
+    let controller = Arc::new(Controller::new(journal.clone(), Arc::new(EchoProvider), None));
+    let runtime = Arc::new(MemoryRuntime::default());
+    let runtimes: HashMap<String, Arc<dyn Runtime>> = ["counter", "testguest"]
+        .into_iter()
+        .map(|n| (n.to_owned(), runtime.clone() as Arc<dyn Runtime>))
+        .collect();
+    let host = Arc::new(SessionHost::new(journal, registry, controller, runtimes));
+    let socket = dir.path().join("api.sock");
+    let addr = ListenAddr::Unix(socket.clone());
+    let routes = agentvmd::server::api_routes(host).await.unwrap();
+    {
+        let addr = addr.clone();
+        tokio::spawn(async move {
+            agentvmd::server::serve(&addr, routes, 0o600, std::future::pending())
+                .await
+                .unwrap()
+        });
+    }
+    while !socket.exists() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let client = SessionsClient::new(agentvmd::client::connect(&addr).await.unwrap());
+    Node {
+        _dir: dir,
+        runtime,
+        client,
+    }
+}
+
+impl Node {
+    async fn create(&self, harness: &str) -> String {
+        self.client
+            .clone()
+            .create_session(CreateSessionRequest {
+                session: Some(Session {
+                    harness: harness.into(),
+                    ..Default::default()
+                }),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .metadata
+            .unwrap()
+            .uid
+    }
+
+    /// One turn; the OUTPUT text or the error code.
+    async fn turn(&self, uid: &str) -> Result<String, Code> {
+        let mut stream = self
+            .client
+            .clone()
+            .exec(ExecRequest {
+                session: uid.into(),
+                inputs: vec![Message {
+                    role: "user".into(),
+                    parts: vec![Part {
+                        part: Some(part::Part::Text(TextPart { text: "+1".into() })),
+                    }],
+                }],
+                ..Default::default()
+            })
+            .await
+            .map_err(|s| s.code())?
+            .into_inner();
+        let mut out = None;
+        loop {
+            match stream.message().await {
+                Ok(Some(u)) => {
+                    if let Some(Update::Record(r)) = u.update
+                        && let Some(Body::Message(m)) = &r.event.as_ref().unwrap().body
+                        && m.role == "assistant"
+                    {
+                        out = Some(match &m.parts[0].part {
+                            Some(part::Part::Text(t)) => t.text.clone(),
+                            _ => String::new(),
+                        });
+                    }
+                }
+                Ok(None) => return out.ok_or(Code::Unknown),
+                Err(s) => return Err(s.code()),
+            }
+        }
+    }
+
+    async fn replay(&self, uid: &str) -> Vec<LogRecord> {
+        let mut s = self
+            .client
+            .clone()
+            .replay(ReplayRequest {
+                session: uid.into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut v = Vec::new();
+        while let Some(r) = s.message().await.unwrap() {
+            v.push(r);
+        }
+        v
+    }
+
+    async fn suspend(&self, uid: &str) -> Session {
+        self.client
+            .clone()
+            .suspend(SuspendRequest {
+                session: uid.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
+    async fn resume(&self, uid: &str) -> Session {
+        self.client
+            .clone()
+            .resume(ResumeRequest {
+                session: uid.into(),
+                boot: false,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
+    fn calls(&self) -> Vec<String> {
+        self.runtime.calls.lock().unwrap().clone()
+    }
+}
+
+fn lifecycle(r: &LogRecord) -> Option<(LifecycleKind, agentvm_proto::v1::Lifecycle)> {
+    match &r.event.as_ref()?.body {
+        Some(Body::Lifecycle(l)) => Some((LifecycleKind::try_from(l.kind).ok()?, l.clone())),
+        _ => None,
+    }
+}
+
+fn kinds(records: &[LogRecord]) -> Vec<EventKind> {
+    records
+        .iter()
+        .map(|r| EventKind::try_from(r.event.as_ref().unwrap().kind).unwrap())
+        .collect()
+}
+
+// ---------- scenarios ----------
+
+#[tokio::test]
+async fn scenario_55_suspend_resume_keeps_the_snapshot_ref() {
+    let n = start().await;
+    let uid = n.create("counter").await;
+    assert_eq!(n.turn(&uid).await, Ok("1".into()));
+    let s = n.suspend(&uid).await;
+    assert_eq!(s.compute_state, ComputeState::ComputeCold as i32);
+    let records = n.replay(&uid).await;
+    let (kind, l) = lifecycle(records.last().unwrap()).unwrap();
+    assert_eq!(kind, LifecycleKind::LifecycleSuspend);
+    assert_eq!(l.snapshot_local, uid);
+    assert!(l.snapshot_memory && l.snapshot_external_uri.starts_with("mem://"));
+    n.resume(&uid).await;
+    assert_eq!(
+        kinds(&n.replay(&uid).await),
+        [
+            EventKind::EventExecutionStart,
+            EventKind::EventInput,
+            EventKind::EventOutput,
+            EventKind::EventEnd,
+            EventKind::EventLifecycle,
+            EventKind::EventLifecycle
+        ]
+    );
+    assert_eq!(n.calls(), ["create", "snapshot", "restore"]);
+}
+
+#[tokio::test]
+async fn scenario_56_suspend_then_exec_without_resume() {
+    let n = start().await;
+    let uid = n.create("counter").await;
+    for want in ["1", "2"] {
+        assert_eq!(n.turn(&uid).await, Ok(want.into()));
+    }
+    n.suspend(&uid).await;
+    assert_eq!(n.turn(&uid).await, Ok("3".into()), "RAM state came back");
+    let records = n.replay(&uid).await;
+    let resumes = records
+        .iter()
+        .filter_map(lifecycle)
+        .filter(|(k, _)| *k == LifecycleKind::LifecycleResume)
+        .count();
+    assert_eq!(resumes, 0, "Exec restores without a RESUME marker");
+    assert_eq!(n.calls(), ["create", "snapshot", "restore"]);
+    verify_chain(&records).unwrap();
+}
+
+#[tokio::test]
+async fn scenario_75_memory_continuity_across_suspend_resume() {
+    let n = start().await;
+    let uid = n.create("counter").await;
+    for want in ["1", "2", "3"] {
+        assert_eq!(n.turn(&uid).await, Ok(want.into()));
+    }
+    let before = n.replay(&uid).await;
+    let fence_before = before.last().unwrap().fence;
+    n.suspend(&uid).await;
+    let resumed = n.resume(&uid).await;
+    assert_eq!(resumed.compute_state, ComputeState::ComputeLive as i32);
+    // N+1: not 1 (state lost) and not 2N+1 (history applied again).
+    assert_eq!(n.turn(&uid).await, Ok("4".into()));
+    let records = n.replay(&uid).await;
+    verify_chain(&records).unwrap();
+    assert!(records.last().unwrap().fence > fence_before, "new fence after restore");
+}
+
+#[tokio::test]
+async fn scenario_76_fan_out_from_one_memory_snapshot() {
+    let n = start().await;
+    let uid = n.create("counter").await;
+    for _ in 0..3 {
+        n.turn(&uid).await.unwrap();
+    }
+    let head = n.replay(&uid).await.len() as i64;
+    let children = n
+        .client
+        .clone()
+        .fork(ForkRequest {
+            session: uid.clone(),
+            count: 3,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .children;
+    assert_eq!(children.len(), 3);
+    let snapshots = n.calls().iter().filter(|c| *c == "snapshot").count();
+    assert_eq!(snapshots, 1, "one checkpoint shared by all children");
+    for child in &children {
+        let cuid = child.metadata.as_ref().unwrap().uid.clone();
+        assert_eq!(child.fork_seq, head);
+        assert_eq!(n.turn(&cuid).await, Ok("4".into()));
+        let records = n.replay(&cuid).await;
+        verify_chain(&records).unwrap();
+        assert!(records.len() as i64 > head + 1);
+    }
+    assert!(
+        !n.calls()[4..].contains(&"create".to_owned()),
+        "children attach to their clones, never cold-boot: {:?}",
+        n.calls()
+    );
+    n.resume(&uid).await;
+    assert_eq!(n.turn(&uid).await, Ok("4".into()));
+}
+
+#[tokio::test]
+async fn scenario_77_historical_memory_fork_refused() {
+    let n = start().await;
+    let uid = n.create("counter").await;
+    for _ in 0..3 {
+        n.turn(&uid).await.unwrap();
+    }
+    let head = n.replay(&uid).await.len() as i64;
+    let err = n
+        .client
+        .clone()
+        .fork(ForkRequest {
+            session: uid.clone(),
+            count: 1,
+            at_seq: head - 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert_eq!(n.replay(&uid).await.len() as i64, head, "no side effects");
+    assert!(!n.calls().contains(&"snapshot".to_owned()));
+    assert_eq!(n.turn(&uid).await, Ok("4".into()), "the parent continues");
+}
+
+#[tokio::test]
+async fn scenario_78_concurrent_sessions_are_isolated() {
+    let n = start().await;
+    let a = n.create("counter").await;
+    let b = n.create("counter").await;
+    n.turn(&a).await.unwrap();
+    n.turn(&a).await.unwrap();
+    n.turn(&b).await.unwrap();
+    let (ra, rb) = tokio::join!(n.turn(&a), n.turn(&b));
+    assert_eq!((ra, rb), (Ok("3".into()), Ok("2".into())));
+}
+
+#[tokio::test]
+async fn scenario_82_memory_harness_approval_refused() {
+    let n = start().await;
+    let uid = n.create("testguest").await;
+    assert_eq!(n.turn(&uid).await, Err(Code::FailedPrecondition));
+    let records = n.replay(&uid).await;
+    assert_eq!(
+        kinds(&records),
+        [
+            EventKind::EventExecutionStart,
+            EventKind::EventInput,
+            EventKind::EventError
+        ]
+    );
+    assert!(!n.calls().contains(&"snapshot".to_owned()), "no park, no snapshot");
+}
