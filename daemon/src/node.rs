@@ -11,7 +11,8 @@ use anyhow::Context;
 use crate::config;
 use crate::controller::Controller;
 use crate::journal::sqlite::{Durability, SqliteJournal};
-use crate::model::provider::EchoProvider;
+use crate::model::openai::{OpenAiConfig, OpenAiProvider};
+use crate::model::provider::{ModelProvider, RoutedProvider};
 use crate::registry::store::RegistryStore;
 use crate::registry::{Registry, builtin_harnesses};
 use crate::runtime::Runtime;
@@ -28,6 +29,8 @@ pub struct NodeConfig {
     /// follow. Default: the `agentvm` binary beside this one, `harness serve`.
     pub harness_command: Vec<String>,
     pub durability: Durability,
+    /// An OpenAI-compatible endpoint for every model but the built-in `echo`.
+    pub openai: Option<OpenAiConfig>,
 }
 
 impl NodeConfig {
@@ -36,6 +39,7 @@ impl NodeConfig {
             state_dir,
             harness_command: default_harness_command(),
             durability: Durability::Full,
+            openai: None,
         }
     }
 }
@@ -88,7 +92,12 @@ impl Node {
         ));
         let controller = Arc::new(Controller::new(
             journal.clone(),
-            Arc::new(EchoProvider),
+            Arc::new(RoutedProvider {
+                upstream: cfg
+                    .openai
+                    .clone()
+                    .map(|c| Box::new(OpenAiProvider::new(c)) as Box<dyn ModelProvider>),
+            }),
             None,
         ));
         let host = Arc::new(SessionHost::new(

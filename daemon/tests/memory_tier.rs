@@ -101,8 +101,17 @@ impl Runtime for MemoryRuntime {
     ) -> agentvmd::runtime::Result<SnapshotRef> {
         assert_eq!(kind, SnapshotKind::External);
         self.log("snapshot");
-        let cell = self.live.lock().unwrap().remove(&inc.id).unwrap_or_default();
-        let uri = format!("mem://{}/{}", inc.id, self.next.fetch_add(1, Ordering::SeqCst));
+        let cell = self
+            .live
+            .lock()
+            .unwrap()
+            .remove(&inc.id)
+            .unwrap_or_default();
+        let uri = format!(
+            "mem://{}/{}",
+            inc.id,
+            self.next.fetch_add(1, Ordering::SeqCst)
+        );
         self.snapshots
             .lock()
             .unwrap()
@@ -138,7 +147,10 @@ impl Runtime for MemoryRuntime {
             .lock()
             .unwrap()
             .insert(opts.child_session_uid.clone(), Arc::new(AtomicU64::new(v)));
-        Ok(Some(Self::incarnation(&opts.child_session_uid, &opts.spec.harness)))
+        Ok(Some(Self::incarnation(
+            &opts.child_session_uid,
+            &opts.spec.harness,
+        )))
     }
     async fn stop(&self, inc: &Incarnation) -> agentvmd::runtime::Result<()> {
         self.log("stop");
@@ -252,7 +264,11 @@ async fn start() -> Node {
         builtin_harnesses(|_, _| None),
         RegistryStore::open(&db).unwrap(),
     ));
-    let controller = Arc::new(Controller::new(journal.clone(), Arc::new(EchoProvider), None));
+    let controller = Arc::new(Controller::new(
+        journal.clone(),
+        Arc::new(EchoProvider),
+        None,
+    ));
     let runtime = Arc::new(MemoryRuntime::default());
     let runtimes: HashMap<String, Arc<dyn Runtime>> = ["counter", "testguest"]
         .into_iter()
@@ -462,7 +478,10 @@ async fn scenario_75_memory_continuity_across_suspend_resume() {
     assert_eq!(n.turn(&uid).await, Ok("4".into()));
     let records = n.replay(&uid).await;
     verify_chain(&records).unwrap();
-    assert!(records.last().unwrap().fence > fence_before, "new fence after restore");
+    assert!(
+        records.last().unwrap().fence > fence_before,
+        "new fence after restore"
+    );
 }
 
 #[tokio::test]
@@ -556,5 +575,8 @@ async fn scenario_82_memory_harness_approval_refused() {
             EventKind::EventError
         ]
     );
-    assert!(!n.calls().contains(&"snapshot".to_owned()), "no park, no snapshot");
+    assert!(
+        !n.calls().contains(&"snapshot".to_owned()),
+        "no park, no snapshot"
+    );
 }

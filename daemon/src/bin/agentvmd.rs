@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use agentvmd::config::{self, ListenAddr};
+use agentvmd::model::openai::{OpenAiConfig, load_api_key};
 use agentvmd::node::{Node, NodeConfig};
 use agentvmd::server;
 use anyhow::Context;
@@ -27,6 +28,19 @@ struct Args {
     /// `PROGRAM harness serve NAME --listen unix:PATH`. Default: `agentvm` beside agentvmd.
     #[arg(long)]
     harness_bin: Option<PathBuf>,
+    /// OpenAI-compatible endpoint (up to the version path, e.g. https://api.openai.com/v1)
+    /// serving every model except the built-in `echo`.
+    #[arg(long)]
+    openai_base_url: Option<String>,
+    /// Environment variable holding the endpoint's API key.
+    #[arg(long, default_value = "OPENAI_API_KEY")]
+    openai_api_key_env: String,
+    /// File holding the API key (first line); takes precedence over the variable.
+    #[arg(long)]
+    openai_api_key_file: Option<PathBuf>,
+    /// Per-request timeout of model calls, in seconds.
+    #[arg(long, default_value_t = 600)]
+    openai_timeout_secs: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -42,6 +56,19 @@ fn main() -> anyhow::Result<()> {
     if let Some(bin) = &args.harness_bin {
         node_config.harness_command =
             vec![bin.display().to_string(), "harness".into(), "serve".into()];
+    }
+    if let Some(base_url) = &args.openai_base_url {
+        let api_key = load_api_key(
+            Some(&args.openai_api_key_env),
+            args.openai_api_key_file.as_deref(),
+        )
+        .context("reading the OpenAI API key file")?;
+        info!(base_url = %base_url, key = api_key.is_some(), "OpenAI-compatible provider configured");
+        node_config.openai = Some(OpenAiConfig {
+            base_url: base_url.clone(),
+            api_key,
+            timeout: std::time::Duration::from_secs(args.openai_timeout_secs),
+        });
     }
     let node = Node::open(node_config)?;
     info!(state_dir = %state_dir.display(), "journal open");

@@ -593,6 +593,47 @@ async fn scenario_09_unmediated_tool_call() {
     assert!(!k.contains(&EventKind::EventToolResult) && !k.contains(&EventKind::EventToolCall));
 }
 
+/// Chat model requests go to a real HTTP client; the counting server sees every call.
+struct ChatModel;
+
+#[async_trait::async_trait]
+impl Harness for ChatModel {
+    fn descriptor(&self) -> HarnessDescriptor {
+        agentvm_harnesses::echo::Echo.descriptor()
+    }
+    async fn run(&self, exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure> {
+        sink.model(ModelCall {
+            model: "gpt-test".into(),
+            messages: exec.start.inputs.clone(),
+            ..Default::default()
+        })
+        .await?;
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn scenario_10_replay_never_reaches_the_provider() {
+    use crate::model::openai::tests::FakeOpenAi;
+    let server = FakeOpenAi::counting().await;
+    let f = Fixture::new();
+    let c = controller(f.journal.clone(), Arc::new(server.provider(None)));
+    c.exec(&f.turn(Arc::new(ChatModel)), inputs(&["hi"]))
+        .await
+        .unwrap();
+    assert_eq!(server.requests.lock().unwrap().len(), 1);
+    assert_eq!(outputs(&f.records()), ["answer-1"]);
+    let before = f.records();
+    let fresh = controller(f.reopen(), Arc::new(server.provider(None)));
+    fresh.replay(&f.turn(Arc::new(ChatModel))).await.unwrap();
+    assert_eq!(
+        server.requests.lock().unwrap().len(),
+        1,
+        "replay sent no request"
+    );
+    assert_eq!(f.records(), before);
+}
+
 #[tokio::test]
 async fn scenario_11_and_12_streaming_changes_nothing_and_replay_has_no_deltas() {
     let f = Fixture::new();

@@ -2,4 +2,5 @@
 //! journaled completion (replay), and fingerprints every request for the I0 check.
 
 pub mod input_hash;
+pub mod openai;
 pub mod provider;

@@ -125,6 +125,30 @@ impl ModelProvider for EchoProvider {
     }
 }
 
+/// Serves the built-in `echo` model itself and every other model through `upstream` (an
+/// OpenAI-compatible endpoint) when one is configured.
+pub struct RoutedProvider {
+    pub upstream: Option<Box<dyn ModelProvider>>,
+}
+
+#[async_trait::async_trait]
+impl ModelProvider for RoutedProvider {
+    fn name(&self) -> &'static str {
+        "routed"
+    }
+
+    async fn complete(
+        &self,
+        call: &ModelCall,
+        stream: Option<mpsc::Sender<Chunk>>,
+    ) -> Result<Completion, ProviderError> {
+        match (&self.upstream, call.model.as_str()) {
+            (_, "echo") | (None, _) => EchoProvider.complete(call, stream).await,
+            (Some(p), _) => p.complete(call, stream).await,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
