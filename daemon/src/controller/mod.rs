@@ -267,6 +267,12 @@ impl Controller {
     /// A new execution with `new.inputs`.
     pub async fn exec(&self, turn: &Turn, new: NewExecution) -> Result<TurnOutcome> {
         let log = self.read_log(&turn.session)?;
+        if let Some(x) = log.pending().filter(|x| x.is_legacy()) {
+            return Err(ControllerError::InvalidExecutionLog(format!(
+                "the legacy turn at seq {} never finished; a new execution after it would be ambiguous",
+                x.first_seq
+            )));
+        }
         let expected = new.expected_last_seq.unwrap_or(log.head());
         let execution_id = new_execution_id();
         let mut bodies = vec![(

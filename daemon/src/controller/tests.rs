@@ -16,7 +16,7 @@ use agentvm_proto::v1::{
 use prost_types::{Struct, Value, value::Kind};
 use tokio::sync::mpsc;
 
-use super::endpoint::InProcessEndpoint;
+use super::endpoint::{HarnessEndpoint, InProcessEndpoint};
 use super::error::ControllerError;
 use super::tools::{ToolCallContext, ToolExecutor};
 use super::*;
@@ -857,7 +857,7 @@ async fn scenario_30_under_consumption_and_output_divergence() {
 }
 
 #[tokio::test]
-async fn scenario_31_cut_at_model_call() {
+async fn scenario_31_and_70_cut_at_model_call() {
     // Provider error: the journal ends MODEL_CALL + ERROR; Resume invokes once.
     let f = Fixture::new();
     let flaky = Arc::new(FlakyProvider {
@@ -1430,3 +1430,426 @@ async fn harness_version_and_name_must_match_on_rerun() {
 
 use crate::journal::JournalError;
 use agentvm_proto::v1::{ApprovalRef, tool_result};
+
+// ---------- over the wire ----------
+
+/// Serves `harness` with tonic on a unix socket and returns a gRPC endpoint to it, so the
+/// turn crosses a real `Harness.Connect` stream.
+async fn grpc_endpoint(dir: &Path, harness: Arc<dyn Harness>) -> Arc<dyn HarnessEndpoint> {
+    let socket = dir.join(format!("h-{}.sock", new_execution_id()));
+    let listener = tokio::net::UnixListener::bind(&socket).unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(agentvm_harnesses::server::GrpcHarness::new(harness).into_service())
+            .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
+    );
+    let channel = crate::client::connect_address(&format!("unix://{}", socket.display()))
+        .await
+        .unwrap();
+    Arc::new(super::endpoint::GrpcEndpoint::new(channel))
+}
+
+impl Fixture {
+    async fn wire_turn(&self, harness: Arc<dyn Harness>) -> Turn {
+        let mut t = self.turn(harness.clone());
+        t.endpoint = grpc_endpoint(self.path.parent().unwrap(), harness).await;
+        t
+    }
+}
+
+#[tokio::test]
+async fn scenario_14_nondeterministic_replay_over_the_wire() {
+    let f = Fixture::new();
+    let provider = Arc::new(Nondeterministic::default());
+    let c = controller(f.journal.clone(), provider.clone());
+    c.exec(&f.wire_turn(echo()).await, inputs(&["hi"]))
+        .await
+        .unwrap();
+    let before = f.records();
+    c.replay(&f.wire_turn(echo()).await).await.unwrap();
+    assert_eq!(provider.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(f.records(), before);
+    assert_eq!(outputs(&before), ["answer-1"]);
+}
+
+#[tokio::test]
+async fn scenario_15_mediated_tool_over_the_wire() {
+    let f = Fixture::new();
+    let exec = Arc::new(CountingExecutor::default());
+    let c = controller_with_tools(f.journal.clone(), exec.clone());
+    let h = || Arc::new(ToolUser::new(tool_call(Mediation::ControllerMediated, "k")));
+    c.exec(&f.wire_turn(h()).await, inputs(&["go"]))
+        .await
+        .unwrap();
+    c.replay(&f.wire_turn(h()).await).await.unwrap();
+    assert_eq!(
+        exec.calls.load(Ordering::SeqCst),
+        1,
+        "replay does not re-execute"
+    );
+    let k = f.kinds();
+    assert_eq!(
+        k.iter().filter(|x| **x == EventKind::EventToolCall).count(),
+        1
+    );
+    assert_eq!(
+        k.iter()
+            .filter(|x| **x == EventKind::EventToolResult)
+            .count(),
+        1
+    );
+}
+
+/// A harness speaking raw frames: `script` gets the host's frames and sends the events.
+struct RawEndpoint {
+    script: Arc<
+        dyn Fn(
+                mpsc::Receiver<agentvm_proto::v1::ControllerFrame>,
+                mpsc::Sender<Result<agentvm_proto::v1::Event, tonic::Status>>,
+            ) -> futures_like::BoxFuture
+            + Send
+            + Sync,
+    >,
+}
+
+mod futures_like {
+    pub type BoxFuture = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+}
+
+#[async_trait::async_trait]
+impl HarnessEndpoint for RawEndpoint {
+    async fn describe(&self) -> Result<HarnessDescriptor, tonic::Status> {
+        Ok(agentvm_harnesses::echo::Echo.descriptor())
+    }
+    async fn connect(&self) -> Result<super::endpoint::HarnessStream, tonic::Status> {
+        let (ftx, frx) = mpsc::channel(16);
+        let (etx, erx) = mpsc::channel(16);
+        tokio::spawn((self.script)(frx, etx));
+        Ok(super::endpoint::HarnessStream {
+            frames: ftx,
+            events: Box::pin(tokio_stream::wrappers::ReceiverStream::new(erx)),
+        })
+    }
+}
+
+fn raw_event(execution_id: &str, kind: EventKind, body: Body) -> agentvm_proto::v1::Event {
+    agentvm_proto::v1::Event {
+        execution_id: execution_id.into(),
+        kind: kind as i32,
+        body: Some(body),
+        ..Default::default()
+    }
+}
+
+fn raw_turn(f: &Fixture, endpoint: RawEndpoint) -> Turn {
+    let mut t = f.turn(echo());
+    t.endpoint = Arc::new(endpoint);
+    t
+}
+
+#[tokio::test]
+async fn scenario_17_raw_peer_nan_args_rejected_before_effects() {
+    let f = Fixture::new();
+    let exec = Arc::new(CountingExecutor::default());
+    let c = controller_with_tools(f.journal.clone(), exec.clone());
+    let endpoint = RawEndpoint {
+        script: Arc::new(|mut frames, events| {
+            Box::pin(async move {
+                let start = frames.recv().await.unwrap();
+                let mut call = tool_call(Mediation::ControllerMediated, "k");
+                call.args = args(&[("x", f64::NAN)]);
+                let _ = events
+                    .send(Ok(raw_event(
+                        &start.execution_id,
+                        EventKind::EventToolCall,
+                        Body::Tool(call),
+                    )))
+                    .await;
+                while frames.recv().await.is_some() {}
+            })
+        }),
+    };
+    let err = c
+        .exec(&raw_turn(&f, endpoint), inputs(&["go"]))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ControllerError::InvalidToolArgs(..)), "{err}");
+    assert_eq!(exec.calls.load(Ordering::SeqCst), 0);
+    assert!(!f.kinds().contains(&EventKind::EventToolCall));
+}
+
+/// Sends a gated call, then answers the park with `ack` (or keeps talking).
+fn parking_peer(ack: fn(&ApprovalRef) -> agentvm_proto::v1::Event) -> RawEndpoint {
+    RawEndpoint {
+        script: Arc::new(move |mut frames, events| {
+            Box::pin(async move {
+                let start = frames.recv().await.unwrap();
+                let eid = start.execution_id.clone();
+                let _ = events
+                    .send(Ok(raw_event(
+                        &eid,
+                        EventKind::EventToolCall,
+                        Body::Tool(gated()),
+                    )))
+                    .await;
+                if let Some(agentvm_proto::v1::ControllerFrame {
+                    frame: Some(agentvm_proto::v1::controller_frame::Frame::Park(p)),
+                    ..
+                }) = frames.recv().await
+                {
+                    let _ = events.send(Ok(ack(&p))).await;
+                }
+                // Hold the stream open: the host must not wait for us forever.
+                while frames.recv().await.is_some() {}
+            })
+        }),
+    }
+}
+
+#[tokio::test]
+async fn scenario_21_wrong_park_ack_is_rejected() {
+    let f = Fixture::new();
+    let c = controller_with_tools(f.journal.clone(), Arc::new(CountingExecutor::default()));
+    let wrong = parking_peer(|p| {
+        let mut foreign = p.clone();
+        foreign.tool_call_id = "someone-else".into();
+        raw_event(
+            &p.execution_id,
+            EventKind::EventParked,
+            Body::Parked(foreign),
+        )
+    });
+    let err = c
+        .exec(&raw_turn(&f, wrong), inputs(&["go"]))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, ControllerError::HarnessProtocol(ref m) if m.contains("someone-else")),
+        "{err}"
+    );
+    let k = f.kinds();
+    assert_eq!(
+        *k.last().unwrap(),
+        EventKind::EventApprovalRequest,
+        "the durable request stays"
+    );
+    assert!(!k.contains(&EventKind::EventError) && !k.contains(&EventKind::EventEnd));
+}
+
+#[tokio::test]
+async fn scenario_48_continuation_after_a_park_is_refused() {
+    let f = Fixture::new();
+    let c = controller_with_tools(f.journal.clone(), Arc::new(CountingExecutor::default()));
+    let chatty = parking_peer(|p| {
+        raw_event(
+            &p.execution_id,
+            EventKind::EventOutput,
+            Body::Message(text("assistant", "carrying on regardless")),
+        )
+    });
+    let err = c
+        .exec(&raw_turn(&f, chatty), inputs(&["go"]))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ControllerError::HarnessProtocol(_)), "{err}");
+    assert_eq!(*f.kinds().last().unwrap(), EventKind::EventApprovalRequest);
+    assert!(!f.kinds().contains(&EventKind::EventOutput));
+}
+
+#[tokio::test]
+async fn unsolicited_host_kinds_are_protocol_violations() {
+    for kind in [
+        EventKind::EventApprovalRequest,
+        EventKind::EventExecutionStart,
+        EventKind::EventLifecycle,
+        EventKind::EventParked,
+    ] {
+        let f = Fixture::new();
+        let c = controller(f.journal.clone(), Arc::new(EchoProvider));
+        let endpoint = RawEndpoint {
+            script: Arc::new(move |mut frames, events| {
+                Box::pin(async move {
+                    let start = frames.recv().await.unwrap();
+                    let mut e = raw_event(
+                        &start.execution_id,
+                        kind,
+                        Body::Message(text("assistant", "x")),
+                    );
+                    e.kind = kind as i32;
+                    let _ = events.send(Ok(e)).await;
+                    while frames.recv().await.is_some() {}
+                })
+            }),
+        };
+        let err = c
+            .exec(&raw_turn(&f, endpoint), inputs(&["x"]))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, ControllerError::HarnessProtocol(_)),
+            "{kind:?}: {err}"
+        );
+    }
+}
+
+// ---------- forks and legacy logs ----------
+
+#[tokio::test]
+async fn scenario_04_and_28_fork_equivalence_and_shape() {
+    let f = Fixture::new();
+    let c = controller(f.journal.clone(), Arc::new(EchoProvider));
+    c.exec(&f.turn(echo()), inputs(&["hi"])).await.unwrap();
+    let parent = f.records();
+    let child = "sess-000000000000000000000002";
+    f.journal
+        .create_session(&SessionRow {
+            uid: child.into(),
+            project: "default".into(),
+            parent_uid: f.uid.clone(),
+            fork_seq: 5,
+            ..Default::default()
+        })
+        .unwrap();
+    let fence = f.journal.new_fence(child).unwrap();
+    f.journal.copy_prefix(&f.uid, child, 5, fence).unwrap();
+    let fork = stamp(
+        "",
+        EventKind::EventLifecycle,
+        Body::Lifecycle(agentvm_proto::v1::Lifecycle {
+            kind: agentvm_proto::v1::lifecycle::Kind::LifecycleFork as i32,
+            detail: "parent@5".into(),
+            ..Default::default()
+        }),
+    );
+    f.journal.append(child, 5, fence, &[fork]).unwrap();
+    let records = f.journal.read(child, 1, 0).unwrap();
+    assert_eq!(records.len(), 6);
+    assert_eq!(
+        records[..5],
+        parent[..],
+        "the copied prefix is byte-identical"
+    );
+    assert_eq!(records[5].prev_hash, parent[4].content_hash);
+    verify_chain(&records).unwrap();
+    verify_chain(&parent).unwrap();
+    // The child replays its inherited turn and continues on its own.
+    let mut t = turn_with(child, f.journal.new_fence(child).unwrap(), echo());
+    t.fork_seq = 5;
+    assert_eq!(c.replay(&t).await.unwrap().executions, 1);
+    c.exec(&t, inputs(&["child"])).await.unwrap();
+    assert_eq!(
+        outputs(&f.journal.read(child, 1, 0).unwrap()),
+        ["echo:hi", "echo:child"]
+    );
+    assert_eq!(f.records(), parent, "the parent is untouched");
+}
+
+#[tokio::test]
+async fn scenario_57_forked_tool_intent_is_not_redriven() {
+    let f = Fixture::new();
+    let exec = Arc::new(CountingExecutor::default());
+    let c = controller_with_tools(f.journal.clone(), exec.clone());
+    let h = || Arc::new(ToolUser::new(tool_call(Mediation::ControllerMediated, "k")));
+    c.exec(&f.turn(h()), inputs(&["go"])).await.unwrap();
+    let call_seq = seq_of(&f.records(), EventKind::EventToolCall);
+    let result_seq = seq_of(&f.records(), EventKind::EventToolResult);
+    let fork_at = |seq: i64, name: &str| {
+        let child = format!("sess-00000000000000000000{name}");
+        f.journal
+            .create_session(&SessionRow {
+                uid: child.clone(),
+                project: "default".into(),
+                fork_seq: seq,
+                ..Default::default()
+            })
+            .unwrap();
+        let fence = f.journal.new_fence(&child).unwrap();
+        f.journal.copy_prefix(&f.uid, &child, seq, fence).unwrap();
+        child
+    };
+    // Forked at the unresolved call: the child may not re-drive the parent's effect.
+    let at_call = fork_at(call_seq, "0003");
+    let mut t = turn_with(&at_call, f.journal.new_fence(&at_call).unwrap(), h());
+    t.fork_seq = call_seq;
+    let err = c.resume(&t).await.unwrap_err();
+    assert!(
+        matches!(err, ControllerError::InheritedToolIntent(_)),
+        "{err}"
+    );
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+    assert_eq!(
+        f.journal.read(&at_call, 1, 0).unwrap().len() as i64,
+        call_seq
+    );
+    // Forked at the result: the parent's receipt is served, nothing re-executes.
+    let at_result = fork_at(result_seq, "0004");
+    let mut t = turn_with(&at_result, f.journal.new_fence(&at_result).unwrap(), h());
+    t.fork_seq = result_seq;
+    c.resume(&t).await.unwrap().unwrap();
+    assert_eq!(exec.calls.load(Ordering::SeqCst), 1);
+}
+
+fn legacy(kind: EventKind, body: Body) -> agentvm_proto::v1::Event {
+    agentvm_proto::v1::Event {
+        kind: kind as i32,
+        body: Some(body),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn scenario_71_legacy_logs() {
+    let f = Fixture::new();
+    let c = controller(f.journal.clone(), Arc::new(EchoProvider));
+    let fence = f.journal.new_fence(&f.uid).unwrap();
+    // A v0.1.2 turn that ended in ERROR: finished, so nothing to re-drive.
+    f.journal
+        .append(
+            &f.uid,
+            0,
+            fence,
+            &[
+                legacy(EventKind::EventInput, Body::Message(text("user", "hello"))),
+                legacy(
+                    EventKind::EventError,
+                    Body::Error(agentvm_proto::v1::Error {
+                        code: 13,
+                        description: "boom".into(),
+                    }),
+                ),
+            ],
+        )
+        .unwrap();
+    assert_eq!(c.resume(&f.turn(echo())).await.unwrap(), None);
+    c.exec(&f.turn(echo()), inputs(&["new"])).await.unwrap();
+    assert_eq!(outputs(&f.records()), ["echo:new"]);
+    verify_chain(&f.records()).unwrap();
+
+    // An unfinished legacy turn followed by a modern execution is ambiguous: refused.
+    let g = Fixture::new();
+    let fence = g.journal.new_fence(&g.uid).unwrap();
+    g.journal
+        .append(
+            &g.uid,
+            0,
+            fence,
+            &[legacy(
+                EventKind::EventInput,
+                Body::Message(text("user", "half")),
+            )],
+        )
+        .unwrap();
+    let c = controller(g.journal.clone(), Arc::new(EchoProvider));
+    let err = c.exec(&g.turn(echo()), inputs(&["x"])).await.unwrap_err();
+    assert!(
+        matches!(err, ControllerError::InvalidExecutionLog(_)),
+        "{err}"
+    );
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+    assert_eq!(g.records().len(), 1, "journal unchanged");
+    let err = c.resume(&g.turn(echo())).await.unwrap_err();
+    assert!(
+        matches!(err, ControllerError::InvalidExecutionLog(_)),
+        "{err}"
+    );
+}
