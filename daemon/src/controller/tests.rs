@@ -1500,20 +1500,17 @@ async fn scenario_15_mediated_tool_over_the_wire() {
     );
 }
 
+type BoxFuture = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+type RawScript = dyn Fn(
+        mpsc::Receiver<agentvm_proto::v1::ControllerFrame>,
+        mpsc::Sender<Result<agentvm_proto::v1::Event, tonic::Status>>,
+    ) -> BoxFuture
+    + Send
+    + Sync;
+
 /// A harness speaking raw frames: `script` gets the host's frames and sends the events.
 struct RawEndpoint {
-    script: Arc<
-        dyn Fn(
-                mpsc::Receiver<agentvm_proto::v1::ControllerFrame>,
-                mpsc::Sender<Result<agentvm_proto::v1::Event, tonic::Status>>,
-            ) -> futures_like::BoxFuture
-            + Send
-            + Sync,
-    >,
-}
-
-mod futures_like {
-    pub type BoxFuture = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+    script: Arc<RawScript>,
 }
 
 #[async_trait::async_trait]
