@@ -1,0 +1,1 @@
+//! The freestanding test guest ELF, embedded.
