@@ -1,0 +1,298 @@
+//! One running VM, assembled from a [`VmSpec`]: RAM, KVM, the kernel in memory, devices on
+//! their buses, and the vCPU threads. The only place a VM is built.
+
+use std::collections::BTreeMap;
+use std::fs::OpenOptions;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
+use kvm_ioctls::VcpuFd;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::boot::loader::{self, EntryPoint, LoadError};
+use crate::boot::params::{self, ParamsError};
+use crate::boot::{layout, mptable};
+use crate::devices::bus::{Bus, Overlap};
+use crate::devices::i8042::{self, I8042};
+use crate::devices::serial::{Destination, RateLimit, SerialDevice, SerialOutput, SerialStats};
+use crate::exit::ExitSignal;
+use crate::kvm::memory::{GuestRam, MemoryError, RamOptions};
+use crate::kvm::vcpu::{VcpuContext, VcpuError, VcpuSet, VcpuStats};
+use crate::kvm::vm::{KvmVm, VmError};
+use crate::kvm::{cpuid, regs};
+
+/// Everything needed to build a VM, already validated by the API layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmSpec {
+    pub vcpus: u8,
+    pub memory_bytes: u64,
+    pub ram: RamSpec,
+    pub kernel: PathBuf,
+    pub initramfs: Option<PathBuf>,
+    pub cmdline: String,
+    pub serial: SerialSpec,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RamSpec {
+    pub prefault: bool,
+    pub mergeable: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SerialSpec {
+    /// No UART at all.
+    Off,
+    /// A UART whose output is discarded.
+    Null,
+    /// The VMM's standard output.
+    Stdout,
+    File(PathBuf),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    #[error(transparent)]
+    Kvm(#[from] VmError),
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    #[error(transparent)]
+    Params(#[from] ParamsError),
+    #[error(transparent)]
+    MpTable(#[from] mptable::MpTableError),
+    #[error(transparent)]
+    Regs(#[from] regs::RegsError),
+    #[error(transparent)]
+    Vcpu(#[from] VcpuError),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error("{what} failed: {source}")]
+    KvmIoctl {
+        what: &'static str,
+        source: kvm_ioctls::Error,
+    },
+    #[error("device layout: {0}")]
+    Layout(#[from] Overlap),
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> BuildError {
+    let what = what.into();
+    move |source| BuildError::Io { what, source }
+}
+
+fn ioctl(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> BuildError {
+    move |source| BuildError::KvmIoctl { what, source }
+}
+
+/// How long a pause may take before we call the vCPUs stuck.
+const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
+
+pub struct Vm {
+    // Field order is drop order: threads first, then the KVM fds, then the RAM they map.
+    vcpus: VcpuSet,
+    serial: Option<Arc<Mutex<SerialDevice>>>,
+    exit: Arc<ExitSignal>,
+    serial_stats: Arc<SerialStats>,
+    vcpu_stats: Arc<VcpuStats>,
+    kvm: KvmVm,
+    ram: GuestRam,
+    booted: Instant,
+}
+
+impl Vm {
+    /// Builds the VM and starts its vCPUs.
+    pub fn boot(spec: &VmSpec) -> Result<Self, BuildError> {
+        let booted = Instant::now();
+        let ram = GuestRam::new(
+            spec.memory_bytes,
+            RamOptions {
+                prefault: spec.ram.prefault,
+                mergeable: spec.ram.mergeable,
+            },
+        )?;
+        let kvm = KvmVm::new(&ram)?;
+        let exit = Arc::new(ExitSignal::new().map_err(io("creating the exit eventfd"))?);
+
+        let entry = load_guest(&ram, spec)?;
+
+        let serial_stats = Arc::new(SerialStats::default());
+        let mut pio = Bus::default();
+        let serial = serial_device(&kvm, spec, serial_stats.clone())?;
+        if let Some(serial) = &serial {
+            pio.insert(
+                u64::from(layout::SERIAL_PORT_BASE),
+                u64::from(layout::SERIAL_PORT_LEN),
+                serial.clone(),
+            )?;
+        }
+        pio.insert(
+            u64::from(layout::I8042_DATA_PORT),
+            i8042::WINDOW_LEN,
+            Arc::new(Mutex::new(I8042::new(exit.clone()))),
+        )?;
+        let mmio = Bus::default();
+
+        let vcpu_fds = create_vcpus(&kvm, &ram, spec.vcpus, entry)?;
+        let vcpu_stats = Arc::new(VcpuStats::default());
+        let vcpus = VcpuSet::start(
+            vcpu_fds,
+            VcpuContext {
+                pio: Arc::new(pio),
+                mmio: Arc::new(mmio),
+                exit: exit.clone(),
+                stats: vcpu_stats.clone(),
+            },
+        )?;
+        tracing::debug!(elapsed = ?booted.elapsed(), "VM built and vCPUs started");
+        Ok(Self {
+            vcpus,
+            serial,
+            exit,
+            serial_stats,
+            vcpu_stats,
+            kvm,
+            ram,
+            booted,
+        })
+    }
+
+    pub fn exit_signal(&self) -> &Arc<ExitSignal> {
+        &self.exit
+    }
+
+    pub fn pause(&self) -> Result<(), VcpuError> {
+        self.vcpus.pause(PAUSE_TIMEOUT)?;
+        self.drain_serial();
+        Ok(())
+    }
+
+    pub fn resume(&self) {
+        self.vcpus.resume();
+    }
+
+    /// Stops the vCPUs and releases everything the VM holds.
+    pub fn stop(mut self) {
+        let _fds: Vec<VcpuFd> = self.vcpus.stop();
+        self.drain_serial();
+    }
+
+    pub fn memory_size(&self) -> u64 {
+        self.ram.size()
+    }
+
+    pub fn uptime(&self) -> Duration {
+        self.booted.elapsed()
+    }
+
+    pub fn kvm(&self) -> &KvmVm {
+        &self.kvm
+    }
+
+    /// Counters per device, as `vm.counters` reports them.
+    pub fn counters(&self) -> BTreeMap<String, BTreeMap<String, u64>> {
+        let mut all = BTreeMap::new();
+        let collect = |pairs: &[(&'static str, u64)]| {
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), *v))
+                .collect::<BTreeMap<_, _>>()
+        };
+        all.insert("vcpus".to_owned(), collect(&self.vcpu_stats.counters()));
+        if self.serial.is_some() {
+            all.insert("_serial".to_owned(), collect(&self.serial_stats.counters()));
+        }
+        all
+    }
+
+    fn drain_serial(&self) {
+        if let Some(serial) = &self.serial {
+            serial.lock().unwrap_or_else(|p| p.into_inner()).drain();
+        }
+    }
+}
+
+/// Kernel, initramfs, command line, boot parameters and MP table into RAM.
+fn load_guest(ram: &GuestRam, spec: &VmSpec) -> Result<EntryPoint, BuildError> {
+    let memory = ram.memory();
+    let kernel = loader::load_kernel(memory, &spec.kernel)?;
+    let low_ram_end = ram.ranges()[0].1;
+    let initrd = spec
+        .initramfs
+        .as_deref()
+        .map(|path| loader::load_initrd(memory, path, kernel.kernel_end, low_ram_end))
+        .transpose()?;
+    loader::write_cmdline(memory, &spec.cmdline)?;
+    let map = params::memory_map(&ram.ranges());
+    match kernel.entry {
+        EntryPoint::Pvh { .. } => params::write_pvh(memory, &map, spec.cmdline.len(), initrd)?,
+        EntryPoint::Linux64 { setup_header, .. } => {
+            params::write_zero_page(memory, &map, spec.cmdline.len(), initrd, setup_header)?
+        }
+    }
+    mptable::write(memory, spec.vcpus)?;
+    Ok(kernel.entry)
+}
+
+fn serial_device(
+    kvm: &KvmVm,
+    spec: &VmSpec,
+    stats: Arc<SerialStats>,
+) -> Result<Option<Arc<Mutex<SerialDevice>>>, BuildError> {
+    let destination = match &spec.serial {
+        SerialSpec::Off => return Ok(None),
+        SerialSpec::Null => Destination::Discard,
+        SerialSpec::Stdout => Destination::Stdout,
+        SerialSpec::File(path) => Destination::File(
+            OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .map_err(io(format!("opening serial file {}", path.display())))?,
+        ),
+    };
+    let irq = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)
+        .map_err(io("creating the serial irqfd"))?;
+    kvm.fd
+        .register_irqfd(&irq, layout::SERIAL_IRQ)
+        .map_err(ioctl("KVM_IRQFD (serial)"))?;
+    let output = SerialOutput::new(destination, RateLimit::default(), stats);
+    Ok(Some(Arc::new(Mutex::new(SerialDevice::new(irq, output)))))
+}
+
+fn create_vcpus(
+    kvm: &KvmVm,
+    ram: &GuestRam,
+    count: u8,
+    entry: EntryPoint,
+) -> Result<Vec<VcpuFd>, BuildError> {
+    let supported = kvm
+        .kvm
+        .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+        .map_err(ioctl("KVM_GET_SUPPORTED_CPUID"))?;
+    let mut vcpus = Vec::with_capacity(usize::from(count));
+    for index in 0..count {
+        let vcpu = kvm
+            .fd
+            .create_vcpu(u64::from(index))
+            .map_err(ioctl("KVM_CREATE_VCPU"))?;
+        vcpu.set_cpuid2(&cpuid::for_vcpu(&supported, index, count))
+            .map_err(ioctl("KVM_SET_CPUID2"))?;
+        regs::setup_msrs(&vcpu)?;
+        regs::setup_lapic(&vcpu)?;
+        // Secondary vCPUs wait for INIT/SIPI from the boot CPU; only it gets an entry state.
+        if index == 0 {
+            regs::setup_fpu(&vcpu)?;
+            regs::setup_sregs(ram.memory(), &vcpu, entry)?;
+            regs::setup_regs(&vcpu, entry)?;
+        }
+        vcpus.push(vcpu);
+    }
+    Ok(vcpus)
+}
