@@ -230,7 +230,7 @@ mod tests {
     #[test]
     fn initrd_that_would_overlap_the_kernel_is_refused() {
         let mut file = tempfile::NamedTempFile::new().unwrap();
-        file.write_all(&vec![0u8; 1 << 20]).unwrap();
+        file.write_all(&vec![0u8; (1 << 20) + 1]).unwrap();
         let err = load_initrd(&ram(), file.path(), 63 << 20, 64 << 20).unwrap_err();
         assert!(matches!(err, LoadError::InitrdTooLarge { .. }));
     }
