@@ -6,6 +6,7 @@
 
 pub mod boot;
 pub mod devices;
+pub mod event_loop;
 pub mod exit;
 pub mod kvm;
 pub mod vm;

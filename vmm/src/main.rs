@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use agentvm_vmm::vm::{RamSpec, SerialSpec, Vm, VmSpec};
+use agentvm_vmm::vm::{RamSpec, SerialSpec, Vm, VmSpec, VsockSpec};
 use anyhow::Context;
 use clap::Parser;
 
@@ -29,6 +29,9 @@ struct Args {
     /// `off`, `null`, `tty` (our stdout) or a file path.
     #[arg(long, default_value = "tty")]
     serial: String,
+    /// Hybrid vsock: `cid=N,socket=PATH`.
+    #[arg(long)]
+    vsock: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -66,6 +69,7 @@ fn run(args: Args) -> anyhow::Result<ExitCode> {
             "tty" => SerialSpec::Stdout,
             path => SerialSpec::File(path.into()),
         },
+        vsock: args.vsock.as_deref().map(parse_vsock).transpose()?,
     };
     let vm = Vm::boot(&spec).context("booting the VM")?;
     vm.exit_signal()
@@ -81,4 +85,19 @@ fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         _ => Ok(ExitCode::SUCCESS),
     }
+}
+
+fn parse_vsock(text: &str) -> anyhow::Result<VsockSpec> {
+    let (mut cid, mut socket) = (None, None);
+    for part in text.split(',') {
+        match part.split_once('=') {
+            Some(("cid", v)) => cid = Some(v.parse().context("--vsock cid")?),
+            Some(("socket", v)) => socket = Some(PathBuf::from(v)),
+            _ => anyhow::bail!("--vsock: unexpected `{part}` (want cid=N,socket=PATH)"),
+        }
+    }
+    Ok(VsockSpec {
+        cid: cid.context("--vsock needs cid=N")?,
+        socket: socket.context("--vsock needs socket=PATH")?,
+    })
 }

@@ -3,12 +3,13 @@
 
 use std::collections::BTreeMap;
 use std::fs::OpenOptions;
+use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
-use kvm_ioctls::VcpuFd;
+use kvm_ioctls::{IoEventAddress, VcpuFd};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::boot::loader::{self, EntryPoint, LoadError};
@@ -17,6 +18,11 @@ use crate::boot::{layout, mptable};
 use crate::devices::bus::{Bus, Overlap};
 use crate::devices::i8042::{self, I8042};
 use crate::devices::serial::{Destination, RateLimit, SerialDevice, SerialOutput, SerialStats};
+use crate::devices::virtio::mmio::{self, MmioError, VirtioMmio};
+use crate::devices::virtio::vsock::muxer::Muxer;
+use crate::devices::virtio::vsock::{Vsock, VsockHandler, VsockStats};
+use crate::devices::virtio::Interrupt;
+use crate::event_loop::{EventLoop, EventLoopError, Subscriber};
 use crate::exit::ExitSignal;
 use crate::kvm::memory::{GuestRam, MemoryError, RamOptions};
 use crate::kvm::vcpu::{VcpuContext, VcpuError, VcpuSet, VcpuStats};
@@ -33,6 +39,14 @@ pub struct VmSpec {
     pub initramfs: Option<PathBuf>,
     pub cmdline: String,
     pub serial: SerialSpec,
+    pub vsock: Option<VsockSpec>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VsockSpec {
+    pub cid: u32,
+    /// Host unix socket we bind; guest-initiated streams to port P dial `<socket>_P`.
+    pub socket: PathBuf,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -80,6 +94,15 @@ pub enum BuildError {
     },
     #[error("device layout: {0}")]
     Layout(#[from] Overlap),
+    #[error(transparent)]
+    Virtio(#[from] MmioError),
+    #[error(transparent)]
+    EventLoop(#[from] EventLoopError),
+    #[error("vsock socket {path}: {source}")]
+    VsockSocket {
+        path: String,
+        source: std::io::Error,
+    },
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> BuildError {
@@ -97,7 +120,9 @@ const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct Vm {
     // Field order is drop order: threads first, then the KVM fds, then the RAM they map.
     vcpus: VcpuSet,
+    devices: EventLoop,
     serial: Option<Arc<Mutex<SerialDevice>>>,
+    vsock: Option<AttachedVsock>,
     exit: Arc<ExitSignal>,
     serial_stats: Arc<SerialStats>,
     vcpu_stats: Arc<VcpuStats>,
@@ -120,7 +145,23 @@ impl Vm {
         let kvm = KvmVm::new(&ram)?;
         let exit = Arc::new(ExitSignal::new().map_err(io("creating the exit eventfd"))?);
 
-        let entry = load_guest(&ram, spec)?;
+        let mut mmio = Bus::default();
+        let mut subscribers: Vec<Box<dyn Subscriber>> = Vec::new();
+        let mut cmdline = spec.cmdline.clone();
+        let vsock = match &spec.vsock {
+            Some(vsock_spec) => {
+                let attached = attach_vsock(&kvm, &ram, vsock_spec, 0, &mut mmio)?;
+                subscribers.push(Box::new(
+                    VsockHandler::new(attached.device.clone())
+                        .map_err(io("cloning vsock queue eventfds"))?,
+                ));
+                append_device(&mut cmdline, 0);
+                Some(attached)
+            }
+            None => None,
+        };
+
+        let entry = load_guest(&ram, spec, &cmdline)?;
 
         let serial_stats = Arc::new(SerialStats::default());
         let mut pio = Bus::default();
@@ -137,8 +178,7 @@ impl Vm {
             i8042::WINDOW_LEN,
             Arc::new(Mutex::new(I8042::new(exit.clone()))),
         )?;
-        let mmio = Bus::default();
-
+        let devices = EventLoop::start(subscribers)?;
         let vcpu_fds = create_vcpus(&kvm, &ram, spec.vcpus, entry)?;
         let vcpu_stats = Arc::new(VcpuStats::default());
         let vcpus = VcpuSet::start(
@@ -153,7 +193,9 @@ impl Vm {
         tracing::debug!(elapsed = ?booted.elapsed(), "VM built and vCPUs started");
         Ok(Self {
             vcpus,
+            devices,
             serial,
+            vsock,
             exit,
             serial_stats,
             vcpu_stats,
@@ -167,20 +209,33 @@ impl Vm {
         &self.exit
     }
 
-    pub fn pause(&self) -> Result<(), VcpuError> {
+    /// Stops the vCPUs, then the devices, so neither touches guest RAM until `resume`.
+    pub fn pause(&self) -> Result<(), PauseError> {
         self.vcpus.pause(PAUSE_TIMEOUT)?;
+        if let Err(e) = self.devices.pause() {
+            self.vcpus.resume();
+            return Err(e.into());
+        }
         self.drain_serial();
         Ok(())
     }
 
-    pub fn resume(&self) {
+    pub fn resume(&self) -> Result<(), PauseError> {
+        self.devices.resume()?;
         self.vcpus.resume();
+        Ok(())
     }
 
-    /// Stops the vCPUs and releases everything the VM holds.
+    /// Stops the vCPUs and the devices and releases everything the VM holds.
     pub fn stop(mut self) {
         let _fds: Vec<VcpuFd> = self.vcpus.stop();
+        self.devices.stop();
         self.drain_serial();
+        if let Some(vsock) = &self.vsock {
+            // Our socket, bound at boot: nobody else may reuse the path while we run, and it
+            // must not outlive us (Cloud Hypervisor unlinks it the same way).
+            let _ = std::fs::remove_file(&vsock.socket);
+        }
     }
 
     pub fn memory_size(&self) -> u64 {
@@ -205,6 +260,12 @@ impl Vm {
                 .collect::<BTreeMap<_, _>>()
         };
         all.insert("vcpus".to_owned(), collect(&self.vcpu_stats.counters()));
+        if let Some(vsock) = &self.vsock {
+            let mut counters = collect(&vsock.stats.counters());
+            let open = lock_vsock(&vsock.device).device().muxer().connection_count();
+            counters.insert("connections_open".to_owned(), open as u64);
+            all.insert("_vsock0".to_owned(), counters);
+        }
         if self.serial.is_some() {
             all.insert("_serial".to_owned(), collect(&self.serial_stats.counters()));
         }
@@ -218,8 +279,85 @@ impl Vm {
     }
 }
 
+#[derive(Debug, thiserror::Error)]
+pub enum PauseError {
+    #[error(transparent)]
+    Vcpus(#[from] VcpuError),
+    #[error(transparent)]
+    Devices(#[from] EventLoopError),
+}
+
+struct AttachedVsock {
+    device: Arc<Mutex<VirtioMmio<Vsock>>>,
+    stats: Arc<VsockStats>,
+    socket: PathBuf,
+}
+
+fn lock_vsock(device: &Mutex<VirtioMmio<Vsock>>) -> std::sync::MutexGuard<'_, VirtioMmio<Vsock>> {
+    device.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Announces virtio-mmio device `index` to the guest kernel, Firecracker style.
+fn append_device(cmdline: &mut String, index: u32) {
+    let (base, size) = layout::virtio_mmio_window(index);
+    let irq = layout::VIRTIO_IRQ_BASE + index;
+    if !cmdline.is_empty() {
+        cmdline.push(' ');
+    }
+    cmdline.push_str(&format!("virtio_mmio.device={}K@{base:#x}:{irq}", size >> 10));
+}
+
+/// The vsock device as virtio-mmio device `index`: listener bound, irqfd and queue
+/// ioeventfds registered with KVM, registers on the MMIO bus.
+fn attach_vsock(
+    kvm: &KvmVm,
+    ram: &GuestRam,
+    spec: &VsockSpec,
+    index: u32,
+    mmio: &mut Bus,
+) -> Result<AttachedVsock, BuildError> {
+    let socket_error = |source| BuildError::VsockSocket {
+        path: spec.socket.display().to_string(),
+        source,
+    };
+    let listener = UnixListener::bind(&spec.socket).map_err(socket_error)?;
+    let stats = Arc::new(VsockStats::default());
+    let muxer = Muxer::new(u64::from(spec.cid), &spec.socket, listener, stats.clone())
+        .map_err(socket_error)?;
+    let irqfd = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)
+        .map_err(io("creating the vsock irqfd"))?;
+    let irq = layout::VIRTIO_IRQ_BASE + index;
+    kvm.fd
+        .register_irqfd(&irqfd, irq)
+        .map_err(ioctl("KVM_IRQFD (vsock)"))?;
+    let transport = VirtioMmio::new(
+        Vsock::new(u64::from(spec.cid), muxer),
+        ram.shared_memory(),
+        Interrupt::new(irqfd),
+    )?;
+    let (base, size) = layout::virtio_mmio_window(index);
+    for (queue, event) in transport.queue_events().iter().enumerate() {
+        // Notifications then wake the device thread straight from KVM, without a trip
+        // through a vCPU thread.
+        kvm.fd
+            .register_ioevent(
+                event,
+                &IoEventAddress::Mmio(base + mmio::NOTIFY_OFFSET),
+                queue as u32,
+            )
+            .map_err(ioctl("KVM_IOEVENTFD (vsock)"))?;
+    }
+    let device = Arc::new(Mutex::new(transport));
+    mmio.insert(base, size, device.clone())?;
+    Ok(AttachedVsock {
+        device,
+        stats,
+        socket: spec.socket.clone(),
+    })
+}
+
 /// Kernel, initramfs, command line, boot parameters and MP table into RAM.
-fn load_guest(ram: &GuestRam, spec: &VmSpec) -> Result<EntryPoint, BuildError> {
+fn load_guest(ram: &GuestRam, spec: &VmSpec, cmdline: &str) -> Result<EntryPoint, BuildError> {
     let memory = ram.memory();
     let kernel = loader::load_kernel(memory, &spec.kernel)?;
     let low_ram_end = ram.ranges()[0].1;
@@ -228,12 +366,12 @@ fn load_guest(ram: &GuestRam, spec: &VmSpec) -> Result<EntryPoint, BuildError> {
         .as_deref()
         .map(|path| loader::load_initrd(memory, path, kernel.kernel_end, low_ram_end))
         .transpose()?;
-    loader::write_cmdline(memory, &spec.cmdline)?;
+    loader::write_cmdline(memory, cmdline)?;
     let map = params::memory_map(&ram.ranges());
     match kernel.entry {
-        EntryPoint::Pvh { .. } => params::write_pvh(memory, &map, spec.cmdline.len(), initrd)?,
+        EntryPoint::Pvh { .. } => params::write_pvh(memory, &map, cmdline.len(), initrd)?,
         EntryPoint::Linux64 { setup_header, .. } => {
-            params::write_zero_page(memory, &map, spec.cmdline.len(), initrd, setup_header)?
+            params::write_zero_page(memory, &map, cmdline.len(), initrd, setup_header)?
         }
     }
     mptable::write(memory, spec.vcpus)?;

@@ -5,6 +5,7 @@
 
 use std::fs::File;
 use std::os::fd::FromRawFd;
+use std::sync::Arc;
 
 use vm_memory::mmap::MmapRegion;
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap};
@@ -42,7 +43,7 @@ pub struct RamOptions {
 
 /// The guest's RAM: the memfd and its mappings, in guest-physical order.
 pub struct GuestRam {
-    memory: GuestMemoryMmap,
+    memory: Arc<GuestMemoryMmap>,
     memfd: File,
     size: u64,
 }
@@ -75,7 +76,7 @@ impl GuestRam {
         let memory = GuestMemoryMmap::from_regions(regions)
             .map_err(|e| MemoryError::Collection(e.to_string()))?;
         Ok(Self {
-            memory,
+            memory: Arc::new(memory),
             memfd,
             size,
         })
@@ -83,6 +84,11 @@ impl GuestRam {
 
     pub fn memory(&self) -> &GuestMemoryMmap {
         &self.memory
+    }
+
+    /// A shared handle for devices that access guest RAM from their own thread.
+    pub fn shared_memory(&self) -> Arc<GuestMemoryMmap> {
+        self.memory.clone()
     }
 
     pub fn size(&self) -> u64 {
