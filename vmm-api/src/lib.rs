@@ -20,5 +20,7 @@ pub mod types;
 pub use client::{ClientError, VmmClient};
 pub use config::{ConfigError, VmConfig};
 pub use error::ApiError;
-pub use server::{ServerConfig, VmmBackend, bind_api_socket, serve, serve_with, serve_with_shutdown};
+pub use server::{
+    ServerConfig, VmmBackend, bind_api_socket, serve, serve_with, serve_with_shutdown,
+};
 pub use types::{VmCounters, VmInfo, VmState, VmmPingResponse};

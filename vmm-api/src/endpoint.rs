@@ -1,0 +1,36 @@
+//! Endpoint names and their paths: the one definition both the server's route table and
+//! the client use.
+
+/// Every endpoint lives under this prefix, e.g. `/api/v1/vm.create`.
+pub const API_PREFIX: &str = "/api/v1/";
+
+/// `GET`: liveness and version.
+pub const VMM_PING: &str = "vmm.ping";
+/// `PUT`: delete the VM, answer 200, stop serving.
+pub const VMM_SHUTDOWN: &str = "vmm.shutdown";
+/// `PUT` with a `VmConfig` body: store the config, do not boot.
+pub const VM_CREATE: &str = "vm.create";
+/// `PUT`: boot the stored config.
+pub const VM_BOOT: &str = "vm.boot";
+/// `GET`: config, state and device tree.
+pub const VM_INFO: &str = "vm.info";
+/// `GET`: per-device counters.
+pub const VM_COUNTERS: &str = "vm.counters";
+/// `PUT`: stop the vCPUs.
+pub const VM_PAUSE: &str = "vm.pause";
+/// `PUT`: restart the vCPUs.
+pub const VM_RESUME: &str = "vm.resume";
+/// `PUT`: tear the VM down, keep the config.
+pub const VM_SHUTDOWN: &str = "vm.shutdown";
+/// `PUT`: tear the VM down and drop the config.
+pub const VM_DELETE: &str = "vm.delete";
+
+/// The request path of `endpoint`: `path("vm.boot") == "/api/v1/vm.boot"`.
+pub fn path(endpoint: &str) -> String {
+    format!("{API_PREFIX}{endpoint}")
+}
+
+/// The endpoint named by a request path, if it has the API prefix.
+pub fn from_path(path: &str) -> Option<&str> {
+    path.strip_prefix(API_PREFIX)
+}

@@ -1,0 +1,45 @@
+//! [`VmmBackend`]: what the server routes requests to. agentvm-vmm implements it.
+
+use crate::config::VmConfig;
+use crate::error::ApiError;
+use crate::types::{VmCounters, VmInfo, VmmPingResponse};
+
+/// The VMM behind the API.
+///
+/// Calls are blocking (they do KVM work): the server runs each on a blocking thread and never
+/// runs two at once, as Cloud Hypervisor does. Errors carry the *causes*; the server prepends
+/// what failed (`"vm.pause failed"`). Status codes follow CH v53 (vmm-api.md §1.1, §2):
+/// 404 when no VM config exists, 500 for wrong-state calls and everything else.
+pub trait VmmBackend: Send + Sync + 'static {
+    /// `GET vmm.ping`.
+    fn ping(&self) -> VmmPingResponse;
+
+    /// `PUT vm.create`: store `config` (already decoded and validated by the server).
+    /// A config already stored → 500 (`VmAlreadyCreated`).
+    fn create(&self, config: VmConfig) -> Result<(), ApiError>;
+
+    /// `PUT vm.boot`: no config → 404; already booted → 500.
+    fn boot(&self) -> Result<(), ApiError>;
+
+    /// `GET vm.info`: no config → 404.
+    fn info(&self) -> Result<VmInfo, ApiError>;
+
+    /// `PUT vm.pause`: not `Running` → 500.
+    fn pause(&self) -> Result<(), ApiError>;
+
+    /// `PUT vm.resume`: not `Paused` → 500.
+    fn resume(&self) -> Result<(), ApiError>;
+
+    /// `PUT vm.shutdown`: tear down, keep the config. Not booted → 500.
+    fn shutdown(&self) -> Result<(), ApiError>;
+
+    /// `PUT vm.delete`: shut down if running, drop the config. Nothing to delete is success.
+    fn delete(&self) -> Result<(), ApiError>;
+
+    /// `GET vm.counters`: not booted → 500.
+    fn counters(&self) -> Result<VmCounters, ApiError>;
+
+    /// `PUT vmm.shutdown`: called before the 200 is sent; the server then stops serving and
+    /// `serve` returns. No backend call runs after this one succeeds.
+    fn shutdown_vmm(&self) -> Result<(), ApiError>;
+}

@@ -1,0 +1,146 @@
+//! The other API bodies: `vmm.ping`, `vm.info` and `vm.counters` responses.
+//!
+//! Response types accept unknown fields, so a client keeps working against a VMM that answers
+//! with more than it knows about; the embedded [`VmConfig`] stays strict.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::VmConfig;
+
+/// The VM's state as `vm.info` reports it (CH spelling).
+///
+/// `Created → Running ⇄ Paused → Shutdown`, and `Shutdown → Running` by booting again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum VmState {
+    /// A config exists; the VM has not booted.
+    Created,
+    /// vCPUs run.
+    Running,
+    /// Torn down after a boot; the config is kept.
+    Shutdown,
+    /// vCPUs stopped, devices quiesced.
+    Paused,
+}
+
+/// `GET vm.info` response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmInfo {
+    /// The effective config, defaults and generated ids included.
+    pub config: VmConfig,
+    /// Current state.
+    pub state: VmState,
+    /// RAM in bytes as the guest sees it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_actual_size: Option<u64>,
+    /// Devices by id; absent before boot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_tree: Option<BTreeMap<String, DeviceNode>>,
+}
+
+/// One node of `vm.info`'s device tree.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceNode {
+    /// Device id (`_vsock0`, `__serial`, …).
+    pub id: String,
+    /// Resources (I/O ports, MMIO ranges, IRQs) in CH's tagged form, kept opaque.
+    #[serde(default)]
+    pub resources: Vec<serde_json::Value>,
+    /// Ids of child devices.
+    #[serde(default)]
+    pub children: Vec<String>,
+    /// PCI address (`0000:00:01.0`) for PCI devices.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pci_bdf: Option<String>,
+}
+
+/// `GET vmm.ping` response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmmPingResponse {
+    /// VMM version, e.g. `v0.1.0`.
+    pub version: String,
+    /// Build identifier (git describe).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub build_version: Option<String>,
+    /// The VMM's process id.
+    pub pid: i64,
+    /// Compiled-in features.
+    #[serde(default)]
+    pub features: Vec<String>,
+}
+
+/// `GET vm.counters` response: device id → counter name → value (values wrap on overflow).
+pub type VmCounters = BTreeMap<String, BTreeMap<String, u64>>;
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn vm_info_round_trips_in_cloud_hypervisor_shape() {
+        let body = json!({
+            "config": {
+                "cpus": {"boot_vcpus": 2, "max_vcpus": 2},
+                "memory": {"size": 1073741824u64, "shared": false, "hugepages": false,
+                           "prefault": false, "mergeable": false, "thp": true},
+                "payload": {"kernel": "/var/lib/sbx/vmlinux", "cmdline": "console=ttyS0"},
+                "serial": {"mode": "Null"},
+                "console": {"mode": "Off"},
+                "vsock": {"cid": 3, "socket": "/run/sbx/v1/vsock.sock", "id": "_vsock0"}
+            },
+            "state": "Running",
+            "memory_actual_size": 1073741824u64,
+            "device_tree": {
+                "_vsock0": {"id": "_vsock0", "resources": [{"MmioAddressRange": {"base": 3489660928u64, "size": 4096}}],
+                            "children": [], "pci_bdf": "0000:00:03.0"}
+            }
+        });
+        let info: VmInfo = serde_json::from_value(body.clone()).expect("decode");
+        assert_eq!(info.state, VmState::Running);
+        assert_eq!(info.memory_actual_size, Some(1 << 30));
+        let tree = info.device_tree.as_ref().expect("tree");
+        assert_eq!(tree["_vsock0"].pci_bdf.as_deref(), Some("0000:00:03.0"));
+        assert_eq!(serde_json::to_value(&info).expect("encode"), body);
+    }
+
+    #[test]
+    fn vm_info_before_boot_has_no_tree() {
+        let info: VmInfo = serde_json::from_value(json!({
+            "config": {"payload": {"kernel": "/k"}}, "state": "Created"
+        }))
+        .expect("decode");
+        assert_eq!(info.device_tree, None);
+        assert_eq!(info.memory_actual_size, None);
+        let encoded = serde_json::to_value(&info).expect("encode");
+        assert!(encoded.get("device_tree").is_none());
+        assert_eq!(encoded["config"]["console"]["mode"], json!("Off"));
+    }
+
+    #[test]
+    fn states_use_cloud_hypervisor_spelling() {
+        for (state, text) in [
+            (VmState::Created, "\"Created\""),
+            (VmState::Running, "\"Running\""),
+            (VmState::Shutdown, "\"Shutdown\""),
+            (VmState::Paused, "\"Paused\""),
+        ] {
+            assert_eq!(serde_json::to_string(&state).expect("encode"), text);
+        }
+    }
+
+    #[test]
+    fn ping_tolerates_missing_optionals_and_extra_fields() {
+        let ping: VmmPingResponse =
+            serde_json::from_value(json!({"version": "v53.0", "pid": 42, "extra": 1}))
+                .expect("decode");
+        assert_eq!(ping.build_version, None);
+        assert!(ping.features.is_empty());
+        let counters: VmCounters =
+            serde_json::from_value(json!({"_net1": {"rx_bytes": 10, "tx_bytes": 20}}))
+                .expect("counters");
+        assert_eq!(counters["_net1"]["tx_bytes"], 20);
+    }
+}
