@@ -18,6 +18,8 @@ pub enum ExitReason {
     TripleFault,
     /// KVM could not run the guest; the text says what KVM reported.
     VcpuFailure(String),
+    /// Stopped through the API (vm.shutdown, vm.delete, vmm.shutdown).
+    Requested,
 }
 
 impl std::fmt::Display for ExitReason {
@@ -27,6 +29,7 @@ impl std::fmt::Display for ExitReason {
             Self::GuestShutdown => f.write_str("guest powered off"),
             Self::TripleFault => f.write_str("guest triple fault"),
             Self::VcpuFailure(why) => write!(f, "vCPU failure: {why}"),
+            Self::Requested => f.write_str("stopped through the API"),
         }
     }
 }

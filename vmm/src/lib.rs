@@ -4,6 +4,7 @@
 //! `boot/` what the guest finds in memory at its first instruction, `devices/` what it can
 //! talk to, `vm` assembles one VM from a spec.
 
+pub mod api;
 pub mod boot;
 pub mod devices;
 pub mod event_loop;

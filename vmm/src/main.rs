@@ -1,26 +1,37 @@
 //! `agentvm-vmm`: one microVM per process.
 //!
 //! `agentvm-vmm --api-socket PATH` serves the Cloud Hypervisor REST API on PATH and waits for
-//! `vm.create`/`vm.boot`. Given `--kernel`, it boots that VM at once (one-shot, for tests and
-//! benchmarks) and exits when the guest shuts down, unless an API socket keeps it alive.
+//! `vm.create`/`vm.boot`. Given `--kernel` it also creates and boots that VM at once, and then
+//! exits when the guest stops (one-shot mode, for tests and benchmarks); the API, if any,
+//! serves meanwhile.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
-use agentvm_vmm::vm::{RamSpec, SerialSpec, Vm, VmSpec, VsockSpec};
+use agentvm_vmm::api::Vmm;
+use agentvm_vmm::exit::ExitReason;
+use agentvm_vmm_api::VmmBackend;
+use agentvm_vmm_api::config::{
+    ConsoleOutputMode, CpusConfig, MemoryConfig, PayloadConfig, SerialConfig, VmConfig,
+    VsockConfig,
+};
 use anyhow::Context;
 use clap::Parser;
 
 #[derive(Parser, Debug)]
-#[command(name = "agentvm-vmm", version, about = "KVM microVM monitor")]
+#[command(name = "agentvm-vmm", version, about = "KVM microVM monitor behind the Cloud Hypervisor REST API")]
 struct Args {
-    /// Kernel to boot at once (one-shot mode): ELF vmlinux (PVH or 64-bit entry) or bzImage.
+    /// Serve the REST API on this unix socket (created with mode 0600).
+    #[arg(long)]
+    api_socket: Option<PathBuf>,
+    /// Boot this kernel at once: ELF vmlinux (PVH or 64-bit entry) or bzImage.
     #[arg(long)]
     kernel: Option<PathBuf>,
     #[arg(long)]
     initramfs: Option<PathBuf>,
-    #[arg(long, default_value = "")]
-    cmdline: String,
+    #[arg(long)]
+    cmdline: Option<String>,
     /// Guest RAM in MiB.
     #[arg(long, default_value_t = 256)]
     memory_mib: u64,
@@ -52,42 +63,102 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> anyhow::Result<ExitCode> {
-    let kernel = args
-        .kernel
-        .clone()
-        .context("nothing to do: give --kernel (one-shot) or --api-socket")?;
-    let spec = VmSpec {
-        vcpus: args.cpus,
-        memory_bytes: args.memory_mib << 20,
-        ram: RamSpec::default(),
-        kernel,
-        initramfs: args.initramfs.clone(),
-        cmdline: args.cmdline.clone(),
-        serial: match args.serial.as_str() {
-            "off" => SerialSpec::Off,
-            "null" => SerialSpec::Null,
-            "tty" => SerialSpec::Stdout,
-            path => SerialSpec::File(path.into()),
-        },
-        vsock: args.vsock.as_deref().map(parse_vsock).transpose()?,
+    let vmm = Arc::new(Vmm::new());
+    let one_shot = match args.kernel.clone() {
+        Some(kernel) => Some(config_from_args(&args, kernel)?),
+        None => None,
     };
-    let vm = Vm::boot(&spec).context("booting the VM")?;
-    vm.exit_signal()
-        .event()
-        .read()
-        .context("waiting for the VM to exit")?;
-    let reason = vm.exit_signal().reason();
-    vm.stop();
-    match reason {
-        Some(agentvm_vmm::exit::ExitReason::VcpuFailure(why)) => {
-            eprintln!("agentvm-vmm: {why}");
-            Ok(ExitCode::FAILURE)
-        }
-        _ => Ok(ExitCode::SUCCESS),
+    if one_shot.is_none() && args.api_socket.is_none() {
+        anyhow::bail!("nothing to do: give --api-socket PATH, or --kernel to boot at once");
     }
+    if let Some(config) = one_shot {
+        config
+            .validate()
+            .map_err(|e| anyhow::anyhow!("{e}"))
+            .context("VM configuration from the command line")?;
+        vmm.create(config).map_err(|e| anyhow::anyhow!("{e}"))?;
+        vmm.boot().map_err(|e| anyhow::anyhow!("{e}"))?;
+        if let Some(socket) = &args.api_socket {
+            let socket = socket.clone();
+            let api_vmm = vmm.clone();
+            std::thread::Builder::new()
+                .name("api".into())
+                .spawn(move || {
+                    if let Err(e) = serve_api(&socket, api_vmm) {
+                        tracing::error!(error = %e, "API server");
+                    }
+                })
+                .context("starting the API thread")?;
+        }
+        return Ok(match vmm.wait_stopped() {
+            Some(ExitReason::VcpuFailure(why)) => {
+                eprintln!("agentvm-vmm: {why}");
+                ExitCode::FAILURE
+            }
+            _ => ExitCode::SUCCESS,
+        });
+    }
+    let socket = args.api_socket.clone().unwrap_or_default();
+    serve_api(&socket, vmm.clone())?;
+    // vmm.shutdown or a signal ended the API: nothing may outlive the process.
+    let _ = vmm.delete();
+    Ok(ExitCode::SUCCESS)
 }
 
-fn parse_vsock(text: &str) -> anyhow::Result<VsockSpec> {
+fn serve_api(socket: &std::path::Path, vmm: Arc<Vmm>) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .enable_time()
+        .build()
+        .context("starting the API runtime")?;
+    runtime.block_on(async {
+        let listener = agentvm_vmm_api::bind_api_socket(socket)
+            .with_context(|| format!("binding the API socket {}", socket.display()))?;
+        let stop = async {
+            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                .ok();
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+            }
+        };
+        let served = agentvm_vmm_api::serve_with_shutdown(listener, vmm, stop).await;
+        let _ = std::fs::remove_file(socket);
+        served.with_context(|| format!("serving the API on {}", socket.display()))
+    })
+}
+
+fn config_from_args(args: &Args, kernel: PathBuf) -> anyhow::Result<VmConfig> {
+    let (mode, file) = match args.serial.as_str() {
+        "off" => (ConsoleOutputMode::Off, None),
+        "null" => (ConsoleOutputMode::Null, None),
+        "tty" => (ConsoleOutputMode::Tty, None),
+        path => (ConsoleOutputMode::File, Some(PathBuf::from(path))),
+    };
+    let mut config = VmConfig::with_kernel(kernel);
+    config.cpus = CpusConfig {
+        boot_vcpus: args.cpus,
+        max_vcpus: args.cpus,
+    };
+    config.memory = MemoryConfig {
+        size: args.memory_mib << 20,
+        ..MemoryConfig::default()
+    };
+    config.payload = PayloadConfig {
+        initramfs: args.initramfs.clone(),
+        cmdline: args.cmdline.clone(),
+        ..config.payload
+    };
+    config.serial = SerialConfig {
+        mode,
+        file,
+        socket: None,
+    };
+    config.vsock = args.vsock.as_deref().map(parse_vsock).transpose()?;
+    Ok(config)
+}
+
+fn parse_vsock(text: &str) -> anyhow::Result<VsockConfig> {
     let (mut cid, mut socket) = (None, None);
     for part in text.split(',') {
         match part.split_once('=') {
@@ -96,8 +167,9 @@ fn parse_vsock(text: &str) -> anyhow::Result<VsockSpec> {
             _ => anyhow::bail!("--vsock: unexpected `{part}` (want cid=N,socket=PATH)"),
         }
     }
-    Ok(VsockSpec {
+    Ok(VsockConfig {
         cid: cid.context("--vsock needs cid=N")?,
         socket: socket.context("--vsock needs socket=PATH")?,
+        id: None,
     })
 }

@@ -1,0 +1,375 @@
+//! API actions mapped onto the VM: the Cloud Hypervisor state machine (`Created → Running ⇄
+//! Paused → Shutdown`) with its status codes, implemented as the server's [`VmmBackend`].
+//!
+//! A VM can also stop on its own (guest reset, triple fault, vCPU failure). A watcher thread
+//! per booted VM waits for that and moves the state to `Shutdown`, so `vm.info` tells the
+//! truth without anyone polling.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use agentvm_vmm_api::config::{ConsoleOutputMode, VmConfig};
+use agentvm_vmm_api::types::DeviceNode;
+use agentvm_vmm_api::{ApiError, VmCounters, VmInfo, VmState, VmmBackend, VmmPingResponse};
+
+use crate::boot::layout;
+use crate::exit::{ExitReason, ExitSignal};
+use crate::kvm::Flavour;
+use crate::vm::{RamSpec, SerialSpec, Vm, VmSpec, VsockSpec};
+
+enum Slot {
+    Empty,
+    Created(VmConfig),
+    Running(VmConfig, Booted),
+    Paused(VmConfig, Booted),
+    Shutdown(VmConfig),
+}
+
+struct Booted {
+    vm: Vm,
+    generation: u64,
+}
+
+struct Inner {
+    slot: Slot,
+    generation: u64,
+    last_exit: Option<ExitReason>,
+}
+
+/// The VMM behind the API: at most one VM.
+pub struct Vmm {
+    inner: Arc<Mutex<Inner>>,
+    /// Signalled whenever a VM stops, for callers that wait for the end (one-shot mode).
+    stopped: Arc<Condvar>,
+    flavour: Flavour,
+}
+
+impl Default for Vmm {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn lock(inner: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
+    inner.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Vmm {
+    pub fn new() -> Self {
+        Self {
+            inner: Arc::new(Mutex::new(Inner {
+                slot: Slot::Empty,
+                generation: 0,
+                last_exit: None,
+            })),
+            stopped: Arc::new(Condvar::new()),
+            flavour: Flavour::detect(),
+        }
+    }
+
+    /// Blocks until no VM is running; returns why the last one stopped.
+    pub fn wait_stopped(&self) -> Option<ExitReason> {
+        let mut inner = lock(&self.inner);
+        while matches!(inner.slot, Slot::Running(..) | Slot::Paused(..)) {
+            inner = self
+                .stopped
+                .wait(inner)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+        inner.last_exit.clone()
+    }
+
+    fn watch(&self, exit: Arc<ExitSignal>, generation: u64) {
+        let inner = self.inner.clone();
+        let stopped = self.stopped.clone();
+        let spawned = std::thread::Builder::new()
+            .name("vm-exit".into())
+            .spawn(move || {
+                if let Err(e) = exit.event().read() {
+                    tracing::error!(error = %e, "waiting for the VM to exit");
+                    return;
+                }
+                let mut guard = lock(&inner);
+                let current = match &guard.slot {
+                    Slot::Running(_, b) | Slot::Paused(_, b) => b.generation == generation,
+                    _ => false,
+                };
+                if !current {
+                    return;
+                }
+                let reason = exit.reason();
+                let slot = std::mem::replace(&mut guard.slot, Slot::Empty);
+                if let Slot::Running(config, booted) | Slot::Paused(config, booted) = slot {
+                    booted.vm.stop();
+                    guard.slot = Slot::Shutdown(config);
+                }
+                guard.last_exit = reason;
+                stopped.notify_all();
+            });
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "starting the VM exit watcher");
+        }
+    }
+
+    fn stop_booted(inner: &mut Inner, booted: Booted, reason: ExitReason) {
+        booted.vm.exit_signal().request(reason.clone());
+        booted.vm.stop();
+        inner.last_exit = Some(reason);
+    }
+}
+
+fn no_vm() -> ApiError {
+    ApiError::not_found("no VM has been created (vm.create first)")
+}
+
+fn state_name(slot: &Slot) -> &'static str {
+    match slot {
+        Slot::Empty => "not created",
+        Slot::Created(_) => "Created",
+        Slot::Running(..) => "Running",
+        Slot::Paused(..) => "Paused",
+        Slot::Shutdown(_) => "Shutdown",
+    }
+}
+
+fn wrong_state(action: &str, slot: &Slot) -> ApiError {
+    ApiError::internal(format!(
+        "cannot {action} a VM in state {}",
+        state_name(slot)
+    ))
+}
+
+/// The VM description a validated API config stands for.
+pub fn spec_from_config(config: &VmConfig) -> Result<VmSpec, ApiError> {
+    let kernel = config
+        .payload
+        .kernel
+        .clone()
+        .ok_or_else(|| ApiError::bad_request("payload.kernel: required"))?;
+    let serial = match config.serial.mode {
+        ConsoleOutputMode::Off => SerialSpec::Off,
+        ConsoleOutputMode::Null => SerialSpec::Null,
+        ConsoleOutputMode::Tty => SerialSpec::Stdout,
+        ConsoleOutputMode::File => SerialSpec::File(
+            config
+                .serial
+                .file
+                .clone()
+                .ok_or_else(|| ApiError::bad_request("serial.file: required in File mode"))?,
+        ),
+        other => {
+            return Err(ApiError::bad_request(format!(
+                "serial.mode: {other:?} is not supported"
+            )));
+        }
+    };
+    Ok(VmSpec {
+        vcpus: config.cpus.boot_vcpus,
+        memory_bytes: config.memory.size,
+        ram: RamSpec {
+            prefault: config.memory.prefault,
+            mergeable: config.memory.mergeable,
+        },
+        kernel,
+        initramfs: config.payload.initramfs.clone(),
+        cmdline: config.payload.cmdline.clone().unwrap_or_default(),
+        serial,
+        vsock: config.vsock.as_ref().map(|v| VsockSpec {
+            cid: v.cid,
+            socket: v.socket.clone(),
+        }),
+    })
+}
+
+fn device_tree(config: &VmConfig) -> BTreeMap<String, DeviceNode> {
+    let mut tree = BTreeMap::new();
+    let node = |id: &str, resources: Vec<serde_json::Value>| DeviceNode {
+        id: id.to_owned(),
+        resources,
+        children: Vec::new(),
+        pci_bdf: None,
+    };
+    if config.serial.mode != ConsoleOutputMode::Off {
+        tree.insert(
+            "_serial".to_owned(),
+            node(
+                "_serial",
+                vec![
+                    serde_json::json!({"PioAddressRange": {"base": layout::SERIAL_PORT_BASE, "size": layout::SERIAL_PORT_LEN}}),
+                    serde_json::json!({"LegacyIrq": layout::SERIAL_IRQ}),
+                ],
+            ),
+        );
+    }
+    if config.vsock.is_some() {
+        let id = config
+            .vsock
+            .as_ref()
+            .and_then(|v| v.id.clone())
+            .unwrap_or_else(|| "_vsock0".to_owned());
+        let (base, size) = layout::virtio_mmio_window(0);
+        tree.insert(
+            id.clone(),
+            node(
+                &id,
+                vec![
+                    serde_json::json!({"MmioAddressRange": {"base": base, "size": size}}),
+                    serde_json::json!({"LegacyIrq": layout::VIRTIO_IRQ_BASE}),
+                ],
+            ),
+        );
+    }
+    tree
+}
+
+impl VmmBackend for Vmm {
+    fn ping(&self) -> VmmPingResponse {
+        VmmPingResponse {
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            build_version: Some(format!("agentvm-vmm {}", env!("CARGO_PKG_VERSION"))),
+            pid: i64::from(std::process::id()),
+            features: vec![
+                "kvm".to_owned(),
+                format!("kvm_{}", self.flavour.name().to_lowercase()),
+                "hybrid_vsock".to_owned(),
+                "pvh".to_owned(),
+            ],
+        }
+    }
+
+    fn create(&self, config: VmConfig) -> Result<(), ApiError> {
+        spec_from_config(&config)?;
+        let mut inner = lock(&self.inner);
+        match inner.slot {
+            Slot::Empty => {
+                inner.slot = Slot::Created(config);
+                Ok(())
+            }
+            _ => Err(ApiError::internal(
+                "a VM is already created (VmAlreadyCreated); vm.delete it first",
+            )),
+        }
+    }
+
+    fn boot(&self) -> Result<(), ApiError> {
+        let mut inner = lock(&self.inner);
+        let config = match &inner.slot {
+            Slot::Empty => return Err(no_vm()),
+            Slot::Created(config) | Slot::Shutdown(config) => config.clone(),
+            other => return Err(wrong_state("boot", other)),
+        };
+        let spec = spec_from_config(&config)?;
+        let vm = Vm::boot(&spec).map_err(|e| ApiError::from_error(500, &e))?;
+        inner.generation += 1;
+        let generation = inner.generation;
+        let exit = vm.exit_signal().clone();
+        inner.slot = Slot::Running(config, Booted { vm, generation });
+        inner.last_exit = None;
+        drop(inner);
+        self.watch(exit, generation);
+        Ok(())
+    }
+
+    fn info(&self) -> Result<VmInfo, ApiError> {
+        let inner = lock(&self.inner);
+        let (config, state, booted) = match &inner.slot {
+            Slot::Empty => return Err(no_vm()),
+            Slot::Created(c) => (c, VmState::Created, None),
+            Slot::Running(c, b) => (c, VmState::Running, Some(b)),
+            Slot::Paused(c, b) => (c, VmState::Paused, Some(b)),
+            Slot::Shutdown(c) => (c, VmState::Shutdown, None),
+        };
+        Ok(VmInfo {
+            config: config.clone(),
+            state,
+            memory_actual_size: booted.map(|b| b.vm.memory_size()),
+            device_tree: booted.map(|_| device_tree(config)),
+        })
+    }
+
+    fn pause(&self) -> Result<(), ApiError> {
+        let mut inner = lock(&self.inner);
+        match std::mem::replace(&mut inner.slot, Slot::Empty) {
+            Slot::Running(config, booted) => match booted.vm.pause() {
+                Ok(()) => {
+                    inner.slot = Slot::Paused(config, booted);
+                    Ok(())
+                }
+                Err(e) => {
+                    inner.slot = Slot::Running(config, booted);
+                    Err(ApiError::from_error(500, &e))
+                }
+            },
+            Slot::Empty => Err(no_vm()),
+            other => {
+                let err = wrong_state("pause", &other);
+                inner.slot = other;
+                Err(err)
+            }
+        }
+    }
+
+    fn resume(&self) -> Result<(), ApiError> {
+        let mut inner = lock(&self.inner);
+        match std::mem::replace(&mut inner.slot, Slot::Empty) {
+            Slot::Paused(config, booted) => match booted.vm.resume() {
+                Ok(()) => {
+                    inner.slot = Slot::Running(config, booted);
+                    Ok(())
+                }
+                Err(e) => {
+                    inner.slot = Slot::Paused(config, booted);
+                    Err(ApiError::from_error(500, &e))
+                }
+            },
+            Slot::Empty => Err(no_vm()),
+            other => {
+                let err = wrong_state("resume", &other);
+                inner.slot = other;
+                Err(err)
+            }
+        }
+    }
+
+    fn shutdown(&self) -> Result<(), ApiError> {
+        let mut inner = lock(&self.inner);
+        match std::mem::replace(&mut inner.slot, Slot::Empty) {
+            Slot::Running(config, booted) | Slot::Paused(config, booted) => {
+                Self::stop_booted(&mut inner, booted, ExitReason::Requested);
+                inner.slot = Slot::Shutdown(config);
+                self.stopped.notify_all();
+                Ok(())
+            }
+            Slot::Empty => Err(no_vm()),
+            other => {
+                let err = wrong_state("shut down", &other);
+                inner.slot = other;
+                Err(err)
+            }
+        }
+    }
+
+    fn delete(&self) -> Result<(), ApiError> {
+        let mut inner = lock(&self.inner);
+        if let Slot::Running(_, booted) | Slot::Paused(_, booted) =
+            std::mem::replace(&mut inner.slot, Slot::Empty)
+        {
+            Self::stop_booted(&mut inner, booted, ExitReason::Requested);
+            self.stopped.notify_all();
+        }
+        Ok(())
+    }
+
+    fn counters(&self) -> Result<VmCounters, ApiError> {
+        let inner = lock(&self.inner);
+        match &inner.slot {
+            Slot::Running(_, b) | Slot::Paused(_, b) => Ok(b.vm.counters()),
+            Slot::Empty => Err(no_vm()),
+            other => Err(wrong_state("read the counters of", other)),
+        }
+    }
+
+    fn shutdown_vmm(&self) -> Result<(), ApiError> {
+        self.delete()
+    }
+}
