@@ -71,10 +71,7 @@ impl Vmm {
     pub fn wait_stopped(&self) -> Option<ExitReason> {
         let mut inner = lock(&self.inner);
         while matches!(inner.slot, Slot::Running(..) | Slot::Paused(..)) {
-            inner = self
-                .stopped
-                .wait(inner)
-                .unwrap_or_else(|p| p.into_inner());
+            inner = self.stopped.wait(inner).unwrap_or_else(|p| p.into_inner());
         }
         inner.last_exit.clone()
     }

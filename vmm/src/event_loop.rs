@@ -32,7 +32,12 @@ pub struct Registry<'a> {
     subscriber: u32,
 }
 
-impl Registry<'_> {
+impl<'a> Registry<'a> {
+    /// A registry over an epoll set driven by someone else (device tests pump it by hand).
+    pub fn new(epoll: &'a Epoll, subscriber: u32) -> Self {
+        Self { epoll, subscriber }
+    }
+
     fn data(&self, token: u32) -> u64 {
         (u64::from(self.subscriber) << 32) | u64::from(token)
     }
@@ -99,8 +104,8 @@ pub enum EventLoopError {
 impl EventLoop {
     pub fn start(mut subscribers: Vec<Box<dyn Subscriber>>) -> Result<Self, EventLoopError> {
         let epoll = Epoll::new().map_err(EventLoopError::Setup)?;
-        let wake = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)
-            .map_err(EventLoopError::Setup)?;
+        let wake =
+            EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC).map_err(EventLoopError::Setup)?;
         epoll
             .ctl(
                 ControlOperation::Add,
@@ -272,7 +277,8 @@ fn next_timeout(subscribers: &[Box<dyn Subscriber>]) -> i32 {
         .map(|deadline| {
             let wait = deadline.saturating_duration_since(now);
             // Round up so we never wake just before the deadline and spin.
-            wait.as_millis().min(i32::MAX as u128) as i32 + i32::from(wait.subsec_nanos() % 1_000_000 != 0)
+            wait.as_millis().min(i32::MAX as u128) as i32
+                + i32::from(wait.subsec_nanos() % 1_000_000 != 0)
         })
         .unwrap_or(-1)
 }

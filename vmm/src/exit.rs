@@ -3,8 +3,8 @@
 //! Whoever sees the guest reset, triple-fault or break records the first reason here and
 //! wakes the thread that tears the VM down. Later reasons are ignored: the first is the cause.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use vmm_sys_util::eventfd::EventFd;
 
@@ -66,7 +66,10 @@ impl ExitSignal {
     }
 
     pub fn reason(&self) -> Option<ExitReason> {
-        self.reason.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.reason
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Readable once an exit was requested.

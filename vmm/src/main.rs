@@ -13,14 +13,17 @@ use agentvm_vmm::api::Vmm;
 use agentvm_vmm::exit::ExitReason;
 use agentvm_vmm_api::VmmBackend;
 use agentvm_vmm_api::config::{
-    ConsoleOutputMode, CpusConfig, MemoryConfig, PayloadConfig, SerialConfig, VmConfig,
-    VsockConfig,
+    ConsoleOutputMode, CpusConfig, MemoryConfig, PayloadConfig, SerialConfig, VmConfig, VsockConfig,
 };
 use anyhow::Context;
 use clap::Parser;
 
 #[derive(Parser, Debug)]
-#[command(name = "agentvm-vmm", version, about = "KVM microVM monitor behind the Cloud Hypervisor REST API")]
+#[command(
+    name = "agentvm-vmm",
+    version,
+    about = "KVM microVM monitor behind the Cloud Hypervisor REST API"
+)]
 struct Args {
     /// Serve the REST API on this unix socket (created with mode 0600).
     #[arg(long)]

@@ -18,10 +18,10 @@ use crate::boot::{layout, mptable};
 use crate::devices::bus::{Bus, Overlap};
 use crate::devices::i8042::{self, I8042};
 use crate::devices::serial::{Destination, RateLimit, SerialDevice, SerialOutput, SerialStats};
+use crate::devices::virtio::Interrupt;
 use crate::devices::virtio::mmio::{self, MmioError, VirtioMmio};
 use crate::devices::virtio::vsock::muxer::Muxer;
 use crate::devices::virtio::vsock::{Vsock, VsockHandler, VsockStats};
-use crate::devices::virtio::Interrupt;
 use crate::event_loop::{EventLoop, EventLoopError, Subscriber};
 use crate::exit::ExitSignal;
 use crate::kvm::memory::{GuestRam, MemoryError, RamOptions};
@@ -262,7 +262,10 @@ impl Vm {
         all.insert("vcpus".to_owned(), collect(&self.vcpu_stats.counters()));
         if let Some(vsock) = &self.vsock {
             let mut counters = collect(&vsock.stats.counters());
-            let open = lock_vsock(&vsock.device).device().muxer().connection_count();
+            let open = lock_vsock(&vsock.device)
+                .device()
+                .muxer()
+                .connection_count();
             counters.insert("connections_open".to_owned(), open as u64);
             all.insert("_vsock0".to_owned(), counters);
         }
@@ -304,7 +307,10 @@ fn append_device(cmdline: &mut String, index: u32) {
     if !cmdline.is_empty() {
         cmdline.push(' ');
     }
-    cmdline.push_str(&format!("virtio_mmio.device={}K@{base:#x}:{irq}", size >> 10));
+    cmdline.push_str(&format!(
+        "virtio_mmio.device={}K@{base:#x}:{irq}",
+        size >> 10
+    ));
 }
 
 /// The vsock device as virtio-mmio device `index`: listener bound, irqfd and queue

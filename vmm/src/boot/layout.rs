@@ -50,6 +50,17 @@ pub const SERIAL_PORT_LEN: u16 = 8;
 pub const I8042_DATA_PORT: u16 = 0x60;
 pub const I8042_COMMAND_PORT: u16 = 0x64;
 
+// The boot structures must not overlap one another; checked when compiling.
+const _: () = {
+    assert!(PVH_MODLIST + 32 <= PVH_MEMMAP);
+    assert!(PVH_MEMMAP + (PVH_MEMMAP_MAX as u64) * 24 <= ZERO_PAGE);
+    assert!(ZERO_PAGE + 4096 <= BOOT_STACK_POINTER);
+    assert!(BOOT_STACK_POINTER < PML4);
+    assert!(PDE + 4096 <= CMDLINE);
+    assert!(CMDLINE + CMDLINE_MAX as u64 <= EBDA_START);
+    assert!(VIRTIO_MMIO_BASE >= MMIO_GAP_START && VIRTIO_MMIO_BASE < IOAPIC_ADDR);
+};
+
 /// Guest RAM ranges for `size` bytes: below the MMIO hole first, the rest above 4 GiB.
 pub fn ram_ranges(size: u64) -> Vec<(u64, u64)> {
     if size <= MMIO_GAP_START {
@@ -77,19 +88,10 @@ mod tests {
         assert_eq!(ram_ranges(MMIO_GAP_START), vec![(0, MMIO_GAP_START)]);
         assert_eq!(
             ram_ranges(4 << 30),
-            vec![(0, MMIO_GAP_START), (MMIO_GAP_END, (4 << 30) - MMIO_GAP_START)]
+            vec![
+                (0, MMIO_GAP_START),
+                (MMIO_GAP_END, (4 << 30) - MMIO_GAP_START)
+            ]
         );
-    }
-
-    #[test]
-    fn boot_structures_do_not_overlap() {
-        let memmap_end = PVH_MEMMAP + (PVH_MEMMAP_MAX as u64) * 24;
-        assert!(PVH_MODLIST + 32 <= PVH_MEMMAP);
-        assert!(memmap_end <= ZERO_PAGE);
-        assert!(ZERO_PAGE + 4096 <= BOOT_STACK_POINTER);
-        assert!(BOOT_STACK_POINTER < PML4);
-        assert!(PDE + 4096 <= CMDLINE);
-        assert!(CMDLINE + CMDLINE_MAX as u64 <= EBDA_START);
-        assert!(VIRTIO_MMIO_BASE >= MMIO_GAP_START && VIRTIO_MMIO_BASE < IOAPIC_ADDR);
     }
 }

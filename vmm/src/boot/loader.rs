@@ -31,7 +31,9 @@ pub enum LoadError {
     },
     #[error("kernel {path} could not be loaded: {source}")]
     Kernel { path: String, source: loader::Error },
-    #[error("initramfs {path} ({size} bytes) does not fit in guest RAM below {limit:#x} above the kernel's end {kernel_end:#x}")]
+    #[error(
+        "initramfs {path} ({size} bytes) does not fit in guest RAM below {limit:#x} above the kernel's end {kernel_end:#x}"
+    )]
     InitrdTooLarge {
         path: String,
         size: u64,
@@ -223,7 +225,9 @@ mod tests {
         let initrd = load_initrd(&memory, file.path(), 2 << 20, 64 << 20).unwrap();
         assert_eq!(initrd.address % 4096, 0);
         assert!(initrd.address + initrd.size <= 64 << 20);
-        let byte: u8 = memory.read_obj(GuestAddress(initrd.address + 9_999)).unwrap();
+        let byte: u8 = memory
+            .read_obj(GuestAddress(initrd.address + 9_999))
+            .unwrap();
         assert_eq!(byte, 7);
     }
 

@@ -165,7 +165,14 @@ mod tests {
     #[test]
     fn map_skips_the_legacy_hole_and_the_mmio_gap() {
         let map = memory_map(&layout::ram_ranges(5 << 30));
-        assert_eq!(map[0], MapEntry { addr: 0, size: 0x9fc00, kind: E820_RAM });
+        assert_eq!(
+            map[0],
+            MapEntry {
+                addr: 0,
+                size: 0x9fc00,
+                kind: E820_RAM
+            }
+        );
         assert_eq!(map[1].kind, E820_RESERVED);
         assert_eq!(
             map[2],
@@ -194,7 +201,9 @@ mod tests {
             size: 1234,
         };
         write_pvh(&memory, &map, 10, Some(initrd)).unwrap();
-        let info: hvm_start_info = memory.read_obj(GuestAddress(layout::PVH_START_INFO)).unwrap();
+        let info: hvm_start_info = memory
+            .read_obj(GuestAddress(layout::PVH_START_INFO))
+            .unwrap();
         assert_eq!(info.magic, PVH_MAGIC);
         assert_eq!(info.memmap_entries, 3);
         assert_eq!(info.cmdline_paddr, layout::CMDLINE);

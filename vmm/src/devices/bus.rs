@@ -27,12 +27,7 @@ pub struct Bus {
 impl Bus {
     pub fn insert(&mut self, base: u64, len: u64, device: SharedDevice) -> Result<(), Overlap> {
         let end = base.checked_add(len).ok_or(Overlap { base, len })?;
-        if len == 0
-            || self
-                .ranges
-                .iter()
-                .any(|(b, l, _)| base < b + l && *b < end)
-        {
+        if len == 0 || self.ranges.iter().any(|(b, l, _)| base < b + l && *b < end) {
             return Err(Overlap { base, len });
         }
         let at = self.ranges.partition_point(|(b, _, _)| *b < base);
@@ -72,7 +67,9 @@ impl Bus {
 
 /// A device whose lock was poisoned by a panic still serves: its state is plain registers.
 fn lock(device: &SharedDevice) -> std::sync::MutexGuard<'_, dyn BusDevice + 'static> {
-    device.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    device
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 #[cfg(test)]
@@ -94,14 +91,15 @@ mod tests {
         let mut bus = Bus::default();
         let a = Arc::new(Mutex::new(Echo(vec![])));
         bus.insert(0x3f8, 8, a.clone()).unwrap();
-        bus.insert(0x60, 1, Arc::new(Mutex::new(Echo(vec![])))).unwrap();
+        bus.insert(0x60, 1, Arc::new(Mutex::new(Echo(vec![]))))
+            .unwrap();
         assert!(bus.insert(0x3fc, 8, a.clone()).is_err());
         assert!(bus.insert(0x3f0, 9, a.clone()).is_err());
         assert!(bus.insert(u64::MAX, 2, a.clone()).is_err());
         let mut byte = [0u8; 1];
         assert!(bus.read(0x3fd, &mut byte));
         assert_eq!(byte[0], 5);
-        assert!(bus.write(0x3f8, &[b'x']));
+        assert!(bus.write(0x3f8, b"x"));
         assert!(!bus.read(0x3f7, &mut byte));
         assert!(!bus.read(0x400, &mut byte));
         // An access straddling the end of a window belongs to nobody.

@@ -69,7 +69,8 @@ impl GuestRam {
             })?;
             advise(&region, options);
             regions.push(
-                GuestRegionMmap::new(region, GuestAddress(addr)).ok_or(MemoryError::Region(addr))?,
+                GuestRegionMmap::new(region, GuestAddress(addr))
+                    .ok_or(MemoryError::Region(addr))?,
             );
             file_offset += len;
         }
@@ -124,7 +125,11 @@ fn create_memfd(size: u64) -> Result<File, MemoryError> {
 fn advise(region: &MmapRegion, options: RamOptions) {
     let advice = [
         (options.mergeable, libc::MADV_MERGEABLE, "MADV_MERGEABLE"),
-        (options.prefault, libc::MADV_POPULATE_WRITE, "MADV_POPULATE_WRITE"),
+        (
+            options.prefault,
+            libc::MADV_POPULATE_WRITE,
+            "MADV_POPULATE_WRITE",
+        ),
     ];
     for (wanted, advice, name) in advice {
         if !wanted {

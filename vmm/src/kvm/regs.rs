@@ -284,11 +284,17 @@ mod tests {
     fn gdt_entries_round_trip_into_segments() {
         let code = segment(gdt_entry(GDT_CODE64, 0, 0xfffff), 1);
         assert_eq!((code.selector, code.l, code.db, code.g), (8, 1, 0, 1));
-        assert_eq!((code.limit, code.type_, code.present, code.s), (0xffff_ffff, 0xb, 1, 1));
+        assert_eq!(
+            (code.limit, code.type_, code.present, code.s),
+            (0xffff_ffff, 0xb, 1, 1)
+        );
         let code32 = segment(gdt_entry(GDT_CODE32, 0, 0xfffff), 1);
         assert_eq!((code32.l, code32.db), (0, 1));
         let tss = segment(gdt_entry(GDT_TSS32, 0, 0x67), 3);
-        assert_eq!((tss.selector, tss.limit, tss.g, tss.s, tss.type_), (24, 0x67, 0, 0, 0xb));
+        assert_eq!(
+            (tss.selector, tss.limit, tss.g, tss.s, tss.type_),
+            (24, 0x67, 0, 0, 0xb)
+        );
         let based = segment(gdt_entry(GDT_DATA, 0x1234_5678, 0x10), 2);
         assert_eq!(based.base, 0x1234_5678);
         let null = segment(0, 0);
@@ -301,7 +307,9 @@ mod tests {
         write_page_tables(&memory).unwrap();
         let pml4: u64 = memory.read_obj(GuestAddress(layout::PML4)).unwrap();
         assert_eq!(pml4, layout::PDPTE | 3);
-        let last: u64 = memory.read_obj(GuestAddress(layout::PDE + 511 * 8)).unwrap();
+        let last: u64 = memory
+            .read_obj(GuestAddress(layout::PDE + 511 * 8))
+            .unwrap();
         assert_eq!(last, (511 << 21) | 0x83);
     }
 }

@@ -326,9 +326,7 @@ fn handle_exit(exit: VcpuExit<'_>, context: &VcpuContext) -> Outcome {
             return Outcome::Exit(ExitReason::GuestShutdown);
         }
         VcpuExit::SystemEvent(kind, _) => {
-            return Outcome::Exit(ExitReason::VcpuFailure(format!(
-                "KVM system event {kind}"
-            )));
+            return Outcome::Exit(ExitReason::VcpuFailure(format!("KVM system event {kind}")));
         }
         VcpuExit::InternalError => return Outcome::InternalError,
         VcpuExit::FailEntry(reason, cpu) => {

@@ -84,8 +84,7 @@ impl<D: VirtioDevice> VirtioMmio<D> {
         for &size in device.queue_max_sizes() {
             queues.push(Queue::new(size).map_err(|e| MmioError::Queue(size, e.to_string()))?);
             queue_events.push(
-                EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)
-                    .map_err(MmioError::EventFd)?,
+                EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC).map_err(MmioError::EventFd)?,
             );
         }
         Ok(Self {
@@ -176,8 +175,8 @@ impl<D: VirtioDevice> VirtioMmio<D> {
                     return;
                 }
                 let shift = 32 * self.driver_features_sel;
-                self.acked_features =
-                    (self.acked_features & !(0xffff_ffff_u64 << shift)) | (u64::from(value) << shift);
+                self.acked_features = (self.acked_features & !(0xffff_ffff_u64 << shift))
+                    | (u64::from(value) << shift);
             }
             reg::QUEUE_SEL => self.queue_sel = value,
             reg::QUEUE_NUM => {
@@ -190,12 +189,24 @@ impl<D: VirtioDevice> VirtioMmio<D> {
                     q.set_ready(value == 1);
                 }
             }
-            reg::QUEUE_DESC_LOW => self.set_queue_address(|q| q.set_desc_table_address(Some(value), None)),
-            reg::QUEUE_DESC_HIGH => self.set_queue_address(|q| q.set_desc_table_address(None, Some(value))),
-            reg::QUEUE_DRIVER_LOW => self.set_queue_address(|q| q.set_avail_ring_address(Some(value), None)),
-            reg::QUEUE_DRIVER_HIGH => self.set_queue_address(|q| q.set_avail_ring_address(None, Some(value))),
-            reg::QUEUE_DEVICE_LOW => self.set_queue_address(|q| q.set_used_ring_address(Some(value), None)),
-            reg::QUEUE_DEVICE_HIGH => self.set_queue_address(|q| q.set_used_ring_address(None, Some(value))),
+            reg::QUEUE_DESC_LOW => {
+                self.set_queue_address(|q| q.set_desc_table_address(Some(value), None))
+            }
+            reg::QUEUE_DESC_HIGH => {
+                self.set_queue_address(|q| q.set_desc_table_address(None, Some(value)))
+            }
+            reg::QUEUE_DRIVER_LOW => {
+                self.set_queue_address(|q| q.set_avail_ring_address(Some(value), None))
+            }
+            reg::QUEUE_DRIVER_HIGH => {
+                self.set_queue_address(|q| q.set_avail_ring_address(None, Some(value)))
+            }
+            reg::QUEUE_DEVICE_LOW => {
+                self.set_queue_address(|q| q.set_used_ring_address(Some(value), None))
+            }
+            reg::QUEUE_DEVICE_HIGH => {
+                self.set_queue_address(|q| q.set_used_ring_address(None, Some(value)))
+            }
             reg::QUEUE_NOTIFY => {
                 if let Some(event) = self.queue_events.get(value as usize)
                     && let Err(e) = event.write(1)
@@ -224,7 +235,11 @@ impl<D: VirtioDevice> VirtioMmio<D> {
         }
         // Bits are only ever added by a driver; anything else is a driver bug we refuse.
         if value & self.status != self.status {
-            tracing::warn!(old = self.status, new = value, "virtio driver cleared status bits");
+            tracing::warn!(
+                old = self.status,
+                new = value,
+                "virtio driver cleared status bits"
+            );
             return;
         }
         let added = value & !self.status;
@@ -384,7 +399,11 @@ mod tests {
         w(t, reg::DRIVER_FEATURES, 1);
         w(t, reg::DRIVER_FEATURES_SEL, 0);
         w(t, reg::DRIVER_FEATURES, 1);
-        w(t, reg::STATUS, status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK);
+        w(
+            t,
+            reg::STATUS,
+            status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK,
+        );
     }
 
     #[test]
@@ -429,7 +448,11 @@ mod tests {
         w(&mut t, reg::DRIVER_FEATURES, 0xffff_ffff);
         w(&mut t, reg::DRIVER_FEATURES_SEL, 1);
         w(&mut t, reg::DRIVER_FEATURES, 1);
-        w(&mut t, reg::STATUS, status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK);
+        w(
+            &mut t,
+            reg::STATUS,
+            status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK,
+        );
         assert_eq!(r(&mut t, reg::STATUS) & status::FEATURES_OK, 0);
     }
 
@@ -438,7 +461,11 @@ mod tests {
         let mut t = transport();
         w(&mut t, reg::STATUS, status::ACKNOWLEDGE | status::DRIVER);
         w(&mut t, reg::DRIVER_FEATURES, 1);
-        w(&mut t, reg::STATUS, status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK);
+        w(
+            &mut t,
+            reg::STATUS,
+            status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK,
+        );
         assert_eq!(r(&mut t, reg::STATUS) & status::FEATURES_OK, 0);
     }
 

@@ -204,7 +204,10 @@ impl Connection {
                 self.to_guest.truncate(n);
                 Ok(())
             }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => {
+            Err(e)
+                if e.kind() == io::ErrorKind::WouldBlock
+                    || e.kind() == io::ErrorKind::Interrupted =>
+            {
                 self.to_guest.clear();
                 Ok(())
             }
@@ -235,7 +238,11 @@ fn write_some(stream: &mut UnixStream, bytes: &[u8]) -> io::Result<usize> {
     }
     match stream.write(bytes) {
         Ok(n) => Ok(n),
-        Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => Ok(0),
+        Err(e)
+            if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted =>
+        {
+            Ok(0)
+        }
         Err(e) => Err(e),
     }
 }

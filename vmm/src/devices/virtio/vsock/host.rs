@@ -2,7 +2,7 @@
 //! never blocks the device thread, and reading the `CONNECT <port>\n` line without consuming
 //! the bytes that follow it.
 
-use std::io;
+use std::io::{self, Read};
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::UnixStream;
@@ -68,52 +68,28 @@ pub enum ConnectLine {
 /// Longest acceptable line: "CONNECT 4294967295\n" is 19 bytes.
 const LINE_MAX: usize = 32;
 
-/// Peeks for `CONNECT <port>\n` and consumes exactly that line once it is complete.
-pub fn read_connect_line(stream: &UnixStream) -> io::Result<ConnectLine> {
-    let mut buf = [0u8; LINE_MAX];
-    // SAFETY: `buf` is valid for `LINE_MAX` bytes; recv with MSG_PEEK leaves the data queued.
-    let n = unsafe {
-        libc::recv(
-            stream.as_raw_fd(),
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-            libc::MSG_PEEK | libc::MSG_DONTWAIT,
-        )
-    };
-    if n < 0 {
-        let err = io::Error::last_os_error();
-        return match err.kind() {
-            io::ErrorKind::WouldBlock => Ok(ConnectLine::Incomplete),
-            _ => Err(err),
-        };
+/// Reads the `CONNECT <port>\n` line a byte at a time, so nothing after it is consumed, into
+/// `line` (kept by the caller between readiness events). The bytes read are gone from the
+/// socket, so a client that stops half-way does not keep the socket readable forever.
+pub fn read_connect_line(stream: &UnixStream, line: &mut Vec<u8>) -> io::Result<ConnectLine> {
+    let mut byte = [0u8; 1];
+    loop {
+        match (&*stream).read(&mut byte) {
+            Ok(0) => return Ok(ConnectLine::Closed),
+            Ok(_) if byte[0] == b'\n' => {
+                return Ok(parse_connect(line).map_or(ConnectLine::Invalid, ConnectLine::Port));
+            }
+            Ok(_) => {
+                line.push(byte[0]);
+                if line.len() >= LINE_MAX {
+                    return Ok(ConnectLine::Invalid);
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(ConnectLine::Incomplete),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
     }
-    let peeked = &buf[..n as usize];
-    if peeked.is_empty() {
-        return Ok(ConnectLine::Closed);
-    }
-    let Some(end) = peeked.iter().position(|b| *b == b'\n') else {
-        return Ok(if peeked.len() >= LINE_MAX {
-            ConnectLine::Invalid
-        } else {
-            ConnectLine::Incomplete
-        });
-    };
-    let port = parse_connect(&peeked[..end]);
-    // Consume the line (and only it); what follows is the start of the data stream.
-    let mut line = vec![0u8; end + 1];
-    // SAFETY: `line` is valid for `end + 1` bytes, which are already queued (peeked above).
-    let taken = unsafe {
-        libc::recv(
-            stream.as_raw_fd(),
-            line.as_mut_ptr().cast(),
-            line.len(),
-            libc::MSG_DONTWAIT,
-        )
-    };
-    if taken != (end + 1) as isize {
-        return Ok(ConnectLine::Invalid);
-    }
-    Ok(port.map_or(ConnectLine::Invalid, ConnectLine::Port))
 }
 
 fn parse_connect(line: &[u8]) -> Option<u32> {
@@ -133,10 +109,19 @@ mod tests {
     #[test]
     fn connect_line_is_consumed_exactly() {
         let (mut a, b) = UnixStream::pair().unwrap();
+        b.set_nonblocking(true).unwrap();
+        let mut line = Vec::new();
         a.write_all(b"CONN").unwrap();
-        assert_eq!(read_connect_line(&b).unwrap(), ConnectLine::Incomplete);
+        assert_eq!(
+            read_connect_line(&b, &mut line).unwrap(),
+            ConnectLine::Incomplete
+        );
         a.write_all(b"ECT 1024\nhello").unwrap();
-        assert_eq!(read_connect_line(&b).unwrap(), ConnectLine::Port(1024));
+        assert_eq!(
+            read_connect_line(&b, &mut line).unwrap(),
+            ConnectLine::Port(1024)
+        );
+        b.set_nonblocking(false).unwrap();
         let mut rest = [0u8; 5];
         (&b).read_exact(&mut rest).unwrap();
         assert_eq!(&rest, b"hello");
@@ -154,14 +139,17 @@ mod tests {
         ] {
             let (mut a, b) = UnixStream::pair().unwrap();
             a.write_all(line).unwrap();
-            assert_eq!(read_connect_line(&b).unwrap(), ConnectLine::Invalid, "{line:?}");
+            let got = read_connect_line(&b, &mut Vec::new()).unwrap();
+            assert_eq!(got, ConnectLine::Invalid, "{line:?}");
         }
         let (mut a, b) = UnixStream::pair().unwrap();
         a.write_all(&[b'A'; 40]).unwrap();
-        assert_eq!(read_connect_line(&b).unwrap(), ConnectLine::Invalid);
+        let got = read_connect_line(&b, &mut Vec::new()).unwrap();
+        assert_eq!(got, ConnectLine::Invalid);
         let (a, b) = UnixStream::pair().unwrap();
         drop(a);
-        assert_eq!(read_connect_line(&b).unwrap(), ConnectLine::Closed);
+        let got = read_connect_line(&b, &mut Vec::new()).unwrap();
+        assert_eq!(got, ConnectLine::Closed);
     }
 
     #[test]

@@ -133,12 +133,15 @@ impl Subscriber for VsockHandler {
         self.was_active = transport.is_activated();
         match token {
             TOKEN_LISTENER => transport.device_mut().muxer.accept(registry),
-            t if t >= TOKEN_QUEUE_BASE && t < TOKEN_STREAM_BASE => {
+            t if (TOKEN_QUEUE_BASE..TOKEN_STREAM_BASE).contains(&t) => {
                 if let Some(event) = self.queue_events.get((t - TOKEN_QUEUE_BASE) as usize) {
                     let _ = event.read();
                 }
             }
-            t => transport.device_mut().muxer.on_stream_event(t, events, registry),
+            t => transport
+                .device_mut()
+                .muxer
+                .on_stream_event(t, events, registry),
         }
         if let Some(mut active) = transport.active() {
             process_rx(&mut active, registry);
@@ -307,3 +310,6 @@ pub fn transport_reset(active: &mut ActiveDevice<'_, Vsock>, registry: &mut Regi
         notify(active, EVENT);
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -23,7 +23,7 @@ use vmm_sys_util::epoll::EventSet;
 
 use super::connection::{BUF_ALLOC, Connection, State};
 use super::host::{self, ConnectLine};
-use super::packet::{self, HEADER_LEN, Header, HOST_CID, TYPE_STREAM, op};
+use super::packet::{self, HEADER_LEN, HOST_CID, Header, TYPE_STREAM, op};
 use crate::event_loop::Registry;
 
 /// Firecracker's limit, which guest drivers and tests have come to expect.
@@ -81,6 +81,7 @@ impl VsockStats {
 /// A host client that has not finished its CONNECT line yet.
 struct Pending {
     stream: UnixStream,
+    line: Vec<u8>,
     deadline: Instant,
 }
 
@@ -170,6 +171,7 @@ impl Muxer {
                 fd,
                 Pending {
                     stream,
+                    line: Vec::new(),
                     deadline: Instant::now() + HANDSHAKE_TIMEOUT,
                 },
             );
@@ -209,10 +211,10 @@ impl Muxer {
     }
 
     fn on_connect_line(&mut self, fd: RawFd, registry: &mut Registry<'_>) {
-        let Some(pending) = self.pending.get(&fd) else {
+        let Some(pending) = self.pending.get_mut(&fd) else {
             return;
         };
-        let line = host::read_connect_line(&pending.stream);
+        let line = host::read_connect_line(&pending.stream, &mut pending.line);
         let port = match line {
             Ok(ConnectLine::Incomplete) => return,
             Ok(ConnectLine::Port(port)) => Some(port),
@@ -348,7 +350,11 @@ impl Muxer {
             self.push_rst(&header);
             return;
         }
-        let path = PathBuf::from(format!("{}_{}", self.socket_path.display(), header.dst_port));
+        let path = PathBuf::from(format!(
+            "{}_{}",
+            self.socket_path.display(),
+            header.dst_port
+        ));
         let stream = match host::connect_nonblocking(&path) {
             Ok(stream) => stream,
             Err(e) => {
@@ -358,7 +364,8 @@ impl Muxer {
             }
         };
         let fd = stream.as_raw_fd();
-        let mut conn = Connection::new(stream, State::Established, header.dst_port, header.src_port);
+        let mut conn =
+            Connection::new(stream, State::Established, header.dst_port, header.src_port);
         conn.update_peer_credit(header.buf_alloc, header.fwd_cnt);
         self.by_fd.insert(fd, key);
         self.connections.insert(key, conn);
@@ -570,7 +577,11 @@ impl Muxer {
             .map(|(k, _)| *k)
             .collect();
         for key in expired {
-            tracing::debug!(host_port = key.0, guest_port = key.1, "vsock handshake timed out");
+            tracing::debug!(
+                host_port = key.0,
+                guest_port = key.1,
+                "vsock handshake timed out"
+            );
             self.close(key, registry, true);
         }
     }
@@ -633,7 +644,12 @@ impl Muxer {
     }
 
     /// A guest packet that could not even be read whole: reset the stream it names.
-    pub fn on_unreadable_packet(&mut self, header: Option<Header>, why: &str, registry: &mut Registry<'_>) {
+    pub fn on_unreadable_packet(
+        &mut self,
+        header: Option<Header>,
+        why: &str,
+        registry: &mut Registry<'_>,
+    ) {
         VsockStats::bump(&self.stats.malformed_packets, 1);
         tracing::debug!(?header, why, "unreadable vsock packet from the guest");
         if let Some(header) = header
