@@ -231,11 +231,6 @@ impl Vm {
         let _fds: Vec<VcpuFd> = self.vcpus.stop();
         self.devices.stop();
         self.drain_serial();
-        if let Some(vsock) = &self.vsock {
-            // Our socket, bound at boot: nobody else may reuse the path while we run, and it
-            // must not outlive us (Cloud Hypervisor unlinks it the same way).
-            let _ = std::fs::remove_file(&vsock.socket);
-        }
     }
 
     pub fn memory_size(&self) -> u64 {
@@ -293,7 +288,18 @@ pub enum PauseError {
 struct AttachedVsock {
     device: Arc<Mutex<VirtioMmio<Vsock>>>,
     stats: Arc<VsockStats>,
-    socket: PathBuf,
+    _socket: BoundSocket,
+}
+
+/// The vsock socket path we bound. Removed when the VM goes away, or when building it fails
+/// half-way, so a path never stays taken by a VM that does not exist (Cloud Hypervisor
+/// unlinks it the same way).
+struct BoundSocket(PathBuf);
+
+impl Drop for BoundSocket {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 fn lock_vsock(device: &Mutex<VirtioMmio<Vsock>>) -> std::sync::MutexGuard<'_, VirtioMmio<Vsock>> {
@@ -327,6 +333,7 @@ fn attach_vsock(
         source,
     };
     let listener = UnixListener::bind(&spec.socket).map_err(socket_error)?;
+    let bound = BoundSocket(spec.socket.clone());
     let stats = Arc::new(VsockStats::default());
     let muxer = Muxer::new(u64::from(spec.cid), &spec.socket, listener, stats.clone())
         .map_err(socket_error)?;
@@ -358,7 +365,7 @@ fn attach_vsock(
     Ok(AttachedVsock {
         device,
         stats,
-        socket: spec.socket.clone(),
+        _socket: bound,
     })
 }
 

@@ -1,6 +1,7 @@
 //! agentvm: the client CLI.
 
 mod harness_cmd;
+mod image_cmd;
 mod sessions_cmd;
 
 use std::io::Read;
@@ -36,6 +37,9 @@ enum Command {
     /// Run a reference harness.
     #[command(subcommand)]
     Harness(HarnessCommand),
+    /// Write guest images.
+    #[command(subcommand)]
+    Image(ImageCommand),
     #[command(flatten)]
     Session(sessions_cmd::SessionCommand),
 }
@@ -48,6 +52,16 @@ enum HarnessCommand {
         /// `unix:PATH` or `HOST:PORT` (loopback).
         #[arg(long)]
         listen: config::ListenAddr,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum ImageCommand {
+    /// Write the VMM's test guest (a PVH ELF) to a file.
+    Testguest {
+        /// Where to write it (mode 0644).
+        #[arg(short, long)]
+        output: PathBuf,
     },
 }
 
@@ -91,6 +105,10 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Harness(HarnessCommand::Serve { name, listen }) => {
             harness_cmd::serve(name, listen)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Image(ImageCommand::Testguest { output }) => {
+            image_cmd::write_testguest(output)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Journal(JournalCommand::Verify { file }) => verify(file, cli.json),

@@ -1,0 +1,24 @@
+//! `agentvm image testguest -o FILE`: writes the test guest ELF embedded in this binary.
+
+use std::io::Write;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::Path;
+
+use anyhow::Context;
+
+pub fn write_testguest(output: &Path) -> anyhow::Result<()> {
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o644)
+        .open(output)
+        .with_context(|| format!("creating {}", output.display()))?;
+    file.write_all(agentvm_testguest::TESTGUEST_ELF)
+        .and_then(|()| file.sync_all())
+        .with_context(|| format!("writing {}", output.display()))?;
+    // The umask may have narrowed the mode at creation, and an existing file keeps its own.
+    file.set_permissions(std::fs::Permissions::from_mode(0o644))
+        .with_context(|| format!("setting the mode of {}", output.display()))?;
+    Ok(())
+}

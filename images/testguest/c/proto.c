@@ -1,0 +1,214 @@
+/* Protobuf wire primitives. Every length is checked against the remaining input first. */
+#include "proto.h"
+
+int pb_varint(struct pb_dec *d, u64 *v)
+{
+	u64 x = 0;
+	for (u32 i = 0; i < 10; i++) {
+		if (d->p >= d->end)
+			return -1;
+		u8 b = *d->p++;
+		/* The tenth byte holds only bit 63. */
+		if (i == 9 && b > 1)
+			return -1;
+		x |= (u64)(b & 0x7f) << (7 * i);
+		if (!(b & 0x80)) {
+			*v = x;
+			return 0;
+		}
+	}
+	return -1;
+}
+
+int pb_key(struct pb_dec *d, u32 *field, u32 *wire_type)
+{
+	u64 k;
+	if (pb_varint(d, &k) || k > 0xffffffffu)
+		return -1;
+	*field = (u32)k >> 3;
+	*wire_type = (u32)k & 7;
+	if (*field == 0)
+		return -1;
+	switch (*wire_type) {
+	case PB_VARINT:
+	case PB_I64:
+	case PB_LEN:
+	case PB_I32:
+		return 0;
+	default: /* groups (3, 4) are not proto3; 6 and 7 do not exist */
+		return -1;
+	}
+}
+
+int pb_bytes(struct pb_dec *d, const u8 **p, u32 *n)
+{
+	u64 len;
+	if (pb_varint(d, &len) || len > (u64)(d->end - d->p))
+		return -1;
+	*p = d->p;
+	*n = (u32)len;
+	d->p += len;
+	return 0;
+}
+
+int pb_skip(struct pb_dec *d, u32 wire_type)
+{
+	u64 v;
+	const u8 *p;
+	u32 n;
+	switch (wire_type) {
+	case PB_VARINT:
+		return pb_varint(d, &v);
+	case PB_I64:
+		n = 8;
+		break;
+	case PB_I32:
+		n = 4;
+		break;
+	case PB_LEN:
+		return pb_bytes(d, &p, &n);
+	default:
+		return -1;
+	}
+	if ((u32)(d->end - d->p) < n)
+		return -1;
+	d->p += n;
+	return 0;
+}
+
+int pb_utf8(const u8 *p, u32 n)
+{
+	for (u32 i = 0; i < n;) {
+		u8 c = p[i];
+		u32 len, cp, min;
+		if (c < 0x80) {
+			i++;
+			continue;
+		}
+		if ((c & 0xe0) == 0xc0) {
+			len = 2, cp = c & 0x1fu, min = 0x80;
+		} else if ((c & 0xf0) == 0xe0) {
+			len = 3, cp = c & 0x0fu, min = 0x800;
+		} else if ((c & 0xf8) == 0xf0) {
+			len = 4, cp = c & 0x07u, min = 0x10000;
+		} else {
+			return -1;
+		}
+		if (n - i < len)
+			return -1;
+		for (u32 k = 1; k < len; k++) {
+			if ((p[i + k] & 0xc0) != 0x80)
+				return -1;
+			cp = cp << 6 | (p[i + k] & 0x3fu);
+		}
+		/* Overlong forms, UTF-16 surrogates and code points past Unicode are all invalid. */
+		if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff))
+			return -1;
+		i += len;
+	}
+	return 0;
+}
+
+int pb_check(const u8 *p, u32 n)
+{
+	struct pb_dec d = {p, p + n};
+	u32 f, wt;
+	while (d.p < d.end)
+		if (pb_key(&d, &f, &wt) || pb_skip(&d, wt))
+			return -1;
+	return 0;
+}
+
+int pb_prefix(const u8 *p, u32 n, u64 *v, u32 *used)
+{
+	struct pb_dec d = {p, p + TG_MIN(n, 10u)};
+	if (pb_varint(&d, v) == 0) {
+		*used = (u32)(d.p - p);
+		return 1;
+	}
+	/* Failed: for want of bytes only if every byte so far had its continuation bit. */
+	if (n >= 10)
+		return -1;
+	for (u32 i = 0; i < n; i++)
+		if (!(p[i] & 0x80))
+			return -1;
+	return 0;
+}
+
+static void put_byte(struct pb_enc *e, u8 b)
+{
+	if (e->len < e->cap)
+		e->buf[e->len++] = b;
+	else
+		e->overflow = 1;
+}
+
+void pb_put_varint(struct pb_enc *e, u64 v)
+{
+	while (v >= 0x80) {
+		put_byte(e, (u8)v | 0x80);
+		v >>= 7;
+	}
+	put_byte(e, (u8)v);
+}
+
+void pb_put_key(struct pb_enc *e, u32 field, u32 wire_type)
+{
+	pb_put_varint(e, (u64)field << 3 | wire_type);
+}
+
+void pb_put_uint(struct pb_enc *e, u32 field, u64 v)
+{
+	if (!v)
+		return;
+	pb_put_key(e, field, PB_VARINT);
+	pb_put_varint(e, v);
+}
+
+void pb_put_bytes(struct pb_enc *e, u32 field, const void *p, u32 n)
+{
+	if (!n)
+		return;
+	pb_put_key(e, field, PB_LEN);
+	pb_put_varint(e, n);
+	if (n > e->cap - e->len) {
+		e->overflow = 1;
+		return;
+	}
+	memcpy(e->buf + e->len, p, n);
+	e->len += n;
+}
+
+void pb_put_str(struct pb_enc *e, u32 field, const char *s)
+{
+	pb_put_bytes(e, field, s, tg_strlen(s));
+}
+
+u32 pb_open(struct pb_enc *e, u32 field)
+{
+	if (field)
+		pb_put_key(e, field, PB_LEN);
+	u32 mark = e->len;
+	/* One byte for the length; pb_close moves the body if it needs more. */
+	put_byte(e, 0);
+	return mark;
+}
+
+void pb_close(struct pb_enc *e, u32 mark)
+{
+	if (e->overflow)
+		return;
+	u32 body = e->len - mark - 1;
+	u8 tmp[10];
+	struct pb_enc l = {tmp, sizeof tmp, 0, 0};
+	pb_put_varint(&l, body);
+	if (l.len > 1) {
+		if (l.len - 1 > e->cap - e->len) {
+			e->overflow = 1;
+			return;
+		}
+		memmove(e->buf + mark + l.len, e->buf + mark + 1, body);
+		e->len += l.len - 1;
+	}
+	memcpy(e->buf + mark, tmp, l.len);
+}

@@ -1,0 +1,315 @@
+//! Shared by the VMM's integration tests and benchmarks: spawning `agentvm-vmm`, the test
+//! guest image, the serial log, and a frame-protocol link over hybrid vsock.
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use agentvm_proto::guest::framing::{FrameDecoder, frame_bytes};
+use agentvm_proto::guest::v1::{Envelope, Hello, envelope::Body};
+use agentvm_vmm_api::VmmClient;
+use agentvm_vmm_api::config::{
+    ConsoleOutputMode, CpusConfig, MemoryConfig, SerialConfig, VmConfig, VsockConfig,
+};
+
+pub const VMM: &str = env!("CARGO_BIN_EXE_agentvm-vmm");
+
+/// Why VMM tests cannot run here, if they cannot. They print it and return early.
+pub fn kvm_unavailable() -> Option<String> {
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+    {
+        Ok(_) => None,
+        Err(e) => Some(format!("/dev/kvm is not usable here ({e})")),
+    }
+}
+
+/// Returns early from a test, saying why, when there is no usable KVM.
+#[macro_export]
+macro_rules! require_kvm {
+    () => {
+        if let Some(reason) = $crate::support::kvm_unavailable() {
+            eprintln!("SKIPPED: {reason}; this test needs KVM");
+            return;
+        }
+    };
+}
+
+/// A VMM process with its own directory for sockets, logs and the guest image.
+pub struct Vmm {
+    pub child: Child,
+    pub dir: tempfile::TempDir,
+    pub api: PathBuf,
+    pub client: VmmClient,
+}
+
+impl Vmm {
+    pub async fn spawn() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let api = dir.path().join("api.sock");
+        let child = Command::new(VMM)
+            .arg("--api-socket")
+            .arg(&api)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("spawning agentvm-vmm");
+        let client = VmmClient::new(&api);
+        client
+            .wait_ready(Duration::from_secs(10))
+            .await
+            .expect("VMM API never came up");
+        Self {
+            child,
+            dir,
+            api,
+            client,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// Writes the test guest into the VMM's directory.
+    pub fn testguest(&self) -> PathBuf {
+        let path = self.path("testguest.elf");
+        if !path.exists() {
+            std::fs::write(&path, agentvm_testguest::TESTGUEST_ELF).unwrap();
+        }
+        path
+    }
+
+    pub fn serial_log(&self) -> PathBuf {
+        self.path("serial.log")
+    }
+
+    pub fn vsock_socket(&self) -> PathBuf {
+        self.path("vsock.sock")
+    }
+
+    /// A test-guest VM: serial to the log, vsock on the VMM's socket.
+    pub fn config(&self, cpus: u8, memory_mib: u64, extra_cmdline: &str) -> VmConfig {
+        let mut config = VmConfig::with_kernel(self.testguest());
+        config.cpus = CpusConfig {
+            boot_vcpus: cpus,
+            max_vcpus: cpus,
+        };
+        config.memory = MemoryConfig {
+            size: memory_mib << 20,
+            ..MemoryConfig::default()
+        };
+        config.payload.cmdline = Some(format!("console=ttyS0 {extra_cmdline}").trim().to_owned());
+        config.serial = SerialConfig {
+            mode: ConsoleOutputMode::File,
+            file: Some(self.serial_log()),
+            socket: None,
+        };
+        config.vsock = Some(VsockConfig {
+            cid: 3,
+            socket: self.vsock_socket(),
+            id: None,
+        });
+        config
+    }
+
+    /// Creates and boots `config`, then waits for the guest's ready marker.
+    pub async fn boot(&self, config: &VmConfig) {
+        self.client.create(config).await.expect("vm.create");
+        self.client.boot().await.expect("vm.boot");
+        wait_for_serial(
+            &self.serial_log(),
+            "TESTGUEST READY",
+            Duration::from_secs(20),
+        );
+    }
+
+    pub async fn shutdown(mut self) {
+        let _ = self.client.shutdown_vmm().await;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        panic!("agentvm-vmm did not exit after vmm.shutdown");
+    }
+}
+
+impl Drop for Vmm {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Waits until the serial log has a line containing `marker`; returns the whole log.
+pub fn wait_for_serial(log: &Path, marker: &str, timeout: Duration) -> String {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if text.lines().any(|l| l.contains(marker)) {
+            return text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no `{marker}` on serial within {timeout:?}; log so far:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// One host → guest stream speaking the agentvm.guest.v1 frame protocol.
+pub struct GuestLink {
+    pub stream: UnixStream,
+    decoder: FrameDecoder,
+    next_id: u64,
+}
+
+impl GuestLink {
+    /// `CONNECT <port>` on the VM's vsock socket; fails if the guest does not accept.
+    pub fn connect(socket: &Path, port: u32) -> std::io::Result<Self> {
+        let mut stream = UnixStream::connect(socket)?;
+        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+        stream.write_all(format!("CONNECT {port}\n").as_bytes())?;
+        let mut line = String::new();
+        // Byte-wise, so no frame bytes after the line are consumed.
+        let mut byte = [0u8];
+        while !line.ends_with('\n') {
+            if stream.read(&mut byte)? == 0 {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionRefused,
+                    format!("vsock connect to port {port} refused (got {line:?})"),
+                ));
+            }
+            line.push(byte[0] as char);
+        }
+        if !line.starts_with("OK ") {
+            return Err(std::io::Error::other(format!("unexpected reply {line:?}")));
+        }
+        Ok(Self::from_stream(stream))
+    }
+
+    pub fn from_stream(stream: UnixStream) -> Self {
+        Self {
+            stream,
+            decoder: FrameDecoder::default(),
+            next_id: 1,
+        }
+    }
+
+    pub fn send(&mut self, body: Body) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.send_envelope(&Envelope {
+            id,
+            body: Some(body),
+        });
+        id
+    }
+
+    pub fn send_envelope(&mut self, envelope: &Envelope) {
+        self.stream.write_all(&frame_bytes(envelope)).unwrap();
+    }
+
+    /// The next frame, or an error on timeout / close / bad frame.
+    pub fn recv(&mut self) -> std::io::Result<Envelope> {
+        let mut buf = [0u8; 4096];
+        loop {
+            match self.decoder.next_frame() {
+                Ok(Some(envelope)) => return Ok(envelope),
+                Ok(None) => {}
+                Err(e) => return Err(std::io::Error::other(e.to_string())),
+            }
+            let n = self.stream.read(&mut buf)?;
+            if n == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+            self.decoder.extend(&buf[..n]);
+        }
+    }
+
+    pub fn set_timeout(&self, timeout: Duration) {
+        self.stream.set_read_timeout(Some(timeout)).unwrap();
+    }
+
+    /// Hello → Ready.
+    pub fn hello(&mut self) -> agentvm_proto::guest::v1::Ready {
+        let id = self.send(Body::Hello(Hello {
+            protocol_version: agentvm_proto::guest::PROTOCOL_VERSION,
+            host_version: "vmm-tests".into(),
+        }));
+        let reply = self.recv().expect("reply to Hello");
+        assert_eq!(reply.id, id);
+        match reply.body {
+            Some(Body::Ready(ready)) => ready,
+            other => panic!("expected Ready, got {other:?}"),
+        }
+    }
+}
+
+/// Open file descriptors and threads of a process, for leak checks.
+pub fn fds_and_threads(pid: u32) -> (usize, usize) {
+    let count = |dir: String| std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0);
+    (
+        count(format!("/proc/{pid}/fd")),
+        count(format!("/proc/{pid}/task")),
+    )
+}
+
+/// What each open descriptor of a process points at, for leak reports.
+pub fn fd_targets(pid: u32) -> Vec<String> {
+    let mut out: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter_map(|e| std::fs::read_link(e.path()).ok())
+                .map(|t| t.display().to_string())
+                .collect()
+        })
+        .unwrap_or_default();
+    out.sort();
+    out
+}
+
+/// Waits (briefly) for a process's fds and threads to come back to `baseline`: the API closes
+/// a connection just after answering, so the count can lag the reply by a moment.
+pub fn settles_to(pid: u32, baseline: (usize, usize)) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let now = fds_and_threads(pid);
+        if now == baseline {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "fds/threads {now:?}, expected {baseline:?}; open: {:?}",
+                fd_targets(pid)
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Resident memory of a process in KiB (VmRSS).
+pub fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}

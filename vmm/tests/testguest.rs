@@ -1,0 +1,282 @@
+//! agentvm-vmm on real /dev/kvm with the test guest: boot, vsock both ways, frames, pause,
+//! guest reset, and that shutdown/delete give back every fd, thread and socket.
+//! Each test prints SKIPPED and returns when the machine has no usable KVM.
+
+mod support;
+
+use std::os::unix::net::UnixListener;
+use std::time::{Duration, Instant};
+
+use agentvm_proto::guest::v1::envelope::Body;
+use agentvm_proto::guest::v1::{DirtyMemory, HarnessFrame, HealthCheck, Shutdown, harness_frame};
+use agentvm_proto::v1::{ControllerFrame, EventKind, Start, controller_frame, event, part};
+use agentvm_vmm_api::VmState;
+use support::{GuestLink, Vmm, fds_and_threads, settles_to, wait_for_serial};
+
+const PORT: u32 = agentvm_proto::guest::GUEST_AGENT_PORT;
+
+async fn wait_state(vmm: &Vmm, want: VmState) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let state = vmm.client.info().await.map(|i| i.state);
+        if state.as_ref().ok() == Some(&want) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "VM never reached {want:?}: {state:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// One counter turn on `stream`; returns the OUTPUT text and checks the END and close frames.
+fn counter_turn(link: &mut GuestLink, stream: u64, execution: &str) -> String {
+    link.send(Body::Harness(HarnessFrame {
+        stream,
+        frame: Some(harness_frame::Frame::Controller(ControllerFrame {
+            session: "s-1".into(),
+            execution_id: execution.into(),
+            frame: Some(controller_frame::Frame::Start(Start::default())),
+        })),
+    }));
+    let mut frames = Vec::new();
+    for _ in 0..3 {
+        match link.recv().expect("harness frame").body {
+            Some(Body::Harness(frame)) => {
+                assert_eq!(frame.stream, stream);
+                frames.push(frame.frame.expect("frame body"));
+            }
+            other => panic!("expected a harness frame, got {other:?}"),
+        }
+    }
+    let output = match &frames[0] {
+        harness_frame::Frame::Event(e) => {
+            assert_eq!(e.kind, EventKind::EventOutput as i32);
+            assert_eq!(e.execution_id, execution);
+            match &e.body {
+                Some(event::Body::Message(m)) => match &m.parts[0].part {
+                    Some(part::Part::Text(t)) => t.text.clone(),
+                    other => panic!("{other:?}"),
+                },
+                other => panic!("{other:?}"),
+            }
+        }
+        other => panic!("expected OUTPUT, got {other:?}"),
+    };
+    match &frames[1] {
+        harness_frame::Frame::Event(e) => {
+            assert_eq!(e.kind, EventKind::EventEnd as i32);
+            match &e.body {
+                Some(event::Body::End(end)) => assert_eq!(end.state, "COMPLETED"),
+                other => panic!("{other:?}"),
+            }
+        }
+        other => panic!("expected END, got {other:?}"),
+    }
+    assert!(matches!(&frames[2], harness_frame::Frame::Close(c) if c.code == 0));
+    output
+}
+
+fn dirty(link: &mut GuestLink, mebibytes: u32, stamp: u32) -> (u32, u32) {
+    link.send(Body::DirtyMemory(DirtyMemory { mebibytes, stamp }));
+    match link.recv().expect("DirtyMemoryDone").body {
+        Some(Body::DirtyMemoryDone(done)) => (done.pages, done.mismatched),
+        other => panic!("expected DirtyMemoryDone, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn boots_to_the_ready_marker() {
+    require_kvm!();
+    let vmm = Vmm::spawn().await;
+    vmm.boot(&vmm.config(1, 256, "")).await;
+    let log = wait_for_serial(&vmm.serial_log(), "TESTGUEST CPUS", Duration::from_secs(5));
+    assert!(log.contains("TESTGUEST CPUS 1"), "{log}");
+    assert!(log.contains("TESTGUEST VSOCK cid=3"), "{log}");
+    let info = vmm.client.info().await.unwrap();
+    assert_eq!(info.state, VmState::Running);
+    assert_eq!(info.memory_actual_size, Some(256 << 20));
+    vmm.shutdown().await;
+}
+
+#[tokio::test]
+async fn two_vcpus_boot() {
+    require_kvm!();
+    let vmm = Vmm::spawn().await;
+    vmm.boot(&vmm.config(2, 256, "")).await;
+    let log = wait_for_serial(&vmm.serial_log(), "TESTGUEST CPUS", Duration::from_secs(5));
+    assert!(log.contains("TESTGUEST CPUS 2"), "{log}");
+    let (_, threads) = fds_and_threads(vmm.pid());
+    assert!(
+        threads >= 4,
+        "main, api, devices and two vCPU threads; saw {threads}"
+    );
+    vmm.shutdown().await;
+}
+
+#[tokio::test]
+async fn frames_round_trip_over_vsock() {
+    require_kvm!();
+    let vmm = Vmm::spawn().await;
+    vmm.boot(&vmm.config(1, 256, "")).await;
+    let mut link = GuestLink::connect(&vmm.vsock_socket(), PORT).unwrap();
+    let ready = link.hello();
+    assert_eq!(ready.protocol_version, 1);
+    assert_eq!(ready.boot_generation, 1);
+    assert!(ready.harness_running);
+
+    link.send(Body::HealthCheck(HealthCheck {}));
+    assert!(matches!(
+        link.recv().unwrap().body,
+        Some(Body::HealthReport(_))
+    ));
+    link.send(Body::DescribeHarness(Default::default()));
+    match link.recv().unwrap().body {
+        Some(Body::HarnessDescriptor(d)) => assert_eq!(d.id, "testguest"),
+        other => panic!("{other:?}"),
+    }
+    // The counter lives in guest RAM and counts across streams and connections.
+    assert_eq!(counter_turn(&mut link, 1, "e1"), "1");
+    assert_eq!(counter_turn(&mut link, 2, "e2"), "2");
+    drop(link);
+    let mut again = GuestLink::connect(&vmm.vsock_socket(), PORT).unwrap();
+    assert_eq!(counter_turn(&mut again, 3, "e3"), "3");
+
+    // 64 MiB stamped one word per page, then verified.
+    assert_eq!(dirty(&mut again, 64, 0x5a5a_0001), (64 * 256, 0));
+    assert_eq!(dirty(&mut again, 64, 0), (64 * 256, 0));
+
+    let counters = vmm.client.counters().await.unwrap();
+    let vsock = &counters["_vsock0"];
+    assert!(
+        vsock["rx_packets"] > 0 && vsock["tx_packets"] > 0,
+        "{vsock:?}"
+    );
+    assert_eq!(vsock["malformed_packets"], 0, "{vsock:?}");
+    vmm.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_port_nobody_listens_on_is_refused() {
+    require_kvm!();
+    let vmm = Vmm::spawn().await;
+    vmm.boot(&vmm.config(1, 256, "")).await;
+    let err = GuestLink::connect(&vmm.vsock_socket(), 4242)
+        .err()
+        .expect("port 4242 must be refused");
+    assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused, "{err}");
+    // The device keeps serving.
+    let mut link = GuestLink::connect(&vmm.vsock_socket(), PORT).unwrap();
+    link.hello();
+    vmm.shutdown().await;
+}
+
+#[tokio::test]
+async fn guest_initiated_connection_reaches_a_host_listener() {
+    require_kvm!();
+    let vmm = Vmm::spawn().await;
+    let listener = UnixListener::bind(format!("{}_5000", vmm.vsock_socket().display())).unwrap();
+    vmm.boot(&vmm.config(1, 256, "testguest.connect=5000"))
+        .await;
+    listener.set_nonblocking(false).unwrap();
+    let (stream, _) = listener.accept().unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut link = GuestLink::from_stream(stream);
+    match link.recv().unwrap().body {
+        Some(Body::Ready(ready)) => assert_eq!(ready.boot_generation, 1),
+        other => panic!("expected an unsolicited Ready, got {other:?}"),
+    }
+    // The guest serves frames on its own connection too.
+    link.hello();
+    vmm.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_paused_guest_makes_no_progress() {
+    require_kvm!();
+    let vmm = Vmm::spawn().await;
+    vmm.boot(&vmm.config(1, 256, "")).await;
+    let mut link = GuestLink::connect(&vmm.vsock_socket(), PORT).unwrap();
+    link.hello();
+    vmm.client.pause().await.unwrap();
+    assert_eq!(vmm.client.info().await.unwrap().state, VmState::Paused);
+    let log_before = std::fs::read_to_string(vmm.serial_log()).unwrap();
+    let counters_before = vmm.client.counters().await.unwrap();
+    link.send(Body::HealthCheck(HealthCheck {}));
+    link.set_timeout(Duration::from_millis(500));
+    let err = link.recv().expect_err("a paused guest answered");
+    assert!(
+        matches!(
+            err.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(vmm.serial_log()).unwrap(),
+        log_before
+    );
+    assert_eq!(
+        vmm.client.counters().await.unwrap()["_vsock0"],
+        counters_before["_vsock0"]
+    );
+    vmm.client.resume().await.unwrap();
+    link.set_timeout(Duration::from_secs(10));
+    assert!(matches!(
+        link.recv().unwrap().body,
+        Some(Body::HealthReport(_))
+    ));
+    vmm.shutdown().await;
+}
+
+#[tokio::test]
+async fn guest_reset_ends_the_vm_cleanly() {
+    require_kvm!();
+    let vmm = Vmm::spawn().await;
+    vmm.boot(&vmm.config(1, 256, "")).await;
+    let mut link = GuestLink::connect(&vmm.vsock_socket(), PORT).unwrap();
+    link.send(Body::Shutdown(Shutdown {
+        reason: "test".into(),
+        grace_ms: 0,
+    }));
+    wait_state(&vmm, VmState::Shutdown).await;
+    wait_for_serial(
+        &vmm.serial_log(),
+        "TESTGUEST SHUTDOWN",
+        Duration::from_secs(5),
+    );
+    assert!(!vmm.vsock_socket().exists(), "vsock socket left behind");
+    // The config is kept: the VM boots again.
+    vmm.client.boot().await.unwrap();
+    wait_state(&vmm, VmState::Running).await;
+    vmm.shutdown().await;
+}
+
+#[tokio::test]
+async fn shutdown_and_delete_release_everything() {
+    require_kvm!();
+    let vmm = Vmm::spawn().await;
+    // Let the API runtime settle before taking the baseline.
+    vmm.client.ping().await.unwrap();
+    let baseline = fds_and_threads(vmm.pid());
+    for round in 0..3 {
+        vmm.boot(&vmm.config(2, 256, "")).await;
+        let mut link = GuestLink::connect(&vmm.vsock_socket(), PORT).unwrap();
+        link.hello();
+        vmm.client.shutdown().await.unwrap();
+        assert_eq!(vmm.client.info().await.unwrap().state, VmState::Shutdown);
+        assert!(
+            !vmm.vsock_socket().exists(),
+            "round {round}: vsock socket left"
+        );
+        vmm.client.delete().await.unwrap();
+        let _ = std::fs::remove_file(vmm.serial_log());
+        if let Err(leak) = settles_to(vmm.pid(), baseline) {
+            panic!("round {round}: after delete: {leak}");
+        }
+    }
+    vmm.shutdown().await;
+}
