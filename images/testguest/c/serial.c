@@ -5,17 +5,27 @@
 #define COM1 0x3f8
 #define LSR_THR_EMPTY 0x20
 
-static void put(char c)
+#define FIFO_DEPTH 16
+
+static void wait_fifo_empty(void)
 {
 	/* Bounded, so a UART that never reports ready cannot hang the guest. */
 	for (u32 i = 0; i < 100000 && !(inb(COM1 + 5) & LSR_THR_EMPTY); i++)
 		;
-	outb(COM1, (u8)c);
 }
 
+/* With the 16550's FIFO on, an empty transmitter takes 16 bytes at once: one status read per
+ * 16 bytes instead of one per byte halves the exits a line costs. */
 void plat_line(const char *s, u32 n)
 {
-	for (u32 i = 0; i < n; i++)
-		put(s[i]);
-	put('\n');
+	static int fifo_on;
+	if (!fifo_on) {
+		outb(COM1 + 2, 0x07); /* FCR: enable and clear both FIFOs */
+		fifo_on = 1;
+	}
+	for (u32 i = 0; i <= n; i++) {
+		if (i % FIFO_DEPTH == 0)
+			wait_fifo_empty();
+		outb(COM1, i < n ? (u8)s[i] : (u8)'\n');
+	}
 }
