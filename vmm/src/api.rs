@@ -7,6 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
 
 use agentvm_vmm_api::config::{ConsoleOutputMode, VmConfig};
 use agentvm_vmm_api::types::DeviceNode;
@@ -15,7 +16,8 @@ use agentvm_vmm_api::{ApiError, VmCounters, VmInfo, VmState, VmmBackend, VmmPing
 use crate::boot::layout;
 use crate::exit::{ExitReason, ExitSignal};
 use crate::kvm::Flavour;
-use crate::vm::{RamSpec, SerialSpec, Vm, VmSpec, VsockSpec};
+use crate::kvm::vm::{KvmVm, VmError};
+use crate::vm::{BuildError, RamSpec, SerialSpec, Vm, VmSpec, VsockSpec};
 
 enum Slot {
     Empty,
@@ -34,6 +36,32 @@ struct Inner {
     slot: Slot,
     generation: u64,
     last_exit: Option<ExitReason>,
+    /// The KVM VM for the next boot, being created in the background so `vm.boot` does not
+    /// wait for it.
+    next_vm: Option<JoinHandle<Result<KvmVm, VmError>>>,
+}
+
+impl Inner {
+    fn prepare_next_vm(&mut self) {
+        if self.next_vm.is_some() {
+            return;
+        }
+        match std::thread::Builder::new()
+            .name("vm-prepare".into())
+            .spawn(KvmVm::new)
+        {
+            Ok(handle) => self.next_vm = Some(handle),
+            // Booting will create the VM itself, just later.
+            Err(e) => tracing::warn!(error = %e, "could not prepare a VM in the background"),
+        }
+    }
+
+    fn take_prepared_vm(&mut self) -> Result<KvmVm, VmError> {
+        match self.next_vm.take().map(JoinHandle::join) {
+            Some(Ok(prepared)) => prepared,
+            Some(Err(_)) | None => KvmVm::new(),
+        }
+    }
 }
 
 /// The VMM behind the API: at most one VM.
@@ -56,12 +84,15 @@ fn lock(inner: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
 
 impl Vmm {
     pub fn new() -> Self {
+        let mut inner = Inner {
+            slot: Slot::Empty,
+            generation: 0,
+            last_exit: None,
+            next_vm: None,
+        };
+        inner.prepare_next_vm();
         Self {
-            inner: Arc::new(Mutex::new(Inner {
-                slot: Slot::Empty,
-                generation: 0,
-                last_exit: None,
-            })),
+            inner: Arc::new(Mutex::new(inner)),
             stopped: Arc::new(Condvar::new()),
             flavour: Flavour::detect(),
         }
@@ -101,6 +132,7 @@ impl Vmm {
                     guard.slot = Slot::Shutdown(config);
                 }
                 guard.last_exit = reason;
+                guard.prepare_next_vm();
                 stopped.notify_all();
             });
         if let Err(e) = spawned {
@@ -112,6 +144,7 @@ impl Vmm {
         booted.vm.exit_signal().request(reason.clone());
         booted.vm.stop();
         inner.last_exit = Some(reason);
+        inner.prepare_next_vm();
     }
 }
 
@@ -256,7 +289,14 @@ impl VmmBackend for Vmm {
             other => return Err(wrong_state("boot", other)),
         };
         let spec = spec_from_config(&config)?;
-        let vm = Vm::boot(&spec).map_err(|e| ApiError::from_error(500, &e))?;
+        let booted = inner
+            .take_prepared_vm()
+            .map_err(BuildError::from)
+            .and_then(|kvm| Vm::boot(&spec, kvm));
+        if booted.is_err() {
+            inner.prepare_next_vm();
+        }
+        let vm = booted.map_err(|e| ApiError::from_error(500, &e))?;
         inner.generation += 1;
         let generation = inner.generation;
         let exit = vm.exit_signal().clone();

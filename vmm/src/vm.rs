@@ -8,7 +8,6 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
 use kvm_ioctls::{IoEventAddress, VcpuFd};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -132,8 +131,9 @@ pub struct Vm {
 }
 
 impl Vm {
-    /// Builds the VM and starts its vCPUs.
-    pub fn boot(spec: &VmSpec) -> Result<Self, BuildError> {
+    /// Builds the VM inside `kvm` (a VM from [`KvmVm::new`], typically prepared ahead of
+    /// time) and starts its vCPUs.
+    pub fn boot(spec: &VmSpec, mut kvm: KvmVm) -> Result<Self, BuildError> {
         let booted = Instant::now();
         let ram = GuestRam::new(
             spec.memory_bytes,
@@ -142,7 +142,7 @@ impl Vm {
                 mergeable: spec.ram.mergeable,
             },
         )?;
-        let kvm = KvmVm::new(&ram)?;
+        kvm.map_ram(&ram)?;
         let exit = Arc::new(ExitSignal::new().map_err(io("creating the exit eventfd"))?);
 
         let mut mmio = Bus::default();
@@ -423,17 +423,14 @@ fn create_vcpus(
     count: u8,
     entry: EntryPoint,
 ) -> Result<Vec<VcpuFd>, BuildError> {
-    let supported = kvm
-        .kvm
-        .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-        .map_err(ioctl("KVM_GET_SUPPORTED_CPUID"))?;
+    let supported = kvm.supported_cpuid();
     let mut vcpus = Vec::with_capacity(usize::from(count));
     for index in 0..count {
         let vcpu = kvm
             .fd
             .create_vcpu(u64::from(index))
             .map_err(ioctl("KVM_CREATE_VCPU"))?;
-        vcpu.set_cpuid2(&cpuid::for_vcpu(&supported, index, count))
+        vcpu.set_cpuid2(&cpuid::for_vcpu(supported, index, count))
             .map_err(ioctl("KVM_SET_CPUID2"))?;
         regs::setup_msrs(&vcpu)?;
         regs::setup_lapic(&vcpu)?;
