@@ -17,7 +17,7 @@ use crate::boot::layout;
 use crate::exit::{ExitReason, ExitSignal};
 use crate::kvm::Flavour;
 use crate::kvm::vm::{KvmVm, VmError};
-use crate::vm::{BuildError, RamSpec, SerialSpec, Vm, VmSpec, VsockSpec};
+use crate::vm::{RamSpec, SerialSpec, Vm, VmSpec, VsockSpec};
 
 enum Slot {
     Empty,
@@ -289,10 +289,7 @@ impl VmmBackend for Vmm {
             other => return Err(wrong_state("boot", other)),
         };
         let spec = spec_from_config(&config)?;
-        let booted = inner
-            .take_prepared_vm()
-            .map_err(BuildError::from)
-            .and_then(|kvm| Vm::boot(&spec, kvm));
+        let booted = Vm::boot(&spec, || inner.take_prepared_vm());
         if booted.is_err() {
             inner.prepare_next_vm();
         }

@@ -49,6 +49,9 @@ struct Args {
 }
 
 fn main() -> ExitCode {
+    // First thing: this starts creating the KVM VM in the background, the slowest step of a
+    // boot, so it overlaps with everything else the process does before `vm.boot`.
+    let vmm = Arc::new(Vmm::new());
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("AGENTVM_VMM_LOG")
@@ -56,7 +59,7 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    match run(Args::parse()) {
+    match run(Args::parse(), vmm) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("agentvm-vmm: {e:#}");
@@ -65,8 +68,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(args: Args) -> anyhow::Result<ExitCode> {
-    let vmm = Arc::new(Vmm::new());
+fn run(args: Args, vmm: Arc<Vmm>) -> anyhow::Result<ExitCode> {
     let one_shot = match args.kernel.clone() {
         Some(kernel) => Some(config_from_args(&args, kernel)?),
         None => None,

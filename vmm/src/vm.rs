@@ -131,9 +131,13 @@ pub struct Vm {
 }
 
 impl Vm {
-    /// Builds the VM inside `kvm` (a VM from [`KvmVm::new`], typically prepared ahead of
-    /// time) and starts its vCPUs.
-    pub fn boot(spec: &VmSpec, mut kvm: KvmVm) -> Result<Self, BuildError> {
+    /// Builds the VM and starts its vCPUs. `kvm` yields the KVM VM (typically one prepared
+    /// ahead of time); it is asked for only once everything that does not need it is done, so
+    /// a VM still being prepared overlaps with loading the kernel and building devices.
+    pub fn boot(
+        spec: &VmSpec,
+        kvm: impl FnOnce() -> Result<KvmVm, VmError>,
+    ) -> Result<Self, BuildError> {
         let booted = Instant::now();
         let ram = GuestRam::new(
             spec.memory_bytes,
@@ -142,37 +146,45 @@ impl Vm {
                 mergeable: spec.ram.mergeable,
             },
         )?;
-        kvm.map_ram(&ram)?;
         let exit = Arc::new(ExitSignal::new().map_err(io("creating the exit eventfd"))?);
-
-        let mut mmio = Bus::default();
-        let mut subscribers: Vec<Box<dyn Subscriber>> = Vec::new();
         let mut cmdline = spec.cmdline.clone();
         let vsock = match &spec.vsock {
             Some(vsock_spec) => {
-                let attached = attach_vsock(&kvm, &ram, vsock_spec, 0, &mut mmio)?;
-                subscribers.push(Box::new(
-                    VsockHandler::new(attached.device.clone())
-                        .map_err(io("cloning vsock queue eventfds"))?,
-                ));
                 append_device(&mut cmdline, 0);
-                Some(attached)
+                Some(create_vsock(&ram, vsock_spec)?)
             }
             None => None,
         };
-
         let entry = load_guest(&ram, spec, &cmdline)?;
-
         let serial_stats = Arc::new(SerialStats::default());
+        let serial = serial_device(spec, serial_stats.clone())?;
+
+        let mut kvm = kvm()?;
+        kvm.map_ram(&ram)?;
         let mut pio = Bus::default();
-        let serial = serial_device(&kvm, spec, serial_stats.clone())?;
-        if let Some(serial) = &serial {
-            pio.insert(
-                u64::from(layout::SERIAL_PORT_BASE),
-                u64::from(layout::SERIAL_PORT_LEN),
-                serial.clone(),
-            )?;
+        let mut mmio = Bus::default();
+        let mut subscribers: Vec<Box<dyn Subscriber>> = Vec::new();
+        if let Some(vsock) = &vsock {
+            connect_vsock(&kvm, vsock, 0, &mut mmio)?;
+            subscribers.push(Box::new(
+                VsockHandler::new(vsock.device.clone())
+                    .map_err(io("cloning vsock queue eventfds"))?,
+            ));
         }
+        let serial = match serial {
+            Some((device, irq)) => {
+                kvm.fd
+                    .register_irqfd(&irq, layout::SERIAL_IRQ)
+                    .map_err(ioctl("KVM_IRQFD (serial)"))?;
+                pio.insert(
+                    u64::from(layout::SERIAL_PORT_BASE),
+                    u64::from(layout::SERIAL_PORT_LEN),
+                    device.clone(),
+                )?;
+                Some(device)
+            }
+            None => None,
+        };
         pio.insert(
             u64::from(layout::I8042_DATA_PORT),
             i8042::WINDOW_LEN,
@@ -319,15 +331,8 @@ fn append_device(cmdline: &mut String, index: u32) {
     ));
 }
 
-/// The vsock device as virtio-mmio device `index`: listener bound, irqfd and queue
-/// ioeventfds registered with KVM, registers on the MMIO bus.
-fn attach_vsock(
-    kvm: &KvmVm,
-    ram: &GuestRam,
-    spec: &VsockSpec,
-    index: u32,
-    mmio: &mut Bus,
-) -> Result<AttachedVsock, BuildError> {
+/// The vsock device: its host socket bound, the device model behind a virtio-mmio transport.
+fn create_vsock(ram: &GuestRam, spec: &VsockSpec) -> Result<AttachedVsock, BuildError> {
     let socket_error = |source| BuildError::VsockSocket {
         path: spec.socket.display().to_string(),
         source,
@@ -339,15 +344,33 @@ fn attach_vsock(
         .map_err(socket_error)?;
     let irqfd = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)
         .map_err(io("creating the vsock irqfd"))?;
-    let irq = layout::VIRTIO_IRQ_BASE + index;
-    kvm.fd
-        .register_irqfd(&irqfd, irq)
-        .map_err(ioctl("KVM_IRQFD (vsock)"))?;
     let transport = VirtioMmio::new(
         Vsock::new(u64::from(spec.cid), muxer),
         ram.shared_memory(),
         Interrupt::new(irqfd),
     )?;
+    Ok(AttachedVsock {
+        device: Arc::new(Mutex::new(transport)),
+        stats,
+        _socket: bound,
+    })
+}
+
+/// Makes the vsock device virtio-mmio device `index`: its interrupt line and queue-notify
+/// eventfds registered with KVM, its registers on the MMIO bus.
+fn connect_vsock(
+    kvm: &KvmVm,
+    vsock: &AttachedVsock,
+    index: u32,
+    mmio: &mut Bus,
+) -> Result<(), BuildError> {
+    let transport = lock_vsock(&vsock.device);
+    kvm.fd
+        .register_irqfd(
+            transport.interrupt().irqfd(),
+            layout::VIRTIO_IRQ_BASE + index,
+        )
+        .map_err(ioctl("KVM_IRQFD (vsock)"))?;
     let (base, size) = layout::virtio_mmio_window(index);
     for (queue, event) in transport.queue_events().iter().enumerate() {
         // Notifications then wake the device thread straight from KVM, without a trip
@@ -360,13 +383,9 @@ fn attach_vsock(
             )
             .map_err(ioctl("KVM_IOEVENTFD (vsock)"))?;
     }
-    let device = Arc::new(Mutex::new(transport));
-    mmio.insert(base, size, device.clone())?;
-    Ok(AttachedVsock {
-        device,
-        stats,
-        _socket: bound,
-    })
+    drop(transport);
+    mmio.insert(base, size, vsock.device.clone())?;
+    Ok(())
 }
 
 /// Kernel, initramfs, command line, boot parameters and MP table into RAM.
@@ -391,11 +410,13 @@ fn load_guest(ram: &GuestRam, spec: &VmSpec, cmdline: &str) -> Result<EntryPoint
     Ok(kernel.entry)
 }
 
+/// The UART and the irqfd its interrupt line needs registered.
+type SerialParts = (Arc<Mutex<SerialDevice>>, EventFd);
+
 fn serial_device(
-    kvm: &KvmVm,
     spec: &VmSpec,
     stats: Arc<SerialStats>,
-) -> Result<Option<Arc<Mutex<SerialDevice>>>, BuildError> {
+) -> Result<Option<SerialParts>, BuildError> {
     let destination = match &spec.serial {
         SerialSpec::Off => return Ok(None),
         SerialSpec::Null => Destination::Discard,
@@ -410,11 +431,12 @@ fn serial_device(
     };
     let irq = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)
         .map_err(io("creating the serial irqfd"))?;
-    kvm.fd
-        .register_irqfd(&irq, layout::SERIAL_IRQ)
-        .map_err(ioctl("KVM_IRQFD (serial)"))?;
+    let registered = irq.try_clone().map_err(io("cloning the serial irqfd"))?;
     let output = SerialOutput::new(destination, RateLimit::default(), stats);
-    Ok(Some(Arc::new(Mutex::new(SerialDevice::new(irq, output)))))
+    Ok(Some((
+        Arc::new(Mutex::new(SerialDevice::new(irq, output))),
+        registered,
+    )))
 }
 
 fn create_vcpus(

@@ -142,7 +142,7 @@ async fn one_shot_mode_boots_and_exits_with_the_guest() {
     let kernel = vmm.testguest();
     let log = vmm.path("oneshot.log");
     let sock = vmm.path("oneshot.vsock");
-    let child = std::process::Command::new(support::VMM)
+    let child = std::process::Command::new(support::vmm_bin())
         .arg("--kernel")
         .arg(&kernel)
         .arg("--serial")

@@ -11,7 +11,7 @@ use agentvm_proto::guest::v1::envelope::Body;
 use agentvm_proto::guest::v1::{DirtyMemory, HarnessFrame, HealthCheck, Shutdown, harness_frame};
 use agentvm_proto::v1::{ControllerFrame, EventKind, Start, controller_frame, event, part};
 use agentvm_vmm_api::VmState;
-use support::{GuestLink, Vmm, fds_and_threads, settles_to, wait_for_serial};
+use support::{GuestLink, Vmm, fds_and_threads, rss_kib, settles_to, wait_for_serial};
 
 const PORT: u32 = agentvm_proto::guest::GUEST_AGENT_PORT;
 
@@ -262,10 +262,15 @@ async fn shutdown_and_delete_release_everything() {
     // Let the API runtime settle before taking the baseline.
     vmm.client.ping().await.unwrap();
     let baseline = fds_and_threads(vmm.pid());
+    let rss_before = rss_kib(vmm.pid());
     for round in 0..3 {
         vmm.boot(&vmm.config(2, 256, "")).await;
         let mut link = GuestLink::connect(&vmm.vsock_socket(), PORT).unwrap();
         link.hello();
+        // Guest RAM in use (16 MiB stamped) shows in the VMM's RSS while the VM exists...
+        dirty(&mut link, 16, 0x1234);
+        let rss_running = rss_kib(vmm.pid());
+        assert!(rss_running > rss_before + 16 * 1024, "{rss_running} KiB");
         vmm.client.shutdown().await.unwrap();
         assert_eq!(vmm.client.info().await.unwrap().state, VmState::Shutdown);
         assert!(
@@ -277,6 +282,12 @@ async fn shutdown_and_delete_release_everything() {
         if let Err(leak) = settles_to(vmm.pid(), baseline) {
             panic!("round {round}: after delete: {leak}");
         }
+        // ...and is given back with it.
+        let rss_after = rss_kib(vmm.pid());
+        assert!(
+            rss_after < rss_before + 2048,
+            "round {round}: RSS {rss_after} KiB after delete, {rss_before} KiB before"
+        );
     }
     vmm.shutdown().await;
 }

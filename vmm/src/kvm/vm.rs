@@ -56,31 +56,11 @@ impl KvmVm {
     pub fn new() -> Result<Self, VmError> {
         let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
         let fd = kvm.create_vm().map_err(ioctl("KVM_CREATE_VM"))?;
-        fd.set_tss_address(layout::KVM_TSS_ADDR)
-            .map_err(ioctl("KVM_SET_TSS_ADDR"))?;
-        fd.create_irq_chip().map_err(ioctl("KVM_CREATE_IRQCHIP"))?;
-        // The speaker port (0x61) is emulated too, so guests calibrating against PIT
-        // channel 2 never exit to us for it.
-        fd.create_pit2(kvm_pit_config {
-            flags: KVM_PIT_SPEAKER_DUMMY,
-            ..Default::default()
-        })
-        .map_err(ioctl("KVM_CREATE_PIT2"))?;
+        let warmup = warmup_slot(&fd)?;
+        setup_irqchip_and_pit(&fd)?;
         let supported_cpuid = kvm
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(ioctl("KVM_GET_SUPPORTED_CPUID"))?;
-        let warmup = MmapRegion::new(4096).map_err(VmError::WarmupPage)?;
-        let slot = kvm_userspace_memory_region {
-            slot: WARMUP_SLOT,
-            guest_phys_addr: WARMUP_GPA,
-            memory_size: 4096,
-            userspace_addr: warmup.as_ptr() as u64,
-            flags: 0,
-        };
-        // SAFETY: the page is a live anonymous mapping owned by `warmup`, which this struct
-        // keeps until the slot is deleted in `map_ram`; no vCPU exists yet to touch it.
-        unsafe { fd.set_user_memory_region(slot) }
-            .map_err(ioctl("KVM_SET_USER_MEMORY_REGION (warm-up)"))?;
         Ok(Self {
             kvm,
             fd,
@@ -123,4 +103,33 @@ impl KvmVm {
         self.warmup = None;
         Ok(())
     }
+}
+
+fn setup_irqchip_and_pit(fd: &VmFd) -> Result<(), VmError> {
+    fd.set_tss_address(layout::KVM_TSS_ADDR)
+        .map_err(ioctl("KVM_SET_TSS_ADDR"))?;
+    fd.create_irq_chip().map_err(ioctl("KVM_CREATE_IRQCHIP"))?;
+    // The speaker port (0x61) is emulated too, so guests calibrating against PIT channel 2
+    // never exit to us for it.
+    fd.create_pit2(kvm_pit_config {
+        flags: KVM_PIT_SPEAKER_DUMMY,
+        ..Default::default()
+    })
+    .map_err(ioctl("KVM_CREATE_PIT2"))
+}
+
+fn warmup_slot(fd: &VmFd) -> Result<MmapRegion, VmError> {
+    let page = MmapRegion::new(4096).map_err(VmError::WarmupPage)?;
+    let slot = kvm_userspace_memory_region {
+        slot: WARMUP_SLOT,
+        guest_phys_addr: WARMUP_GPA,
+        memory_size: 4096,
+        userspace_addr: page.as_ptr() as u64,
+        flags: 0,
+    };
+    // SAFETY: the page is a live anonymous mapping that the caller keeps (in `KvmVm::warmup`)
+    // until the slot is deleted in `map_ram`; no vCPU exists yet to touch it.
+    unsafe { fd.set_user_memory_region(slot) }
+        .map_err(ioctl("KVM_SET_USER_MEMORY_REGION (warm-up)"))?;
+    Ok(page)
 }

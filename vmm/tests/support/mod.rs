@@ -15,7 +15,13 @@ use agentvm_vmm_api::config::{
     ConsoleOutputMode, CpusConfig, MemoryConfig, SerialConfig, VmConfig, VsockConfig,
 };
 
-pub const VMM: &str = env!("CARGO_BIN_EXE_agentvm-vmm");
+/// The VMM binary under test: cargo's build, or `AGENTVM_VMM_BIN` (e.g. the static build
+/// from scripts/build-vmm.sh, which is what benchmarks should measure).
+pub fn vmm_bin() -> std::path::PathBuf {
+    std::env::var_os("AGENTVM_VMM_BIN")
+        .map(Into::into)
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_agentvm-vmm").into())
+}
 
 /// Why VMM tests cannot run here, if they cannot. They print it and return early.
 pub fn kvm_unavailable() -> Option<String> {
@@ -52,7 +58,7 @@ impl Vmm {
     pub async fn spawn() -> Self {
         let dir = tempfile::tempdir().unwrap();
         let api = dir.path().join("api.sock");
-        let child = Command::new(VMM)
+        let child = Command::new(vmm_bin())
             .arg("--api-socket")
             .arg(&api)
             .stdin(Stdio::null())
@@ -168,7 +174,7 @@ pub fn wait_for_serial(log: &Path, marker: &str, timeout: Duration) -> String {
             Instant::now() < deadline,
             "no `{marker}` on serial within {timeout:?}; log so far:\n{text}"
         );
-        std::thread::sleep(Duration::from_millis(2));
+        std::thread::sleep(Duration::from_micros(200));
     }
 }
 
