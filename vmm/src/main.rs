@@ -114,6 +114,9 @@ fn serve_api(socket: &std::path::Path, vmm: Arc<Vmm>) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_io()
         .enable_time()
+        // Backend calls run one at a time anyway; one blocking thread keeps the process's
+        // thread count fixed.
+        .max_blocking_threads(1)
         .build()
         .context("starting the API runtime")?;
     runtime.block_on(async {

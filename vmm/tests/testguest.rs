@@ -11,7 +11,7 @@ use agentvm_proto::guest::v1::envelope::Body;
 use agentvm_proto::guest::v1::{DirtyMemory, HarnessFrame, HealthCheck, Shutdown, harness_frame};
 use agentvm_proto::v1::{ControllerFrame, EventKind, Start, controller_frame, event, part};
 use agentvm_vmm_api::VmState;
-use support::{GuestLink, Vmm, fds_and_threads, rss_kib, settles_to, wait_for_serial};
+use support::{GuestLink, Vmm, fds_and_threads, rss_kib, settles_to, vm_threads, wait_for_serial};
 
 const PORT: u32 = agentvm_proto::guest::GUEST_AGENT_PORT;
 
@@ -282,6 +282,11 @@ async fn shutdown_and_delete_release_everything() {
         if let Err(leak) = settles_to(vmm.pid(), baseline) {
             panic!("round {round}: after delete: {leak}");
         }
+        assert!(
+            vm_threads(vmm.pid()).is_empty(),
+            "{:?}",
+            vm_threads(vmm.pid())
+        );
         // ...and is given back with it.
         let rss_after = rss_kib(vmm.pid());
         assert!(

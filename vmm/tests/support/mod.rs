@@ -267,6 +267,21 @@ impl GuestLink {
     }
 }
 
+/// Names of a process's threads that belong to a VM (vCPUs, device thread, exit watcher).
+pub fn vm_threads(pid: u32) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter_map(|e| std::fs::read_to_string(e.path().join("comm")).ok())
+                .map(|n| n.trim().to_owned())
+                .filter(|n| n.starts_with("vcpu") || n == "devices" || n == "vm-exit")
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
 /// Open file descriptors and threads of a process, for leak checks.
 pub fn fds_and_threads(pid: u32) -> (usize, usize) {
     let count = |dir: String| std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0);
