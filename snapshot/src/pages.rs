@@ -1,0 +1,209 @@
+//! Guest memory files at page granularity: which pages hold data, copying only those, and a
+//! digest that does not depend on how a filesystem happens to store zeros.
+//!
+//! A memory file is sparse: pages the guest never wrote are holes. The page digest is SHA-256
+//! over every non-zero 4 KiB page as `(page index as le64 || page bytes)`, in page order, so a
+//! hole and a page of written zeros hash the same, and copying the file to another filesystem
+//! (or through an archive) keeps its digest.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+
+use sha2::{Digest, Sha256};
+
+pub const PAGE_SIZE: u64 = 4096;
+/// Bytes read per system call when walking a file.
+const CHUNK: usize = 1 << 20;
+
+/// Data ranges of `file` as (offset, length), page aligned, in order (SEEK_DATA/SEEK_HOLE).
+pub fn data_extents(file: &File) -> io::Result<Vec<(u64, u64)>> {
+    let len = file.metadata()?.len();
+    let fd = file.as_raw_fd();
+    let mut extents = Vec::new();
+    let mut offset: i64 = 0;
+    while (offset as u64) < len {
+        // SAFETY: lseek on a descriptor we own; the result is checked.
+        let data = unsafe { libc::lseek(fd, offset, libc::SEEK_DATA) };
+        if data < 0 {
+            let err = io::Error::last_os_error();
+            if err.raw_os_error() == Some(libc::ENXIO) {
+                break; // no data past `offset`
+            }
+            return Err(err);
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+        if hole < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let start = (data as u64) & !(PAGE_SIZE - 1);
+        let end = (hole as u64).min(len).next_multiple_of(PAGE_SIZE);
+        if end > start {
+            extents.push((start, end - start));
+        }
+        offset = hole;
+    }
+    Ok(extents)
+}
+
+/// Incremental page digest.
+#[derive(Default, Clone)]
+pub struct PageHasher {
+    hasher: Sha256,
+    pages: u64,
+}
+
+impl PageHasher {
+    /// Adds one page; all-zero pages are skipped, exactly like holes.
+    pub fn page(&mut self, index: u64, bytes: &[u8]) {
+        if is_zero(bytes) {
+            return;
+        }
+        self.hasher.update(index.to_le_bytes());
+        self.hasher.update(bytes);
+        self.pages += 1;
+    }
+
+    /// Non-zero pages seen so far.
+    pub fn pages(&self) -> u64 {
+        self.pages
+    }
+
+    pub fn finish(self) -> String {
+        hex(&self.hasher.finalize())
+    }
+}
+
+pub fn is_zero(bytes: &[u8]) -> bool {
+    // Word-wise: this runs over every page a snapshot writes.
+    let words = bytes.chunks_exact(8);
+    let rest = words.remainder();
+    words
+        .map(|w| u64::from_ne_bytes(w.try_into().unwrap_or([1; 8])))
+        .all(|w| w == 0)
+        && rest.iter().all(|b| *b == 0)
+}
+
+/// Page digest of a whole file, reading only its data extents. Returns the digest and the
+/// number of non-zero pages.
+pub fn file_digest(file: &File) -> io::Result<(String, u64)> {
+    let mut hasher = PageHasher::default();
+    let mut buf = vec![0u8; CHUNK];
+    for (offset, len) in data_extents(file)? {
+        walk(file, offset, len, &mut buf, |index, page| {
+            hasher.page(index, page);
+            Ok(())
+        })?;
+    }
+    let pages = hasher.pages();
+    Ok((hasher.finish(), pages))
+}
+
+/// Copies the non-zero pages of `src` to the same offsets of `dst` (sized to `src`'s
+/// length, holes elsewhere), returning the page digest and page count.
+pub fn copy_sparse(src: &File, dst: &File) -> io::Result<(String, u64)> {
+    dst.set_len(src.metadata()?.len())?;
+    let mut hasher = PageHasher::default();
+    let mut buf = vec![0u8; CHUNK];
+    for (offset, extent) in data_extents(src)? {
+        walk(src, offset, extent, &mut buf, |index, page| {
+            if is_zero(page) {
+                return Ok(());
+            }
+            hasher.page(index, page);
+            dst.write_all_at(page, index * PAGE_SIZE)
+        })?;
+    }
+    let pages = hasher.pages();
+    Ok((hasher.finish(), pages))
+}
+
+/// Calls `f(page index, page bytes)` for each page in `[offset, offset + len)`.
+fn walk(
+    file: &File,
+    offset: u64,
+    len: u64,
+    buf: &mut [u8],
+    mut f: impl FnMut(u64, &[u8]) -> io::Result<()>,
+) -> io::Result<()> {
+    let end = offset + len;
+    let mut at = offset;
+    while at < end {
+        let want = ((end - at) as usize).min(buf.len());
+        let got = file.read_at(&mut buf[..want], at)?;
+        if got == 0 {
+            break;
+        }
+        for (i, page) in buf[..got].chunks(PAGE_SIZE as usize).enumerate() {
+            f(at / PAGE_SIZE + i as u64, page)?;
+        }
+        at += got as u64;
+    }
+    Ok(())
+}
+
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn extents_skip_holes_and_digest_ignores_how_zeros_are_stored() {
+        let sparse = tempfile::tempfile().unwrap();
+        sparse.set_len(64 << 20).unwrap();
+        sparse.write_all_at(&[7u8; 4096], 4096 * 10).unwrap();
+        sparse.write_all_at(&[9u8; 100], 32 << 20).unwrap();
+        let extents = data_extents(&sparse).unwrap();
+        let covered: u64 = extents.iter().map(|e| e.1).sum();
+        assert!(
+            covered < 4 << 20,
+            "only written blocks are data: {extents:?}"
+        );
+        assert!(extents.iter().any(|(o, l)| *o <= 40960 && o + l >= 45056));
+
+        // The same contents with the zero pages written out: same digest.
+        let dense = tempfile::tempfile().unwrap();
+        dense.set_len(64 << 20).unwrap();
+        dense.write_all_at(&vec![0u8; 1 << 20], 0).unwrap();
+        dense.write_all_at(&[7u8; 4096], 4096 * 10).unwrap();
+        dense.write_all_at(&[9u8; 100], 32 << 20).unwrap();
+        let (a, pages_a) = file_digest(&sparse).unwrap();
+        let (b, pages_b) = file_digest(&dense).unwrap();
+        assert_eq!(a, b);
+        assert_eq!((pages_a, pages_b), (2, 2));
+
+        // Moving a page changes the digest (its index is hashed).
+        let moved = tempfile::tempfile().unwrap();
+        moved.set_len(64 << 20).unwrap();
+        moved.write_all_at(&[7u8; 4096], 4096 * 11).unwrap();
+        moved.write_all_at(&[9u8; 100], 32 << 20).unwrap();
+        assert_ne!(file_digest(&moved).unwrap().0, a);
+    }
+
+    #[test]
+    fn sparse_copy_keeps_contents_digest_and_holes() {
+        let src = tempfile::tempfile().unwrap();
+        src.set_len(16 << 20).unwrap();
+        src.write_all_at(&vec![0u8; 8 << 20], 0).unwrap();
+        src.write_all_at(&[5u8; 8192], 1 << 20).unwrap();
+        let dst = tempfile::tempfile().unwrap();
+        let (digest, pages) = copy_sparse(&src, &dst).unwrap();
+        assert_eq!(pages, 2);
+        assert_eq!(digest, file_digest(&src).unwrap().0);
+        assert_eq!(dst.metadata().unwrap().len(), 16 << 20);
+        let mut page = [0u8; 4096];
+        dst.read_exact_at(&mut page, (1 << 20) + 4096).unwrap();
+        assert_eq!(page, [5u8; 4096]);
+        let covered: u64 = data_extents(&dst).unwrap().iter().map(|e| e.1).sum();
+        assert!(
+            covered <= 1 << 20,
+            "the zeros written in the source stay holes"
+        );
+        assert!(is_zero(&[0u8; 4096]) && !is_zero(&[0, 0, 0, 1]));
+    }
+}

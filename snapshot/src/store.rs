@@ -1,0 +1,273 @@
+//! Where snapshots live: a local directory now (object storage later, behind the same calls).
+//!
+//! `<root>/<id>/` holds a snapshot; `<root>/.refs/<id>/<holder>` marks a user of it (a VM
+//! restored from it maps its memory file). A snapshot is not deleted while it has holders
+//! or while another snapshot is layered on it: its memory file must outlive every VM and
+//! every layer that depends on it. References are files, so they survive restarts of the
+//! daemon that took them.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+use crate::SnapshotError;
+use crate::archive;
+use crate::dir::Snapshot;
+
+const REFS: &str = ".refs";
+
+pub struct LocalStore {
+    root: PathBuf,
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> SnapshotError + '_ {
+    move |source| SnapshotError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// Ids and holder names become path components: keep them to a safe alphabet.
+fn check_name(kind: &str, name: &str) -> Result<(), SnapshotError> {
+    let ok = !name.is_empty()
+        && name.len() <= 128
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(SnapshotError::InvalidName {
+            kind: kind.to_owned(),
+            name: name.to_owned(),
+        })
+    }
+}
+
+impl LocalStore {
+    pub fn open(root: &Path) -> Result<Self, SnapshotError> {
+        std::fs::create_dir_all(root.join(REFS)).map_err(io(root))?;
+        let root = std::fs::canonicalize(root).map_err(io(root))?;
+        Ok(Self { root })
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// A fresh, empty directory for snapshot `id`, for a VMM to write into.
+    pub fn create_dir(&self, id: &str) -> Result<PathBuf, SnapshotError> {
+        check_name("snapshot id", id)?;
+        let dir = self.root.join(id);
+        std::fs::create_dir(&dir).map_err(|e| match e.kind() {
+            std::io::ErrorKind::AlreadyExists => SnapshotError::Exists(dir.display().to_string()),
+            _ => io(&dir)(e),
+        })?;
+        Ok(dir)
+    }
+
+    pub fn dir(&self, id: &str) -> Result<PathBuf, SnapshotError> {
+        check_name("snapshot id", id)?;
+        Ok(self.root.join(id))
+    }
+
+    pub fn get(&self, id: &str) -> Result<Snapshot, SnapshotError> {
+        Snapshot::open(&self.dir(id)?)
+    }
+
+    pub fn list(&self) -> Result<Vec<String>, SnapshotError> {
+        let mut ids: Vec<String> = std::fs::read_dir(&self.root)
+            .map_err(io(&self.root))?
+            .filter_map(|e| e.ok())
+            .filter_map(|e| e.file_name().into_string().ok())
+            .filter(|name| !name.starts_with('.'))
+            .collect();
+        ids.sort();
+        Ok(ids)
+    }
+
+    /// Marks `holder` (a VM, a session) as using snapshot `id`. Idempotent.
+    pub fn acquire(&self, id: &str, holder: &str) -> Result<(), SnapshotError> {
+        check_name("holder", holder)?;
+        if !self.dir(id)?.join(crate::manifest::MANIFEST_FILE).exists() {
+            return Err(SnapshotError::NotFound(id.to_owned()));
+        }
+        let refs = self.root.join(REFS).join(id);
+        std::fs::create_dir_all(&refs).map_err(io(&refs))?;
+        let path = refs.join(holder);
+        std::fs::write(&path, b"").map_err(io(&path))
+    }
+
+    /// Idempotent: releasing what is not held is fine.
+    pub fn release(&self, id: &str, holder: &str) -> Result<(), SnapshotError> {
+        check_name("snapshot id", id)?;
+        check_name("holder", holder)?;
+        let path = self.root.join(REFS).join(id).join(holder);
+        match std::fs::remove_file(&path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(io(&path)(e)),
+        }
+    }
+
+    pub fn holders(&self, id: &str) -> Result<Vec<String>, SnapshotError> {
+        check_name("snapshot id", id)?;
+        let refs = self.root.join(REFS).join(id);
+        let mut holders: Vec<String> = match std::fs::read_dir(&refs) {
+            Ok(entries) => entries
+                .filter_map(|e| e.ok())
+                .filter_map(|e| e.file_name().into_string().ok())
+                .collect(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(io(&refs)(e)),
+        };
+        holders.sort();
+        Ok(holders)
+    }
+
+    /// Snapshots in this store layered directly on `id`.
+    pub fn dependents(&self, id: &str) -> Result<Vec<String>, SnapshotError> {
+        let dir = self.dir(id)?;
+        let mut out = Vec::new();
+        for other in self.list()? {
+            if other == id {
+                continue;
+            }
+            if let Ok(snapshot) = self.get(&other)
+                && snapshot
+                    .manifest
+                    .memory
+                    .base
+                    .as_ref()
+                    .is_some_and(|b| b.dir == dir)
+            {
+                out.push(other);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Deletes snapshot `id`, unless something still uses it.
+    pub fn delete(&self, id: &str) -> Result<(), SnapshotError> {
+        let holders = self.holders(id)?;
+        let dependents = self.dependents(id)?;
+        if !holders.is_empty() || !dependents.is_empty() {
+            return Err(SnapshotError::InUse {
+                id: id.to_owned(),
+                holders,
+                dependents,
+            });
+        }
+        let dir = self.dir(id)?;
+        match std::fs::remove_dir_all(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(SnapshotError::NotFound(id.to_owned()));
+            }
+            Err(e) => return Err(io(&dir)(e)),
+        }
+        let refs = self.root.join(REFS).join(id);
+        let _ = std::fs::remove_dir(&refs);
+        Ok(())
+    }
+
+    /// Writes snapshot `id` (flattened) as a portable archive.
+    pub fn export(&self, id: &str, out: impl Write) -> Result<(), SnapshotError> {
+        archive::export(&self.get(id)?, out)
+    }
+
+    /// Imports an archive as snapshot `id`; nothing is left behind if it fails.
+    pub fn import(&self, id: &str, input: impl Read) -> Result<Snapshot, SnapshotError> {
+        let dir = self.create_dir(id)?;
+        archive::import(input, &dir).inspect_err(|_| {
+            let _ = std::fs::remove_dir_all(&dir);
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::SnapshotWriter;
+    use crate::manifest::{BaseRef, HostIdentity, MemoryLayout, STATE_FILE};
+
+    fn put(store: &LocalStore, id: &str, base: Option<&str>) {
+        let dir = store.create_dir(id).unwrap();
+        let mut w = SnapshotWriter::create(&dir, false).unwrap();
+        w.write_file(STATE_FILE, b"{}").unwrap();
+        let base = base.map(|b| {
+            let s = store.get(b).unwrap();
+            BaseRef {
+                dir: s.dir,
+                manifest_sha256: s.manifest_sha256,
+            }
+        });
+        w.finish(
+            HostIdentity::current("PVM"),
+            "t",
+            MemoryLayout { size: 0, base },
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn held_or_layered_snapshots_are_not_deleted() {
+        let root = tempfile::tempdir().unwrap();
+        let store = LocalStore::open(root.path()).unwrap();
+        put(&store, "base", None);
+        put(&store, "layer", Some("base"));
+        store.acquire("layer", "vm-1").unwrap();
+        store.acquire("layer", "vm-1").unwrap();
+        assert_eq!(store.holders("layer").unwrap(), ["vm-1"]);
+        assert!(matches!(
+            store.delete("layer"),
+            Err(SnapshotError::InUse { .. })
+        ));
+        match store.delete("base") {
+            Err(SnapshotError::InUse { dependents, .. }) => assert_eq!(dependents, ["layer"]),
+            other => panic!("{other:?}"),
+        }
+        store.release("layer", "vm-1").unwrap();
+        store.release("layer", "vm-1").unwrap();
+        store.delete("layer").unwrap();
+        store.delete("base").unwrap();
+        assert!(store.list().unwrap().is_empty());
+        assert!(matches!(
+            store.delete("base"),
+            Err(SnapshotError::NotFound(_))
+        ));
+        assert!(matches!(
+            store.acquire("gone", "x"),
+            Err(SnapshotError::NotFound(_))
+        ));
+    }
+
+    #[test]
+    fn names_cannot_escape_the_store() {
+        let root = tempfile::tempdir().unwrap();
+        let store = LocalStore::open(root.path()).unwrap();
+        for bad in ["", "../x", "a/b", ".refs", &"x".repeat(200)] {
+            assert!(
+                matches!(
+                    store.create_dir(bad),
+                    Err(SnapshotError::InvalidName { .. })
+                ),
+                "{bad}"
+            );
+        }
+        put(&store, "s", None);
+        assert!(store.acquire("s", "../../etc").is_err());
+        assert!(matches!(
+            store.create_dir("s"),
+            Err(SnapshotError::Exists(_))
+        ));
+    }
+
+    #[test]
+    fn failed_imports_leave_nothing() {
+        let root = tempfile::tempdir().unwrap();
+        let store = LocalStore::open(root.path()).unwrap();
+        assert!(store.import("bad", &b"garbage"[..]).is_err());
+        assert!(store.list().unwrap().is_empty());
+    }
+}
