@@ -49,6 +49,7 @@ pub fn export(snapshot: &Snapshot, out: impl Write) -> Result<(), SnapshotError>
         if name == MEMORY_FILE {
             let digest = write_composed_memory(&mut z, &chain)?;
             if let Some(entry) = manifest.files.get_mut(MEMORY_FILE) {
+                entry.digest = DigestKind::Pages;
                 entry.sha256 = digest;
                 entry.stamp = None;
             }
@@ -209,6 +210,10 @@ pub fn import(input: impl Read, dir: &Path) -> Result<Snapshot, SnapshotError> {
                 pages::file_digest(&File::open(&path).map_err(io_err)?)
                     .map_err(io_err)?
                     .0
+            }
+            // Archives are flattened: layer files never travel in them.
+            DigestKind::LayerPages => {
+                return Err(archive_err(format!("{name} is a layer; archives hold none")));
             }
         };
         if found != entry.sha256 {

@@ -83,14 +83,23 @@ impl SnapshotWriter {
 
     /// Records a file the caller wrote itself (guest memory) with its page digest.
     pub fn add_pages_file(&mut self, name: &str, page_digest: String) -> Result<(), SnapshotError> {
+        self.add_memory_file(name, DigestKind::Pages, page_digest)
+    }
+
+    /// Records a memory file the caller wrote itself, with its digest of `kind`.
+    pub fn add_memory_file(
+        &mut self,
+        name: &str,
+        kind: DigestKind,
+        digest: String,
+    ) -> Result<(), SnapshotError> {
         let path = self.dir.join(name);
         if self.durable {
             File::open(&path)
                 .and_then(|f| f.sync_all())
                 .map_err(io(&path))?;
         }
-        self.files
-            .insert(name.to_owned(), (DigestKind::Pages, page_digest));
+        self.files.insert(name.to_owned(), (kind, digest));
         Ok(())
     }
 
@@ -204,6 +213,10 @@ impl Snapshot {
                 DigestKind::Pages => {
                     let file = File::open(&path).map_err(io(&path))?;
                     pages::file_digest(&file).map_err(io(&path))?.0
+                }
+                DigestKind::LayerPages => {
+                    let file = File::open(&path).map_err(io(&path))?;
+                    pages::layer_digest(&file).map_err(io(&path))?.0
                 }
             };
             if found != entry.sha256 {

@@ -100,6 +100,9 @@ pub enum DigestKind {
     Bytes,
     /// SHA-256 over the non-zero 4 KiB pages (see `pages`): holes and written zeros alike.
     Pages,
+    /// SHA-256 over every 4 KiB page stored in the file, zero pages included: in a layered
+    /// memory file a stored page of zeros overrides the base, a hole does not.
+    LayerPages,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

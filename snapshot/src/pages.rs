@@ -61,6 +61,11 @@ impl PageHasher {
         if is_zero(bytes) {
             return;
         }
+        self.stored_page(index, bytes);
+    }
+
+    /// Adds one page whatever it holds (layer files, where a stored zero page matters).
+    pub fn stored_page(&mut self, index: u64, bytes: &[u8]) {
         self.hasher.update(index.to_le_bytes());
         self.hasher.update(bytes);
         self.pages += 1;
@@ -94,6 +99,20 @@ pub fn file_digest(file: &File) -> io::Result<(String, u64)> {
     for (offset, len) in data_extents(file)? {
         walk(file, offset, len, &mut buf, |index, page| {
             hasher.page(index, page);
+            Ok(())
+        })?;
+    }
+    let pages = hasher.pages();
+    Ok((hasher.finish(), pages))
+}
+
+/// Layer digest of a file: every page of its data extents, zero pages included.
+pub fn layer_digest(file: &File) -> io::Result<(String, u64)> {
+    let mut hasher = PageHasher::default();
+    let mut buf = vec![0u8; CHUNK];
+    for (offset, len) in data_extents(file)? {
+        walk(file, offset, len, &mut buf, |index, page| {
+            hasher.stored_page(index, page);
             Ok(())
         })?;
     }

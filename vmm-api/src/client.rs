@@ -217,6 +217,27 @@ impl VmmClient {
         self.put(endpoint::VMM_SHUTDOWN).await
     }
 
+    /// `PUT vm.snapshot` of the paused VM into `dir` (which must exist).
+    pub async fn snapshot(&self, dir: &std::path::Path) -> Result<(), ClientError> {
+        let body = crate::types::VmSnapshotConfig {
+            destination_url: format!("file://{}", dir.display()),
+        };
+        self.put_json(endpoint::VM_SNAPSHOT, &body).await
+    }
+
+    /// `PUT vm.restore` into this (fresh) VMM.
+    pub async fn restore(&self, config: &crate::types::RestoreConfig) -> Result<(), ClientError> {
+        self.put_json(endpoint::VM_RESTORE, config).await
+    }
+
+    /// `PUT vm.fork` (extension) of the paused VM into `dir` (which must exist).
+    pub async fn fork(&self, dir: &std::path::Path) -> Result<(), ClientError> {
+        let body = crate::types::VmForkConfig {
+            destination_url: format!("file://{}", dir.display()),
+        };
+        self.put_json(endpoint::VM_FORK, &body).await
+    }
+
     /// `vm.pause`, where "already paused" counts as success: on a 500 it reads `vm.info` and
     /// returns Ok if the VM is `Paused`, else the original error.
     pub async fn pause_idempotent(&self) -> Result<(), ClientError> {

@@ -24,6 +24,13 @@ pub const VM_RESUME: &str = "vm.resume";
 pub const VM_SHUTDOWN: &str = "vm.shutdown";
 /// `PUT`: tear the VM down and drop the config.
 pub const VM_DELETE: &str = "vm.delete";
+/// `PUT` with a `VmSnapshotConfig` body: write a snapshot of the paused VM.
+pub const VM_SNAPSHOT: &str = "vm.snapshot";
+/// `PUT` with a `RestoreConfig` body: bring a snapshot back in a VMM with no VM.
+pub const VM_RESTORE: &str = "vm.restore";
+/// `PUT` with a `VmForkConfig` body (agentvm extension): freeze the paused VM's memory as a
+/// base that any number of restored children share copy-on-write.
+pub const VM_FORK: &str = "vm.fork";
 
 /// The request path of `endpoint`: `path("vm.boot") == "/api/v1/vm.boot"`.
 pub fn path(endpoint: &str) -> String {

@@ -144,3 +144,70 @@ mod tests {
         assert_eq!(counters["_net1"]["tx_bytes"], 20);
     }
 }
+
+/// `vm.snapshot` body: where to write the snapshot (`file:///absolute/dir`, which must exist).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmSnapshotConfig {
+    pub destination_url: String,
+}
+
+/// `vm.fork` body (agentvm extension): like `vm.snapshot`, but the memory file becomes the
+/// frozen base the VM itself continues on copy-on-write, so no guest RAM is copied.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmForkConfig {
+    pub destination_url: String,
+}
+
+/// How `vm.restore` brings memory back (Cloud Hypervisor's names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub enum MemoryRestoreMode {
+    /// Cloud Hypervisor reads all memory up front; agentvm-vmm maps the snapshot
+    /// copy-on-write either way and treats this as `OnDemand` with `prefault`.
+    #[default]
+    Copy,
+    /// Pages load when the guest touches them.
+    OnDemand,
+}
+
+/// `vm.restore` body.
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RestoreConfig {
+    pub source_url: String,
+    /// Touch every page before returning (read-faults only: pages stay shared).
+    #[serde(default)]
+    pub prefault: bool,
+    #[serde(default)]
+    pub memory_restore_mode: MemoryRestoreMode,
+    /// Run the VM right away instead of leaving it paused.
+    #[serde(default)]
+    pub resume: bool,
+    /// agentvm extension: bind the vsock device here instead of the path in the snapshot's
+    /// config (every clone needs its own; the snapshot stays untouched so its digests hold).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vsock_socket: Option<std::path::PathBuf>,
+    /// Cloud Hypervisor's tap FDs; agentvm-vmm has no network devices, so only empty is
+    /// accepted.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub net_fds: Vec<serde_json::Value>,
+}
+
+/// The absolute directory a `file://` URL names.
+pub fn dir_from_url(field: &str, url: &str) -> Result<std::path::PathBuf, crate::ConfigError> {
+    let err = |reason: &str| crate::ConfigError {
+        path: field.to_owned(),
+        reason: reason.to_owned(),
+    };
+    let path = url
+        .strip_prefix("file://")
+        .ok_or_else(|| err("must be a file:// URL"))?;
+    if !path.starts_with('/') {
+        return Err(err("must name an absolute path (file:///dir)"));
+    }
+    if path.contains('\0') {
+        return Err(err("must not contain NUL"));
+    }
+    Ok(std::path::PathBuf::from(path))
+}

@@ -2,7 +2,9 @@
 
 use crate::config::VmConfig;
 use crate::error::ApiError;
-use crate::types::{VmCounters, VmInfo, VmmPingResponse};
+use crate::types::{
+    RestoreConfig, VmCounters, VmForkConfig, VmInfo, VmSnapshotConfig, VmmPingResponse,
+};
 
 /// The VMM behind the API.
 ///
@@ -38,6 +40,16 @@ pub trait VmmBackend: Send + Sync + 'static {
 
     /// `GET vm.counters`: not booted → 500.
     fn counters(&self) -> Result<VmCounters, ApiError>;
+
+    /// `PUT vm.snapshot`: the VM must be `Paused` (else 500); it stays paused.
+    fn snapshot(&self, config: VmSnapshotConfig) -> Result<(), ApiError>;
+
+    /// `PUT vm.restore`: only into a VMM with no VM config (else 500); the VM comes back
+    /// `Paused` unless `resume`.
+    fn restore(&self, config: RestoreConfig) -> Result<(), ApiError>;
+
+    /// `PUT vm.fork` (extension): the VM must be `Paused`; it stays paused.
+    fn fork(&self, config: VmForkConfig) -> Result<(), ApiError>;
 
     /// `PUT vmm.shutdown`: called before the 200 is sent; the server then stops serving and
     /// `serve` returns. No backend call runs after this one succeeds.

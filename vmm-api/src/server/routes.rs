@@ -104,6 +104,9 @@ static ROUTES: &[Route] = &[
         shutdown,
     ),
     route(endpoint::VM_DELETE, Verb::Put, BodyRule::Forbidden, delete),
+    route(endpoint::VM_SNAPSHOT, Verb::Put, BodyRule::Required, snapshot),
+    route(endpoint::VM_RESTORE, Verb::Put, BodyRule::Required, restore),
+    route(endpoint::VM_FORK, Verb::Put, BodyRule::Required, fork),
     Route {
         stops_server: true,
         ..route(
@@ -172,6 +175,46 @@ fn shutdown(_: &[u8]) -> Result<Call, ApiError> {
 
 fn delete(_: &[u8]) -> Result<Call, ApiError> {
     call(|b| no_content(b.delete()))
+}
+
+/// Decodes a body naming the path of a bad field.
+fn decode<T: serde::de::DeserializeOwned>(body: &[u8], what: &str) -> Result<T, ApiError> {
+    crate::json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("invalid {what}")).caused_by(e.to_string()))
+}
+
+fn url_field(field: &str, url: &str) -> Result<(), ApiError> {
+    crate::types::dir_from_url(field, url)
+        .map(drop)
+        .map_err(|e| ApiError::bad_request(e.to_string()))
+}
+
+fn snapshot(body: &[u8]) -> Result<Call, ApiError> {
+    let config: crate::types::VmSnapshotConfig = decode(body, "snapshot config")?;
+    url_field("destination_url", &config.destination_url)?;
+    call(move |b| no_content(b.snapshot(config)))
+}
+
+fn restore(body: &[u8]) -> Result<Call, ApiError> {
+    let config: crate::types::RestoreConfig = decode(body, "restore config")?;
+    url_field("source_url", &config.source_url)?;
+    if !config.net_fds.is_empty() {
+        return Err(ApiError::bad_request(
+            "net_fds: agentvm-vmm has no network devices; no FDs are accepted",
+        ));
+    }
+    if let Some(socket) = &config.vsock_socket
+        && (socket.as_os_str().is_empty() || socket.as_os_str().as_encoded_bytes().contains(&0))
+    {
+        return Err(ApiError::bad_request("vsock_socket: must be a non-empty path"));
+    }
+    call(move |b| no_content(b.restore(config)))
+}
+
+fn fork(body: &[u8]) -> Result<Call, ApiError> {
+    let config: crate::types::VmForkConfig = decode(body, "fork config")?;
+    url_field("destination_url", &config.destination_url)?;
+    call(move |b| no_content(b.fork(config)))
 }
 
 fn shutdown_vmm(_: &[u8]) -> Result<Call, ApiError> {

@@ -205,10 +205,26 @@ async fn generic_requests_reach_new_endpoints() {
         .expect("ping");
     assert_eq!(response.status, 200);
     let err = client
-        .request(Method::PUT, "vm.snapshot", Some(Bytes::from_static(b"{}")))
+        .request(Method::PUT, "vm.resize", Some(Bytes::from_static(b"{}")))
         .await
-        .expect_err("not routed yet");
+        .expect_err("not routed");
     assert_eq!(err.status(), Some(404));
+    // Snapshot, restore and fork bodies are checked like vm.create's.
+    for (endpoint, body, names) in [
+        ("vm.snapshot", &b"{}"[..], "destination_url"),
+        ("vm.snapshot", br#"{"destination_url":"s3://bucket/x"}"#, "destination_url"),
+        ("vm.fork", br#"{"destination_url":"file://relative"}"#, "destination_url"),
+        ("vm.restore", br#"{"source_url":"file:///s","resume":"yes"}"#, "resume"),
+        ("vm.restore", br#"{"source_url":"file:///s","net_fds":[{"id":"x"}]}"#, "net_fds"),
+        ("vm.restore", br#"{"source_url":"file:///s","memory_restore_mode":"Lazy"}"#, "memory_restore_mode"),
+    ] {
+        let err = client
+            .request(Method::PUT, endpoint, Some(Bytes::copy_from_slice(body)))
+            .await
+            .expect_err("bad body");
+        assert_eq!(err.status(), Some(400), "{endpoint} {body:?}");
+        assert!(err.to_string().contains(names), "{endpoint}: {err}");
+    }
     let err = client
         .request(Method::GET, "bad path with spaces", None)
         .await

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use agentvm_vmm_api::types::DeviceNode;
+use agentvm_vmm_api::types::{DeviceNode, RestoreConfig, VmForkConfig, VmSnapshotConfig};
 use agentvm_vmm_api::{
     ApiError, ServerConfig, VmConfig, VmCounters, VmInfo, VmState, VmmBackend, VmmClient,
     VmmPingResponse, bind_api_socket, serve_with,
@@ -183,6 +183,32 @@ impl VmmBackend for FakeBackend {
             )])),
             _ => Err(ApiError::internal("VmNotRunning")),
         }
+    }
+
+    fn snapshot(&self, _: VmSnapshotConfig) -> Result<(), ApiError> {
+        let _g = self.enter("snapshot");
+        match self.vm().state {
+            Some(VmState::Paused) => Ok(()),
+            Some(other) => Err(ApiError::internal(format!("VM is {other:?}, not Paused"))),
+            None => Err(ApiError::not_found("VmNotCreated")),
+        }
+    }
+
+    fn restore(&self, _: RestoreConfig) -> Result<(), ApiError> {
+        let _g = self.enter("restore");
+        let mut vm = self.vm();
+        if vm.state.is_some() {
+            return Err(ApiError::internal("VmAlreadyCreated"));
+        }
+        vm.state = Some(VmState::Paused);
+        Ok(())
+    }
+
+    fn fork(&self, config: VmForkConfig) -> Result<(), ApiError> {
+        let _g = self.enter("fork");
+        self.snapshot(VmSnapshotConfig {
+            destination_url: config.destination_url,
+        })
     }
 
     fn shutdown_vmm(&self) -> Result<(), ApiError> {
