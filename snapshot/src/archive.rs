@@ -213,7 +213,9 @@ pub fn import(input: impl Read, dir: &Path) -> Result<Snapshot, SnapshotError> {
             }
             // Archives are flattened: layer files never travel in them.
             DigestKind::LayerPages => {
-                return Err(archive_err(format!("{name} is a layer; archives hold none")));
+                return Err(archive_err(format!(
+                    "{name} is a layer; archives hold none"
+                )));
             }
         };
         if found != entry.sha256 {

@@ -188,6 +188,10 @@ pub struct RestoreConfig {
     /// config (every clone needs its own; the snapshot stays untouched so its digests hold).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vsock_socket: Option<std::path::PathBuf>,
+    /// agentvm extension: write the serial port's output to this file instead of where the
+    /// snapshot's config says (which belonged to the VM that was snapshotted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serial_file: Option<std::path::PathBuf>,
     /// Cloud Hypervisor's tap FDs; agentvm-vmm has no network devices, so only empty is
     /// accepted.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -9,15 +9,19 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
+use std::path::PathBuf;
+
 use agentvm_vmm_api::config::{ConsoleOutputMode, VmConfig};
-use agentvm_vmm_api::types::DeviceNode;
+use agentvm_vmm_api::types::{
+    DeviceNode, MemoryRestoreMode, RestoreConfig, VmForkConfig, VmSnapshotConfig, dir_from_url,
+};
 use agentvm_vmm_api::{ApiError, VmCounters, VmInfo, VmState, VmmBackend, VmmPingResponse};
 
 use crate::boot::layout;
 use crate::exit::{ExitReason, ExitSignal};
 use crate::kvm::Flavour;
 use crate::kvm::vm::{KvmVm, VmError};
-use crate::vm::{RamSpec, SerialSpec, Vm, VmSpec, VsockSpec};
+use crate::vm::{RamSpec, RestoreSpec, SaveKind, SerialSpec, Vm, VmSpec, VsockSpec};
 
 enum Slot {
     Empty,
@@ -70,6 +74,8 @@ pub struct Vmm {
     /// Signalled whenever a VM stops, for callers that wait for the end (one-shot mode).
     stopped: Arc<Condvar>,
     flavour: Flavour,
+    /// Where new VMs' RAM files live (a tmpfs), so forks can link them instead of copying.
+    ram_dir: Mutex<Option<PathBuf>>,
 }
 
 impl Default for Vmm {
@@ -95,6 +101,35 @@ impl Vmm {
             inner: Arc::new(Mutex::new(inner)),
             stopped: Arc::new(Condvar::new()),
             flavour: Flavour::detect(),
+            ram_dir: Mutex::new(crate::kvm::memory::default_ram_dir()),
+        }
+    }
+
+    /// Puts new VMs' RAM files in `dir` (which should be a tmpfs), or in memfds with `None`.
+    pub fn set_ram_dir(&self, dir: Option<PathBuf>) {
+        *self.ram_dir.lock().unwrap_or_else(|p| p.into_inner()) = dir;
+    }
+
+    /// Snapshot or fork of the paused VM into the directory `url` names.
+    fn save(&self, url: &str, kind: SaveKind, what: &str) -> Result<(), ApiError> {
+        let dir = dir_from_url("destination_url", url)
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        let mut inner = lock(&self.inner);
+        match &mut inner.slot {
+            Slot::Paused(config, booted) => {
+                let config_json = serde_json::to_vec_pretty(config)
+                    .map_err(|e| ApiError::internal(format!("encoding config.json: {e}")))?;
+                booted
+                    .vm
+                    .save(&dir, kind, &config_json)
+                    .map(drop)
+                    .map_err(|e| ApiError::from_error(500, &e))
+            }
+            Slot::Empty => Err(no_vm()),
+            other => Err(ApiError::internal(format!(
+                "cannot {what} a VM in state {}: pause it first",
+                state_name(other)
+            ))),
         }
     }
 
@@ -208,6 +243,7 @@ pub fn spec_from_config(config: &VmConfig) -> Result<VmSpec, ApiError> {
             cid: v.cid,
             socket: v.socket.clone(),
         }),
+        ram_dir: None,
     })
 }
 
@@ -288,7 +324,12 @@ impl VmmBackend for Vmm {
             Slot::Created(config) | Slot::Shutdown(config) => config.clone(),
             other => return Err(wrong_state("boot", other)),
         };
-        let spec = spec_from_config(&config)?;
+        let mut spec = spec_from_config(&config)?;
+        spec.ram_dir = self
+            .ram_dir
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         let booted = Vm::boot(&spec, || inner.take_prepared_vm());
         if booted.is_err() {
             inner.prepare_next_vm();
@@ -401,6 +442,72 @@ impl VmmBackend for Vmm {
             Slot::Empty => Err(no_vm()),
             other => Err(wrong_state("read the counters of", other)),
         }
+    }
+
+    fn snapshot(&self, config: VmSnapshotConfig) -> Result<(), ApiError> {
+        self.save(&config.destination_url, SaveKind::Snapshot, "snapshot")
+    }
+
+    fn fork(&self, config: VmForkConfig) -> Result<(), ApiError> {
+        self.save(&config.destination_url, SaveKind::Fork, "fork")
+    }
+
+    fn restore(&self, request: RestoreConfig) -> Result<(), ApiError> {
+        let dir = dir_from_url("source_url", &request.source_url)
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        let mut inner = lock(&self.inner);
+        if !matches!(inner.slot, Slot::Empty) {
+            return Err(ApiError::internal(
+                "a VM already exists in this VMM (VmAlreadyCreated); restore into a fresh one or vm.delete first",
+            ));
+        }
+        let mut restored_config = None;
+        let prefault = request.prefault || request.memory_restore_mode == MemoryRestoreMode::Copy;
+        let spec = RestoreSpec::open(
+            &dir,
+            self.flavour,
+            |bytes| {
+                let mut config = VmConfig::from_json(bytes).map_err(|e| e.to_string())?;
+                match (&request.vsock_socket, &mut config.vsock) {
+                    (Some(socket), Some(vsock)) => vsock.socket = socket.clone(),
+                    (Some(_), None) => {
+                        return Err("vsock_socket: the snapshot's VM has no vsock device".into());
+                    }
+                    _ => {}
+                }
+                if let Some(file) = &request.serial_file {
+                    if config.serial.mode == ConsoleOutputMode::Off {
+                        return Err("serial_file: the snapshot's VM has no serial port".into());
+                    }
+                    config.serial.mode = ConsoleOutputMode::File;
+                    config.serial.file = Some(file.clone());
+                }
+                let spec = spec_from_config(&config).map_err(|e| e.to_string())?;
+                restored_config = Some(config);
+                Ok(spec)
+            },
+            prefault,
+        )
+        .map_err(|e| ApiError::from_error(500, &e).context("the snapshot cannot be restored"))?;
+        let config = restored_config.ok_or_else(|| ApiError::internal("no config was read"))?;
+        let restored = Vm::restore(spec, || inner.take_prepared_vm(), request.resume);
+        if restored.is_err() {
+            inner.prepare_next_vm();
+        }
+        let vm = restored.map_err(|e| ApiError::from_error(500, &e))?;
+        inner.generation += 1;
+        let generation = inner.generation;
+        let exit = vm.exit_signal().clone();
+        let booted = Booted { vm, generation };
+        inner.slot = if request.resume {
+            Slot::Running(config, booted)
+        } else {
+            Slot::Paused(config, booted)
+        };
+        inner.last_exit = None;
+        drop(inner);
+        self.watch(exit, generation);
+        Ok(())
     }
 
     fn shutdown_vmm(&self) -> Result<(), ApiError> {

@@ -90,6 +90,7 @@ const CONTROL_DATA: u64 = u64::MAX;
 /// The running device thread.
 pub struct EventLoop {
     control: Arc<Control>,
+    epoll: Arc<Epoll>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -127,15 +128,24 @@ impl EventLoop {
             acked: Condvar::new(),
             wake,
         });
+        let epoll = Arc::new(epoll);
         let thread_control = control.clone();
+        let thread_epoll = epoll.clone();
         let thread = std::thread::Builder::new()
             .name("devices".into())
-            .spawn(move || run(epoll, subscribers, &thread_control))
+            .spawn(move || run(&thread_epoll, subscribers, &thread_control))
             .map_err(EventLoopError::Setup)?;
         Ok(Self {
             control,
+            epoll,
             thread: Some(thread),
         })
+    }
+
+    /// Subscriber `index`'s view of the epoll set, for device work done from another thread
+    /// while the loop is paused (a snapshot resetting vsock streams).
+    pub fn registry(&self, index: u32) -> Registry<'_> {
+        Registry::new(&self.epoll, index)
     }
 
     fn command(&self, command: Command, what: &'static str) -> Result<(), EventLoopError> {
@@ -183,7 +193,7 @@ impl Drop for EventLoop {
     }
 }
 
-fn run(epoll: Epoll, mut subscribers: Vec<Box<dyn Subscriber>>, control: &Control) {
+fn run(epoll: &Epoll, mut subscribers: Vec<Box<dyn Subscriber>>, control: &Control) {
     let mut events = vec![EpollEvent::default(); 64];
     let mut paused = false;
     loop {
@@ -225,7 +235,7 @@ fn run(epoll: Epoll, mut subscribers: Vec<Box<dyn Subscriber>>, control: &Contro
             let index = (event.data() >> 32) as u32;
             if let Some(subscriber) = subscribers.get_mut(index as usize) {
                 let mut registry = Registry {
-                    epoll: &epoll,
+                    epoll,
                     subscriber: index,
                 };
                 subscriber.on_event(event.data() as u32, event.event_set(), &mut registry);
@@ -241,7 +251,7 @@ fn run(epoll: Epoll, mut subscribers: Vec<Box<dyn Subscriber>>, control: &Contro
         for (index, subscriber) in subscribers.iter_mut().enumerate() {
             if subscriber.deadline().is_some_and(|d| d <= now) {
                 let mut registry = Registry {
-                    epoll: &epoll,
+                    epoll,
                     subscriber: index as u32,
                 };
                 subscriber.on_deadline(now, &mut registry);

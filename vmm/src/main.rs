@@ -46,6 +46,10 @@ struct Args {
     /// Hybrid vsock: `cid=N,socket=PATH`.
     #[arg(long)]
     vsock: Option<String>,
+    /// Directory (a tmpfs) for guest RAM files; forks whose snapshot lies in the same
+    /// filesystem link RAM instead of copying it. `none` uses memfds.
+    #[arg(long, default_value = "/dev/shm")]
+    ram_dir: String,
 }
 
 fn main() -> ExitCode {
@@ -69,6 +73,10 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args, vmm: Arc<Vmm>) -> anyhow::Result<ExitCode> {
+    vmm.set_ram_dir(match args.ram_dir.as_str() {
+        "none" => None,
+        dir => Some(PathBuf::from(dir)),
+    });
     let one_shot = match args.kernel.clone() {
         Some(kernel) => Some(config_from_args(&args, kernel)?),
         None => None,

@@ -8,8 +8,7 @@ use std::os::unix::net::UnixListener;
 use std::time::{Duration, Instant};
 
 use agentvm_proto::guest::v1::envelope::Body;
-use agentvm_proto::guest::v1::{DirtyMemory, HarnessFrame, HealthCheck, Shutdown, harness_frame};
-use agentvm_proto::v1::{ControllerFrame, EventKind, Start, controller_frame, event, part};
+use agentvm_proto::guest::v1::{HealthCheck, Shutdown};
 use agentvm_vmm_api::VmState;
 use support::{GuestLink, Vmm, fds_and_threads, rss_kib, settles_to, vm_threads, wait_for_serial};
 
@@ -27,62 +26,6 @@ async fn wait_state(vmm: &Vmm, want: VmState) {
             "VM never reached {want:?}: {state:?}"
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
-/// One counter turn on `stream`; returns the OUTPUT text and checks the END and close frames.
-fn counter_turn(link: &mut GuestLink, stream: u64, execution: &str) -> String {
-    link.send(Body::Harness(HarnessFrame {
-        stream,
-        frame: Some(harness_frame::Frame::Controller(ControllerFrame {
-            session: "s-1".into(),
-            execution_id: execution.into(),
-            frame: Some(controller_frame::Frame::Start(Start::default())),
-        })),
-    }));
-    let mut frames = Vec::new();
-    for _ in 0..3 {
-        match link.recv().expect("harness frame").body {
-            Some(Body::Harness(frame)) => {
-                assert_eq!(frame.stream, stream);
-                frames.push(frame.frame.expect("frame body"));
-            }
-            other => panic!("expected a harness frame, got {other:?}"),
-        }
-    }
-    let output = match &frames[0] {
-        harness_frame::Frame::Event(e) => {
-            assert_eq!(e.kind, EventKind::EventOutput as i32);
-            assert_eq!(e.execution_id, execution);
-            match &e.body {
-                Some(event::Body::Message(m)) => match &m.parts[0].part {
-                    Some(part::Part::Text(t)) => t.text.clone(),
-                    other => panic!("{other:?}"),
-                },
-                other => panic!("{other:?}"),
-            }
-        }
-        other => panic!("expected OUTPUT, got {other:?}"),
-    };
-    match &frames[1] {
-        harness_frame::Frame::Event(e) => {
-            assert_eq!(e.kind, EventKind::EventEnd as i32);
-            match &e.body {
-                Some(event::Body::End(end)) => assert_eq!(end.state, "COMPLETED"),
-                other => panic!("{other:?}"),
-            }
-        }
-        other => panic!("expected END, got {other:?}"),
-    }
-    assert!(matches!(&frames[2], harness_frame::Frame::Close(c) if c.code == 0));
-    output
-}
-
-fn dirty(link: &mut GuestLink, mebibytes: u32, stamp: u32) -> (u32, u32) {
-    link.send(Body::DirtyMemory(DirtyMemory { mebibytes, stamp }));
-    match link.recv().expect("DirtyMemoryDone").body {
-        Some(Body::DirtyMemoryDone(done)) => (done.pages, done.mismatched),
-        other => panic!("expected DirtyMemoryDone, got {other:?}"),
     }
 }
 
@@ -137,15 +80,15 @@ async fn frames_round_trip_over_vsock() {
         other => panic!("{other:?}"),
     }
     // The counter lives in guest RAM and counts across streams and connections.
-    assert_eq!(counter_turn(&mut link, 1, "e1"), "1");
-    assert_eq!(counter_turn(&mut link, 2, "e2"), "2");
+    assert_eq!(link.counter_turn(1, "e1"), "1");
+    assert_eq!(link.counter_turn(2, "e2"), "2");
     drop(link);
     let mut again = GuestLink::connect(&vmm.vsock_socket(), PORT).unwrap();
-    assert_eq!(counter_turn(&mut again, 3, "e3"), "3");
+    assert_eq!(again.counter_turn(3, "e3"), "3");
 
     // 64 MiB stamped one word per page, then verified.
-    assert_eq!(dirty(&mut again, 64, 0x5a5a_0001), (64 * 256, 0));
-    assert_eq!(dirty(&mut again, 64, 0), (64 * 256, 0));
+    assert_eq!(again.dirty(64, 0x5a5a_0001), (64 * 256, 0));
+    assert_eq!(again.dirty(64, 0), (64 * 256, 0));
 
     let counters = vmm.client.counters().await.unwrap();
     let vsock = &counters["_vsock0"];
@@ -268,7 +211,7 @@ async fn shutdown_and_delete_release_everything() {
         let mut link = GuestLink::connect(&vmm.vsock_socket(), PORT).unwrap();
         link.hello();
         // Guest RAM in use (16 MiB stamped) shows in the VMM's RSS while the VM exists...
-        dirty(&mut link, 16, 0x1234);
+        link.dirty(16, 0x1234);
         let rss_running = rss_kib(vmm.pid());
         assert!(rss_running > rss_before + 16 * 1024, "{rss_running} KiB");
         vmm.client.shutdown().await.unwrap();

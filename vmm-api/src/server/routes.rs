@@ -104,7 +104,12 @@ static ROUTES: &[Route] = &[
         shutdown,
     ),
     route(endpoint::VM_DELETE, Verb::Put, BodyRule::Forbidden, delete),
-    route(endpoint::VM_SNAPSHOT, Verb::Put, BodyRule::Required, snapshot),
+    route(
+        endpoint::VM_SNAPSHOT,
+        Verb::Put,
+        BodyRule::Required,
+        snapshot,
+    ),
     route(endpoint::VM_RESTORE, Verb::Put, BodyRule::Required, restore),
     route(endpoint::VM_FORK, Verb::Put, BodyRule::Required, fork),
     Route {
@@ -206,7 +211,9 @@ fn restore(body: &[u8]) -> Result<Call, ApiError> {
     if let Some(socket) = &config.vsock_socket
         && (socket.as_os_str().is_empty() || socket.as_os_str().as_encoded_bytes().contains(&0))
     {
-        return Err(ApiError::bad_request("vsock_socket: must be a non-empty path"));
+        return Err(ApiError::bad_request(
+            "vsock_socket: must be a non-empty path",
+        ));
     }
     call(move |b| no_content(b.restore(config)))
 }

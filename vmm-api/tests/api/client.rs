@@ -212,11 +212,31 @@ async fn generic_requests_reach_new_endpoints() {
     // Snapshot, restore and fork bodies are checked like vm.create's.
     for (endpoint, body, names) in [
         ("vm.snapshot", &b"{}"[..], "destination_url"),
-        ("vm.snapshot", br#"{"destination_url":"s3://bucket/x"}"#, "destination_url"),
-        ("vm.fork", br#"{"destination_url":"file://relative"}"#, "destination_url"),
-        ("vm.restore", br#"{"source_url":"file:///s","resume":"yes"}"#, "resume"),
-        ("vm.restore", br#"{"source_url":"file:///s","net_fds":[{"id":"x"}]}"#, "net_fds"),
-        ("vm.restore", br#"{"source_url":"file:///s","memory_restore_mode":"Lazy"}"#, "memory_restore_mode"),
+        (
+            "vm.snapshot",
+            br#"{"destination_url":"s3://bucket/x"}"#,
+            "destination_url",
+        ),
+        (
+            "vm.fork",
+            br#"{"destination_url":"file://relative"}"#,
+            "destination_url",
+        ),
+        (
+            "vm.restore",
+            br#"{"source_url":"file:///s","resume":"yes"}"#,
+            "resume",
+        ),
+        (
+            "vm.restore",
+            br#"{"source_url":"file:///s","net_fds":[{"id":"x"}]}"#,
+            "net_fds",
+        ),
+        (
+            "vm.restore",
+            br#"{"source_url":"file:///s","memory_restore_mode":"Lazy"}"#,
+            "memory_restore_mode",
+        ),
     ] {
         let err = client
             .request(Method::PUT, endpoint, Some(Bytes::copy_from_slice(body)))

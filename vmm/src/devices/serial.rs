@@ -185,6 +185,46 @@ impl SerialDevice {
         }
     }
 
+    /// A UART continuing from a snapshot's registers.
+    pub fn restore(
+        irq: EventFd,
+        output: SerialOutput,
+        state: &agentvm_snapshot::state::SerialState,
+    ) -> Result<Self, String> {
+        let stats = output.stats.clone();
+        let state = vm_superio::serial::SerialState {
+            baud_divisor_low: state.baud_divisor_low,
+            baud_divisor_high: state.baud_divisor_high,
+            interrupt_enable: state.interrupt_enable,
+            interrupt_identification: state.interrupt_identification,
+            line_control: state.line_control,
+            line_status: state.line_status,
+            modem_control: state.modem_control,
+            modem_status: state.modem_status,
+            scratch: state.scratch,
+            in_buffer: state.in_buffer.clone(),
+        };
+        Serial::from_state(&state, IrqTrigger(irq), StatsEvents(stats), output)
+            .map(|uart| Self { uart })
+            .map_err(|e| format!("serial state: {e:?}"))
+    }
+
+    pub fn save(&self) -> agentvm_snapshot::state::SerialState {
+        let s = self.uart.state();
+        agentvm_snapshot::state::SerialState {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer,
+        }
+    }
+
     pub fn drain(&mut self) {
         self.uart.writer_mut().drain();
     }

@@ -1,23 +1,35 @@
-//! Guest RAM: one memfd, mapped MAP_SHARED into this process and handed to KVM slot by slot.
+//! Guest RAM: a file mapped into this process and handed to KVM slot by slot.
 //!
-//! Backing RAM with a memfd (not anonymous memory) means a snapshot can later take the file as
-//! it is instead of copying guest memory out of our address space.
+//! A fresh VM's RAM is its own file, mapped `MAP_SHARED`, so the file *is* the memory: an
+//! unnamed tmpfs file (`O_TMPFILE` in the RAM directory) that a fork can give a name in the
+//! same filesystem without copying a byte, or a memfd where no such directory is available.
+//!
+//! A restored or forked VM maps snapshot memory files `MAP_PRIVATE` instead: pages load
+//! from the page cache when touched and writes stay private, so every VM restored from one
+//! snapshot shares its clean pages. Layers (files holding only pages changed since their
+//! base) are mapped over the base where they hold data.
 
-use std::fs::File;
-use std::os::fd::FromRawFd;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use agentvm_snapshot::pages::{self, PAGE_SIZE, PageHasher};
 use vm_memory::mmap::MmapRegion;
-use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap};
+use vm_memory::{
+    Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestRegionMmap,
+};
 
 use crate::boot::layout;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MemoryError {
-    #[error("memfd_create for guest RAM failed: {0}")]
-    Memfd(std::io::Error),
-    #[error("sizing the guest RAM memfd to {size} bytes failed: {source}")]
-    Truncate { size: u64, source: std::io::Error },
+    #[error("creating the guest RAM file: {0}")]
+    Create(io::Error),
+    #[error("sizing the guest RAM file to {size} bytes failed: {source}")]
+    Truncate { size: u64, source: io::Error },
     #[error("mapping guest RAM at {addr:#x} (+{size:#x}) failed: {source}")]
     Map {
         addr: u64,
@@ -28,8 +40,22 @@ pub enum MemoryError {
     Region(u64),
     #[error("guest RAM regions overlap or are out of order: {0}")]
     Collection(String),
-    #[error("duplicating the guest RAM memfd failed: {0}")]
-    Dup(std::io::Error),
+    #[error("duplicating the guest RAM file descriptor failed: {0}")]
+    Dup(io::Error),
+    #[error("snapshot memory {path}: {source}")]
+    Snapshot { path: String, source: io::Error },
+    #[error("snapshot memory {path} is {found} bytes, the VM has {expected}")]
+    SnapshotSize {
+        path: String,
+        expected: u64,
+        found: u64,
+    },
+    #[error("writing snapshot memory {path}: {source}")]
+    Write { path: String, source: io::Error },
+    #[error("reading which guest pages changed (/proc/self/pagemap): {0}")]
+    Pagemap(io::Error),
+    #[error("remapping guest RAM copy-on-write: {0}")]
+    Remap(io::Error),
 }
 
 /// How RAM should be mapped beyond the defaults.
@@ -41,45 +67,121 @@ pub struct RamOptions {
     pub mergeable: bool,
 }
 
-/// The guest's RAM: the memfd and its mappings, in guest-physical order.
+/// What the RAM mappings are backed by.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Backing {
+    /// The VM's own file, mapped shared: nobody else sees it.
+    Own,
+    /// Copy-on-write over the memory file of the snapshot in `top` (and the bases under it):
+    /// pages the guest wrote since are private to this process.
+    Private { top: PathBuf },
+}
+
+/// One RAM region: guest-physical start, length, and where it sits in the memory file.
+#[derive(Debug, Clone, Copy)]
+struct Region {
+    gpa: u64,
+    len: u64,
+    file_offset: u64,
+}
+
+fn regions(size: u64) -> Vec<Region> {
+    let mut file_offset = 0;
+    layout::ram_ranges(size)
+        .into_iter()
+        .map(|(gpa, len)| {
+            let region = Region {
+                gpa,
+                len,
+                file_offset,
+            };
+            file_offset += len;
+            region
+        })
+        .collect()
+}
+
+/// The guest's RAM: its mappings in guest-physical order and the file behind them.
 pub struct GuestRam {
     memory: Arc<GuestMemoryMmap>,
-    memfd: File,
+    /// `Own`: the RAM file itself. `Private`: the bottom (base) memory file.
+    file: File,
+    /// The RAM file can be linked into a directory (O_TMPFILE, not memfd).
+    linkable: bool,
     size: u64,
+    backing: Backing,
 }
 
 impl GuestRam {
-    /// Creates `size` bytes of guest RAM laid out around the MMIO hole.
-    pub fn new(size: u64, options: RamOptions) -> Result<Self, MemoryError> {
-        let memfd = create_memfd(size)?;
-        let mut regions = Vec::new();
-        let mut file_offset = 0u64;
-        for (addr, len) in layout::ram_ranges(size) {
-            let fd = memfd.try_clone().map_err(MemoryError::Dup)?;
-            let region = MmapRegion::build(
-                Some(FileOffset::new(fd, file_offset)),
-                len as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_NORESERVE,
-            )
-            .map_err(|source| MemoryError::Map {
-                addr,
-                size: len,
-                source,
-            })?;
-            advise(&region, options);
-            regions.push(
-                GuestRegionMmap::new(region, GuestAddress(addr))
-                    .ok_or(MemoryError::Region(addr))?,
-            );
-            file_offset += len;
-        }
-        let memory = GuestMemoryMmap::from_regions(regions)
-            .map_err(|e| MemoryError::Collection(e.to_string()))?;
+    /// `size` bytes of fresh, zeroed RAM, backed by an unnamed file in `ram_dir` (or a memfd).
+    pub fn new(
+        size: u64,
+        options: RamOptions,
+        ram_dir: Option<&Path>,
+    ) -> Result<Self, MemoryError> {
+        let (file, linkable) = match ram_dir.map(tmpfile) {
+            Some(Ok(file)) => (file, true),
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "no O_TMPFILE in the RAM directory; using a memfd (forks will copy RAM)");
+                (memfd().map_err(MemoryError::Create)?, false)
+            }
+            None => (memfd().map_err(MemoryError::Create)?, false),
+        };
+        file.set_len(size)
+            .map_err(|source| MemoryError::Truncate { size, source })?;
+        let memory = map(&file, size, libc::MAP_SHARED, options)?;
         Ok(Self {
             memory: Arc::new(memory),
-            memfd,
+            file,
+            linkable,
             size,
+            backing: Backing::Own,
+        })
+    }
+
+    /// RAM of a restored VM: the memory files of a snapshot chain (base first, with the
+    /// directory of the top snapshot), each mapped copy-on-write where it holds data.
+    pub fn restore(
+        size: u64,
+        chain: &[PathBuf],
+        top: &Path,
+        options: RamOptions,
+    ) -> Result<Self, MemoryError> {
+        let open = |path: &PathBuf| {
+            File::open(path).map_err(|source| MemoryError::Snapshot {
+                path: path.display().to_string(),
+                source,
+            })
+        };
+        let base_path = chain.first().ok_or_else(|| MemoryError::Snapshot {
+            path: top.display().to_string(),
+            source: io::Error::other("no memory file"),
+        })?;
+        let base = open(base_path)?;
+        let found = base.metadata().map(|m| m.len()).unwrap_or(0);
+        if found != size {
+            return Err(MemoryError::SnapshotSize {
+                path: base_path.display().to_string(),
+                expected: size,
+                found,
+            });
+        }
+        let memory = map(&base, size, libc::MAP_PRIVATE, options)?;
+        for layer_path in &chain[1..] {
+            let layer = open(layer_path)?;
+            overlay(&memory, size, &layer).map_err(|source| MemoryError::Snapshot {
+                path: layer_path.display().to_string(),
+                source,
+            })?;
+        }
+        Ok(Self {
+            memory: Arc::new(memory),
+            file: base,
+            linkable: false,
+            size,
+            backing: Backing::Private {
+                top: top.to_owned(),
+            },
         })
     }
 
@@ -96,39 +198,297 @@ impl GuestRam {
         self.size
     }
 
-    /// The file behind guest RAM; its offsets follow guest-physical order with the MMIO hole
-    /// removed.
-    pub fn memfd(&self) -> &File {
-        &self.memfd
+    pub fn backing(&self) -> &Backing {
+        &self.backing
     }
 
     /// RAM ranges as (guest address, length), for the memory map given to the guest.
     pub fn ranges(&self) -> Vec<(u64, u64)> {
         layout::ram_ranges(self.size)
     }
+
+    /// Writes all of an `Own` VM's memory to `dest` (non-zero pages; holes elsewhere).
+    /// Returns the page digest and page count.
+    pub fn write_full(&self, dest: &Path) -> Result<(String, u64), MemoryError> {
+        let out = create_new(dest)?;
+        pages::copy_sparse(&self.file, &out).map_err(|source| MemoryError::Write {
+            path: dest.display().to_string(),
+            source,
+        })
+    }
+
+    /// Writes the pages a `Private` VM changed since its base to `dest`, a layer file of the
+    /// VM's size (zero pages included: in a layer they override the base). Returns the
+    /// layer digest and page count.
+    pub fn write_layer(&self, dest: &Path) -> Result<(String, u64), MemoryError> {
+        let out = create_new(dest)?;
+        let write_err = |source| MemoryError::Write {
+            path: dest.display().to_string(),
+            source,
+        };
+        out.set_len(self.size).map_err(write_err)?;
+        let mut hasher = PageHasher::default();
+        let mut page = vec![0u8; PAGE_SIZE as usize];
+        for region in regions(self.size) {
+            let host = self.host_address(region.gpa);
+            for index in changed_pages(host, region.len).map_err(MemoryError::Pagemap)? {
+                let gpa = region.gpa + index * PAGE_SIZE;
+                self.memory
+                    .read_slice(&mut page, GuestAddress(gpa))
+                    .map_err(|e| write_err(io::Error::other(e.to_string())))?;
+                let file_page = region.file_offset / PAGE_SIZE + index;
+                out.write_all_at(&page, file_page * PAGE_SIZE)
+                    .map_err(write_err)?;
+                hasher.stored_page(file_page, &page);
+            }
+        }
+        let pages = hasher.pages();
+        Ok((hasher.finish(), pages))
+    }
+
+    /// Turns an `Own` VM's RAM file into the immutable base `dest` (linked there when it
+    /// can be, copied otherwise) and remaps this VM copy-on-write over it, so the VM and
+    /// every VM restored from `dest` share its pages. Returns the page digest, page count,
+    /// and whether the file was linked (no copy).
+    pub fn freeze_into(
+        &mut self,
+        dest: &Path,
+        snapshot_dir: &Path,
+    ) -> Result<(String, u64, bool), MemoryError> {
+        let write_err = |source| MemoryError::Write {
+            path: dest.display().to_string(),
+            source,
+        };
+        let linked = self.linkable && link_fd(&self.file, dest).is_ok();
+        let (digest, pages, base) = if linked {
+            let (digest, pages) = pages::file_digest(&self.file).map_err(write_err)?;
+            (
+                digest,
+                pages,
+                self.file.try_clone().map_err(MemoryError::Dup)?,
+            )
+        } else {
+            let (digest, pages) = self.write_full(dest)?;
+            let base = File::open(dest).map_err(write_err)?;
+            (digest, pages, base)
+        };
+        remap_private(&self.memory, self.size, &base).map_err(MemoryError::Remap)?;
+        self.file = base;
+        self.backing = Backing::Private {
+            top: snapshot_dir.to_owned(),
+        };
+        Ok((digest, pages, linked))
+    }
+
+    fn host_address(&self, gpa: u64) -> *mut u8 {
+        self.memory
+            .get_host_address(GuestAddress(gpa))
+            .unwrap_or(std::ptr::null_mut())
+    }
 }
 
-fn create_memfd(size: u64) -> Result<File, MemoryError> {
+fn create_new(path: &Path) -> Result<File, MemoryError> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .map_err(|source| MemoryError::Write {
+            path: path.display().to_string(),
+            source,
+        })
+}
+
+/// Maps `file` (offsets in guest-physical order with the MMIO hole removed) as guest RAM.
+fn map(
+    file: &File,
+    size: u64,
+    share: i32,
+    options: RamOptions,
+) -> Result<GuestMemoryMmap, MemoryError> {
+    let mut out = Vec::new();
+    for region in regions(size) {
+        let fd = file.try_clone().map_err(MemoryError::Dup)?;
+        let mapping = MmapRegion::build(
+            Some(FileOffset::new(fd, region.file_offset)),
+            region.len as usize,
+            libc::PROT_READ | libc::PROT_WRITE,
+            share | libc::MAP_NORESERVE,
+        )
+        .map_err(|source| MemoryError::Map {
+            addr: region.gpa,
+            size: region.len,
+            source,
+        })?;
+        advise(&mapping, options, share == libc::MAP_SHARED);
+        out.push(
+            GuestRegionMmap::new(mapping, GuestAddress(region.gpa))
+                .ok_or(MemoryError::Region(region.gpa))?,
+        );
+    }
+    GuestMemoryMmap::from_regions(out).map_err(|e| MemoryError::Collection(e.to_string()))
+}
+
+/// Maps the data extents of `layer` over the matching pages of `memory`, copy-on-write.
+fn overlay(memory: &GuestMemoryMmap, size: u64, layer: &File) -> io::Result<()> {
+    let len = layer.metadata()?.len();
+    if len != size {
+        return Err(io::Error::other(format!(
+            "layer is {len} bytes, the VM has {size}"
+        )));
+    }
+    let extents = pages::data_extents(layer)?;
+    for region in regions(size) {
+        let host = memory
+            .get_host_address(GuestAddress(region.gpa))
+            .map_err(|e| io::Error::other(e.to_string()))?;
+        let region_end = region.file_offset + region.len;
+        for &(offset, extent) in &extents {
+            let start = offset.max(region.file_offset);
+            let end = (offset + extent).min(region_end);
+            if start >= end {
+                continue;
+            }
+            // SAFETY: the target range lies inside this region's live mapping (clipped to
+            // it above), which MAP_FIXED replaces page for page; no vCPU runs yet and no
+            // reference into those pages exists.
+            let mapped = unsafe {
+                libc::mmap(
+                    host.add((start - region.file_offset) as usize).cast(),
+                    (end - start) as usize,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                    layer.as_raw_fd(),
+                    start as libc::off_t,
+                )
+            };
+            if mapped == libc::MAP_FAILED {
+                return Err(io::Error::last_os_error());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Replaces a shared RAM mapping with a private one of `base` at the same addresses.
+fn remap_private(memory: &GuestMemoryMmap, size: u64, base: &File) -> io::Result<()> {
+    for region in regions(size) {
+        let host = memory
+            .get_host_address(GuestAddress(region.gpa))
+            .map_err(|e| io::Error::other(e.to_string()))?;
+        // SAFETY: the range is exactly this region's live mapping; the VM is paused, so no
+        // vCPU or device touches it while it is swapped for a private mapping of the same
+        // file contents. KVM follows through its MMU notifier.
+        let mapped = unsafe {
+            libc::mmap(
+                host.cast(),
+                region.len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                base.as_raw_fd(),
+                region.file_offset as libc::off_t,
+            )
+        };
+        if mapped == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// Pages (index from `host`) of a private mapping that the process wrote to since it was
+/// mapped: present and anonymous in /proc/self/pagemap.
+fn changed_pages(host: *mut u8, len: u64) -> io::Result<Vec<u64>> {
+    const PRESENT: u64 = 1 << 63;
+    const SWAPPED: u64 = 1 << 62;
+    const FILE_OR_SHARED: u64 = 1 << 61;
+    let pagemap = File::open("/proc/self/pagemap")?;
+    let pages = len / PAGE_SIZE;
+    let first = host as u64 / PAGE_SIZE;
+    let mut changed = Vec::new();
+    let mut buf = vec![0u8; 8 * 4096];
+    let mut index = 0;
+    while index < pages {
+        let batch = (pages - index).min(4096);
+        let bytes = &mut buf[..(batch * 8) as usize];
+        pagemap.read_exact_at(bytes, (first + index) * 8)?;
+        for (i, entry) in bytes.chunks_exact(8).enumerate() {
+            let entry = u64::from_le_bytes(entry.try_into().unwrap_or_default());
+            let anonymous = entry & FILE_OR_SHARED == 0;
+            if (entry & PRESENT != 0 && anonymous) || entry & SWAPPED != 0 {
+                changed.push(index + i as u64);
+            }
+        }
+        index += batch;
+    }
+    Ok(changed)
+}
+
+fn tmpfile(dir: &Path) -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_TMPFILE | libc::O_CLOEXEC)
+        .mode(0o600)
+        .open(dir)
+}
+
+fn memfd() -> io::Result<File> {
     // SAFETY: the name is a NUL-terminated string literal and the flags are valid; the return
     // value is checked before use.
     let fd = unsafe { libc::memfd_create(c"agentvm-guest-ram".as_ptr(), libc::MFD_CLOEXEC) };
     if fd < 0 {
-        return Err(MemoryError::Memfd(std::io::Error::last_os_error()));
+        return Err(io::Error::last_os_error());
     }
     // SAFETY: memfd_create just returned this descriptor and nothing else owns it.
-    let file = unsafe { File::from_raw_fd(fd) };
-    file.set_len(size)
-        .map_err(|source| MemoryError::Truncate { size, source })?;
-    Ok(file)
+    Ok(unsafe { File::from_raw_fd(fd) })
 }
 
-fn advise(region: &MmapRegion, options: RamOptions) {
+/// Gives an unnamed (O_TMPFILE) file a name, through /proc so no capability is needed.
+fn link_fd(file: &File, dest: &Path) -> io::Result<()> {
+    let source = format!("/proc/self/fd/{}\0", file.as_raw_fd());
+    let dest = std::ffi::CString::new(dest.as_os_str().as_encoded_bytes())
+        .map_err(|_| io::Error::other("destination path has a NUL"))?;
+    // SAFETY: both paths are NUL-terminated and live for the call.
+    let rc = unsafe {
+        libc::linkat(
+            libc::AT_FDCWD,
+            source.as_ptr().cast(),
+            libc::AT_FDCWD,
+            dest.as_ptr(),
+            libc::AT_SYMLINK_FOLLOW,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The default RAM directory: /dev/shm when it is a tmpfs (RAM must never be written back
+/// to a disk), else none (memfd).
+pub fn default_ram_dir() -> Option<PathBuf> {
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    let path = c"/dev/shm";
+    // SAFETY: statfs fills the zeroed struct for a NUL-terminated path; result checked.
+    let mut stat: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let rc = unsafe { libc::statfs(path.as_ptr(), &mut stat) };
+    (rc == 0 && stat.f_type as i64 == TMPFS_MAGIC).then(|| PathBuf::from("/dev/shm"))
+}
+
+fn advise(region: &MmapRegion, options: RamOptions, shared: bool) {
     let advice = [
         (options.mergeable, libc::MADV_MERGEABLE, "MADV_MERGEABLE"),
+        // Populating a private mapping for writing would copy every page: read instead.
         (
             options.prefault,
-            libc::MADV_POPULATE_WRITE,
-            "MADV_POPULATE_WRITE",
+            if shared {
+                libc::MADV_POPULATE_WRITE
+            } else {
+                libc::MADV_POPULATE_READ
+            },
+            "MADV_POPULATE",
         ),
     ];
     for (wanted, advice, name) in advice {
@@ -141,7 +501,7 @@ fn advise(region: &MmapRegion, options: RamOptions) {
         if rc != 0 {
             tracing::warn!(
                 advice = name,
-                error = %std::io::Error::last_os_error(),
+                error = %io::Error::last_os_error(),
                 "madvise on guest RAM failed; continuing without it"
             );
         }
@@ -151,18 +511,116 @@ fn advise(region: &MmapRegion, options: RamOptions) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vm_memory::{Bytes, GuestMemoryBackend};
 
     #[test]
-    fn ram_is_one_memfd_in_guest_order() {
-        let ram = GuestRam::new(8 << 20, RamOptions::default()).unwrap();
-        assert_eq!(ram.memfd().metadata().unwrap().len(), 8 << 20);
+    fn fresh_ram_is_one_file_in_guest_order() {
+        let ram =
+            GuestRam::new(8 << 20, RamOptions::default(), default_ram_dir().as_deref()).unwrap();
+        assert_eq!(ram.file.metadata().unwrap().len(), 8 << 20);
         ram.memory()
             .write_obj(0xdead_beef_u32, GuestAddress(0x1000))
             .unwrap();
         let mut word = [0u8; 4];
-        std::os::unix::fs::FileExt::read_exact_at(ram.memfd(), &mut word, 0x1000).unwrap();
+        ram.file.read_exact_at(&mut word, 0x1000).unwrap();
         assert_eq!(u32::from_le_bytes(word), 0xdead_beef);
         assert_eq!(ram.memory().num_regions(), 1);
+        assert_eq!(ram.backing(), &Backing::Own);
+    }
+
+    fn stamp(ram: &GuestRam, page: u64, value: u32) {
+        ram.memory()
+            .write_obj(value, GuestAddress(page * PAGE_SIZE))
+            .unwrap();
+    }
+
+    fn read(ram: &GuestRam, page: u64) -> u32 {
+        ram.memory()
+            .read_obj(GuestAddress(page * PAGE_SIZE))
+            .unwrap()
+    }
+
+    #[test]
+    fn freeze_fork_layer_and_compose() {
+        let shm = tempfile::tempdir_in(default_ram_dir().unwrap_or(std::env::temp_dir())).unwrap();
+        let mut parent = GuestRam::new(4 << 20, RamOptions::default(), Some(shm.path())).unwrap();
+        for page in 0..8 {
+            stamp(&parent, page, 100 + page as u32);
+        }
+        let base_dir = shm.path().join("base");
+        std::fs::create_dir(&base_dir).unwrap();
+        let (_, pages, linked) = parent
+            .freeze_into(&base_dir.join("memory"), &base_dir)
+            .unwrap();
+        assert_eq!(pages, 8);
+        assert!(linked, "tmpfs RAM is linked, not copied");
+        // The parent keeps running on its own copy-on-write view.
+        stamp(&parent, 1, 999);
+        assert_eq!(read(&parent, 1), 999);
+        let base_file = File::open(base_dir.join("memory")).unwrap();
+        let mut word = [0u8; 4];
+        base_file.read_exact_at(&mut word, PAGE_SIZE).unwrap();
+        assert_eq!(
+            u32::from_le_bytes(word),
+            101,
+            "the base never sees the parent's writes"
+        );
+
+        // A child from the base, writing two pages (one to zero).
+        let chain = vec![base_dir.join("memory")];
+        let child = GuestRam::restore(4 << 20, &chain, &base_dir, RamOptions::default()).unwrap();
+        assert_eq!(read(&child, 1), 101);
+        stamp(&child, 2, 777);
+        stamp(&child, 3, 0);
+        stamp(&child, 700, 5);
+        let layer_dir = shm.path().join("layer");
+        std::fs::create_dir(&layer_dir).unwrap();
+        let (_, layer_pages) = child.write_layer(&layer_dir.join("memory")).unwrap();
+        assert_eq!(layer_pages, 3);
+
+        // A grandchild composes base + layer.
+        let chain = vec![base_dir.join("memory"), layer_dir.join("memory")];
+        let grandchild =
+            GuestRam::restore(4 << 20, &chain, &layer_dir, RamOptions::default()).unwrap();
+        assert_eq!(read(&grandchild, 1), 101);
+        assert_eq!(read(&grandchild, 2), 777);
+        assert_eq!(
+            read(&grandchild, 3),
+            0,
+            "a zero written in the layer overrides the base"
+        );
+        assert_eq!(read(&grandchild, 4), 104);
+        assert_eq!(read(&grandchild, 700), 5);
+        // Nothing a grandchild writes reaches anyone else.
+        stamp(&grandchild, 4, 4444);
+        assert_eq!(read(&child, 4), 104);
+        assert_eq!(read(&parent, 4), 104);
+    }
+
+    #[test]
+    fn memfd_ram_forks_by_copy() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut ram = GuestRam::new(2 << 20, RamOptions::default(), None).unwrap();
+        stamp(&ram, 5, 55);
+        let (_, pages, linked) = ram
+            .freeze_into(&dir.path().join("memory"), dir.path())
+            .unwrap();
+        assert!(!linked);
+        assert_eq!(pages, 1);
+        stamp(&ram, 5, 66);
+        let file = File::open(dir.path().join("memory")).unwrap();
+        let mut word = [0u8; 4];
+        file.read_exact_at(&mut word, 5 * PAGE_SIZE).unwrap();
+        assert_eq!(u32::from_le_bytes(word), 55);
+    }
+
+    #[test]
+    fn restore_refuses_a_memory_file_of_the_wrong_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("memory");
+        File::create(&path).unwrap().set_len(1 << 20).unwrap();
+        let err = GuestRam::restore(2 << 20, &[path], dir.path(), RamOptions::default())
+            .err()
+            .unwrap();
+        assert!(matches!(err, MemoryError::SnapshotSize { .. }), "{err}");
     }
 }

@@ -3,6 +3,7 @@
 pub mod cpuid;
 pub mod memory;
 pub mod regs;
+pub mod state;
 pub mod vcpu;
 pub mod vm;
 

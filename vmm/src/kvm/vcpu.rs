@@ -105,21 +105,26 @@ impl RunControl {
     }
 }
 
+/// A vCPU fd, locked by its thread while the vCPU runs and free while it is parked, so a
+/// paused VM's register state can be read and written from elsewhere.
+pub type SharedVcpu = Arc<Mutex<VcpuFd>>;
+
 struct VcpuThread {
-    handle: JoinHandle<VcpuFd>,
-    /// The thread's `kvm_run` page; valid until the handle is joined and its fd dropped.
+    handle: JoinHandle<()>,
+    vcpu: SharedVcpu,
+    /// The vCPU's `kvm_run` page; valid while `vcpu` (which owns the mapping) is alive.
     run_page: *mut kvm_run,
 }
 
-// SAFETY: `run_page` points into a shared mmap owned by the VcpuFd that the thread returns
-// through its JoinHandle; it is only written (one byte, volatile) while that handle is alive.
+// SAFETY: `run_page` points into a shared mmap owned by the VcpuFd in `vcpu`, which this
+// struct keeps alive; it is only written (one byte, volatile) while that holds.
 unsafe impl Send for VcpuThread {}
 // SAFETY: as above; concurrent writers only ever store 1 into `immediate_exit`.
 unsafe impl Sync for VcpuThread {}
 
 impl VcpuThread {
     fn kick(&self) {
-        // SAFETY: the page stays mapped while `self.handle` (which owns the VcpuFd) exists,
+        // SAFETY: the page stays mapped while `self.vcpu` (which owns the VcpuFd) exists,
         // and `immediate_exit` is a plain byte KVM reads on entry to KVM_RUN.
         unsafe { std::ptr::addr_of_mut!((*self.run_page).immediate_exit).write_volatile(1) };
         // SAFETY: the pthread_t belongs to a thread that has not been joined yet, so it is
@@ -150,12 +155,16 @@ pub struct VcpuSet {
 }
 
 impl VcpuSet {
-    /// Starts one thread per vCPU, running immediately.
-    pub fn start(vcpus: Vec<VcpuFd>, context: VcpuContext) -> Result<Self, VcpuError> {
+    /// Starts one thread per vCPU, running at once or parked until `resume`.
+    pub fn start(
+        vcpus: Vec<VcpuFd>,
+        context: VcpuContext,
+        paused: bool,
+    ) -> Result<Self, VcpuError> {
         install_kick_handler()?;
         let control = Arc::new(RunControl {
             state: Mutex::new(Control {
-                mode: Mode::Run,
+                mode: if paused { Mode::Pause } else { Mode::Run },
                 parked: 0,
             }),
             changed: Condvar::new(),
@@ -167,13 +176,19 @@ impl VcpuSet {
         for (index, mut vcpu) in vcpus.into_iter().enumerate() {
             let index = index as u8;
             let run_page: *mut kvm_run = vcpu.get_kvm_run();
+            let vcpu: SharedVcpu = Arc::new(Mutex::new(vcpu));
             let control = control.clone();
             let context = context.clone();
+            let thread_vcpu = vcpu.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("vcpu{index}"))
-                .spawn(move || run(vcpu, index, &control, &context));
+                .spawn(move || run(&thread_vcpu, index, &control, &context));
             match spawned {
-                Ok(handle) => set.threads.push(VcpuThread { handle, run_page }),
+                Ok(handle) => set.threads.push(VcpuThread {
+                    handle,
+                    vcpu,
+                    run_page,
+                }),
                 Err(source) => {
                     set.stop();
                     return Err(VcpuError::Spawn { index, source });
@@ -185,6 +200,12 @@ impl VcpuSet {
 
     pub fn len(&self) -> usize {
         self.threads.len()
+    }
+
+    /// The vCPU fds, in vCPU order. Lock one only while the VM is paused: a running vCPU's
+    /// thread holds its lock.
+    pub fn vcpus(&self) -> Vec<SharedVcpu> {
+        self.threads.iter().map(|t| t.vcpu.clone()).collect()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -223,23 +244,18 @@ impl VcpuSet {
         self.control.changed.notify_all();
     }
 
-    /// Ends every vCPU thread and returns the vCPU fds.
-    pub fn stop(&mut self) -> Vec<VcpuFd> {
+    /// Ends every vCPU thread; the vCPU fds close with the set.
+    pub fn stop(&mut self) {
         self.control.lock().mode = Mode::Stop;
         self.control.changed.notify_all();
         for thread in &self.threads {
             thread.kick();
         }
-        self.threads
-            .drain(..)
-            .filter_map(|thread| match thread.handle.join() {
-                Ok(fd) => Some(fd),
-                Err(_) => {
-                    tracing::error!("a vCPU thread panicked");
-                    None
-                }
-            })
-            .collect()
+        for thread in self.threads.drain(..) {
+            if thread.handle.join().is_err() {
+                tracing::error!("a vCPU thread panicked");
+            }
+        }
     }
 }
 
@@ -251,8 +267,14 @@ impl Drop for VcpuSet {
     }
 }
 
-fn run(mut vcpu: VcpuFd, index: u8, control: &RunControl, context: &VcpuContext) -> VcpuFd {
+fn lock_vcpu(vcpu: &SharedVcpu) -> MutexGuard<'_, VcpuFd> {
+    vcpu.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn run(shared: &SharedVcpu, index: u8, control: &RunControl, context: &VcpuContext) {
     while control.runnable(&context.exit) {
+        // Held for one KVM_RUN and its exit; released whenever the thread parks.
+        let mut vcpu = lock_vcpu(shared);
         let outcome = match vcpu.run() {
             Ok(exit) => handle_exit(exit, context),
             Err(e) if e.errno() == libc::EINTR => {
@@ -276,7 +298,6 @@ fn run(mut vcpu: VcpuFd, index: u8, control: &RunControl, context: &VcpuContext)
     // Counted as parked so a pause racing with the end of the VM does not wait for us.
     control.lock().parked += 1;
     control.changed.notify_all();
-    vcpu
 }
 
 enum Outcome {

@@ -9,7 +9,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use agentvm_proto::guest::framing::{FrameDecoder, frame_bytes};
-use agentvm_proto::guest::v1::{Envelope, Hello, envelope::Body};
+use agentvm_proto::guest::v1::{
+    DirtyMemory, Envelope, HarnessFrame, Hello, envelope::Body, harness_frame,
+};
+use agentvm_proto::v1::{ControllerFrame, EventKind, Start, controller_frame, event, part};
 use agentvm_vmm_api::VmmClient;
 use agentvm_vmm_api::config::{
     ConsoleOutputMode, CpusConfig, MemoryConfig, SerialConfig, VmConfig, VsockConfig,
@@ -127,6 +130,20 @@ impl Vmm {
         config
     }
 
+    /// Restores the snapshot in `dir` into this (fresh) VMM, running, with its own vsock
+    /// socket in this VMM's directory.
+    pub async fn restore(&self, dir: &Path) {
+        let request = agentvm_vmm_api::types::RestoreConfig {
+            source_url: format!("file://{}", dir.display()),
+            memory_restore_mode: agentvm_vmm_api::types::MemoryRestoreMode::OnDemand,
+            resume: true,
+            vsock_socket: Some(self.vsock_socket()),
+            serial_file: Some(self.serial_log()),
+            ..Default::default()
+        };
+        self.client.restore(&request).await.expect("vm.restore");
+    }
+
     /// Creates and boots `config`, then waits for the guest's ready marker.
     pub async fn boot(&self, config: &VmConfig) {
         self.client.create(config).await.expect("vm.create");
@@ -207,6 +224,120 @@ impl GuestLink {
             return Err(std::io::Error::other(format!("unexpected reply {line:?}")));
         }
         Ok(Self::from_stream(stream))
+    }
+
+    /// Connects and says Hello, retrying while a just-restored guest is still dropping the
+    /// streams its snapshot cut (it processes the transport reset when it next runs).
+    pub fn connect_ready(socket: &Path, port: u32) -> Self {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let attempt = Self::connect(socket, port).and_then(|mut link| {
+                link.set_timeout(Duration::from_secs(2));
+                link.try_hello().map(|_| link)
+            });
+            match attempt {
+                Ok(link) => {
+                    link.set_timeout(Duration::from_secs(10));
+                    return link;
+                }
+                Err(e) if Instant::now() < deadline => {
+                    let _ = e;
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) => panic!("guest on {} never answered: {e}", socket.display()),
+            }
+        }
+    }
+
+    fn try_hello(&mut self) -> std::io::Result<agentvm_proto::guest::v1::Ready> {
+        self.send(Body::Hello(Hello {
+            protocol_version: agentvm_proto::guest::PROTOCOL_VERSION,
+            host_version: "vmm-tests".into(),
+        }));
+        match self.recv()?.body {
+            Some(Body::Ready(ready)) => Ok(ready),
+            other => Err(std::io::Error::other(format!(
+                "expected Ready, got {other:?}"
+            ))),
+        }
+    }
+
+    /// Tells a restored or forked guest so, as the daemon does first thing; returns the
+    /// generation the guest acknowledged.
+    pub fn restored(&mut self, forked: bool, generation: u64, identity: &str) -> u64 {
+        use agentvm_proto::guest::v1::{Identity, Restored, restored::Kind};
+        self.send(Body::Restored(Restored {
+            kind: if forked { Kind::Forked } else { Kind::Restored } as i32,
+            entropy: identity.as_bytes().repeat(4),
+            wall_clock_unix_nanos: 1_700_000_000_000_000_000,
+            identity: Some(Identity {
+                session_uid: identity.into(),
+                hostname: identity.into(),
+                vsock_cid: 3,
+                vm_id: identity.into(),
+            }),
+            generation,
+        }));
+        match self.recv().expect("RestoredAck").body {
+            Some(Body::RestoredAck(ack)) => ack.generation,
+            other => panic!("expected RestoredAck, got {other:?}"),
+        }
+    }
+
+    /// One counter turn on `stream`; returns the OUTPUT text and checks the END and close frames.
+    pub fn counter_turn(&mut self, stream: u64, execution: &str) -> String {
+        self.send(Body::Harness(HarnessFrame {
+            stream,
+            frame: Some(harness_frame::Frame::Controller(ControllerFrame {
+                session: "s-1".into(),
+                execution_id: execution.into(),
+                frame: Some(controller_frame::Frame::Start(Start::default())),
+            })),
+        }));
+        let mut frames = Vec::new();
+        for _ in 0..3 {
+            match self.recv().expect("harness frame").body {
+                Some(Body::Harness(frame)) => {
+                    assert_eq!(frame.stream, stream);
+                    frames.push(frame.frame.expect("frame body"));
+                }
+                other => panic!("expected a harness frame, got {other:?}"),
+            }
+        }
+        let output = match &frames[0] {
+            harness_frame::Frame::Event(e) => {
+                assert_eq!(e.kind, EventKind::EventOutput as i32);
+                assert_eq!(e.execution_id, execution);
+                match &e.body {
+                    Some(event::Body::Message(m)) => match &m.parts[0].part {
+                        Some(part::Part::Text(t)) => t.text.clone(),
+                        other => panic!("{other:?}"),
+                    },
+                    other => panic!("{other:?}"),
+                }
+            }
+            other => panic!("expected OUTPUT, got {other:?}"),
+        };
+        match &frames[1] {
+            harness_frame::Frame::Event(e) => {
+                assert_eq!(e.kind, EventKind::EventEnd as i32);
+                match &e.body {
+                    Some(event::Body::End(end)) => assert_eq!(end.state, "COMPLETED"),
+                    other => panic!("{other:?}"),
+                }
+            }
+            other => panic!("expected END, got {other:?}"),
+        }
+        assert!(matches!(&frames[2], harness_frame::Frame::Close(c) if c.code == 0));
+        output
+    }
+
+    pub fn dirty(&mut self, mebibytes: u32, stamp: u32) -> (u32, u32) {
+        self.send(Body::DirtyMemory(DirtyMemory { mebibytes, stamp }));
+        match self.recv().expect("DirtyMemoryDone").body {
+            Some(Body::DirtyMemoryDone(done)) => (done.pages, done.mismatched),
+            other => panic!("expected DirtyMemoryDone, got {other:?}"),
+        }
     }
 
     pub fn from_stream(stream: UnixStream) -> Self {

@@ -12,6 +12,8 @@ use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
+use agentvm_snapshot::state::{QueueState as SavedQueue, VirtioMmioState};
+
 use super::{Interrupt, VIRTIO_F_VERSION_1, VirtioDevice, status};
 use crate::devices::bus::BusDevice;
 
@@ -71,6 +73,8 @@ pub enum MmioError {
     Queue(u16, String),
     #[error("creating a queue eventfd: {0}")]
     EventFd(std::io::Error),
+    #[error("virtio-mmio state: {0}")]
+    State(String),
 }
 
 impl<D: VirtioDevice> VirtioMmio<D> {
@@ -100,6 +104,92 @@ impl<D: VirtioDevice> VirtioMmio<D> {
             queue_sel: 0,
             activated: false,
         })
+    }
+
+    /// Transport registers and queues, for a snapshot (the VM is paused).
+    pub fn save(&self, device_config: Vec<u8>) -> VirtioMmioState {
+        VirtioMmioState {
+            status: self.status,
+            acked_features: self.acked_features,
+            device_features_sel: self.device_features_sel,
+            driver_features_sel: self.driver_features_sel,
+            queue_sel: self.queue_sel,
+            activated: self.activated,
+            interrupt_status: self.interrupt.status(),
+            queues: self
+                .queues
+                .iter()
+                .map(|q| {
+                    let s = q.state();
+                    SavedQueue {
+                        max_size: s.max_size,
+                        size: s.size,
+                        ready: s.ready,
+                        desc_table: s.desc_table,
+                        avail_ring: s.avail_ring,
+                        used_ring: s.used_ring,
+                        next_avail: s.next_avail,
+                        next_used: s.next_used,
+                        event_idx_enabled: s.event_idx_enabled,
+                    }
+                })
+                .collect(),
+            device_config,
+        }
+    }
+
+    /// A transport continuing from `state`. Queue settings are checked as a driver's writes
+    /// would be: a snapshot cannot smuggle in a queue the guest could not have configured.
+    pub fn restore(
+        device: D,
+        memory: Arc<GuestMemoryMmap>,
+        interrupt: Interrupt,
+        state: &VirtioMmioState,
+    ) -> Result<Self, MmioError> {
+        let mut transport = Self::new(device, memory, interrupt)?;
+        if state.queues.len() != transport.queues.len() {
+            return Err(MmioError::State(format!(
+                "{} queues saved, the device has {}",
+                state.queues.len(),
+                transport.queues.len()
+            )));
+        }
+        for (queue, saved) in transport.queues.iter_mut().zip(&state.queues) {
+            if saved.max_size != queue.max_size() {
+                return Err(MmioError::State("queue size limits differ".into()));
+            }
+            let restored = Queue::try_from(virtio_queue::QueueState {
+                max_size: saved.max_size,
+                next_avail: saved.next_avail,
+                next_used: saved.next_used,
+                event_idx_enabled: saved.event_idx_enabled,
+                size: saved.size,
+                ready: saved.ready,
+                desc_table: saved.desc_table,
+                avail_ring: saved.avail_ring,
+                used_ring: saved.used_ring,
+            })
+            .map_err(|e| MmioError::State(format!("queue: {e}")))?;
+            *queue = restored;
+        }
+        transport.status = state.status;
+        transport.acked_features = state.acked_features;
+        transport.device_features_sel = state.device_features_sel;
+        transport.driver_features_sel = state.driver_features_sel;
+        transport.queue_sel = state.queue_sel;
+        if state.activated {
+            if !transport.queues_valid() {
+                return Err(MmioError::State(
+                    "an active device with unusable queues".into(),
+                ));
+            }
+            transport.activated = true;
+            transport.device.activate(state.acked_features);
+        }
+        if state.interrupt_status != 0 {
+            transport.interrupt.signal(state.interrupt_status);
+        }
+        Ok(transport)
     }
 
     pub fn queue_events(&self) -> &[EventFd] {

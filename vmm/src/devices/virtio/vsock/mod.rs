@@ -50,6 +50,10 @@ impl Vsock {
     pub fn muxer(&self) -> &Muxer {
         &self.muxer
     }
+
+    pub fn cid(&self) -> u64 {
+        self.cid
+    }
 }
 
 impl VirtioDevice for Vsock {

@@ -1,5 +1,10 @@
 //! One running VM, assembled from a [`VmSpec`]: RAM, KVM, the kernel in memory, devices on
-//! their buses, and the vCPU threads. The only place a VM is built.
+//! their buses, and the vCPU threads. The only place a VM is built; `persist` builds one
+//! from a snapshot instead and writes snapshots.
+
+mod persist;
+
+pub use persist::{RestoreSpec, SaveKind, SaveReport};
 
 use std::collections::BTreeMap;
 use std::fs::OpenOptions;
@@ -39,6 +44,8 @@ pub struct VmSpec {
     pub cmdline: String,
     pub serial: SerialSpec,
     pub vsock: Option<VsockSpec>,
+    /// Where guest RAM files live (a tmpfs); `None` for a memfd.
+    pub ram_dir: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -102,6 +109,10 @@ pub enum BuildError {
         path: String,
         source: std::io::Error,
     },
+    #[error("restoring device state: {0}")]
+    State(String),
+    #[error(transparent)]
+    KvmState(#[from] crate::kvm::state::StateError),
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> BuildError {
@@ -128,6 +139,16 @@ pub struct Vm {
     kvm: KvmVm,
     ram: GuestRam,
     booted: Instant,
+    /// The MSRs a snapshot saves, probed on first use.
+    msrs: std::sync::OnceLock<Vec<u32>>,
+}
+
+/// What a VM is built from before KVM is involved.
+struct Parts {
+    ram: GuestRam,
+    vsock: Option<AttachedVsock>,
+    serial: Option<SerialParts>,
+    serial_stats: Arc<SerialStats>,
 }
 
 impl Vm {
@@ -138,27 +159,56 @@ impl Vm {
         spec: &VmSpec,
         kvm: impl FnOnce() -> Result<KvmVm, VmError>,
     ) -> Result<Self, BuildError> {
-        let booted = Instant::now();
         let ram = GuestRam::new(
             spec.memory_bytes,
             RamOptions {
                 prefault: spec.ram.prefault,
                 mergeable: spec.ram.mergeable,
             },
+            spec.ram_dir.as_deref(),
         )?;
-        let exit = Arc::new(ExitSignal::new().map_err(io("creating the exit eventfd"))?);
         let mut cmdline = spec.cmdline.clone();
         let vsock = match &spec.vsock {
             Some(vsock_spec) => {
                 append_device(&mut cmdline, 0);
-                Some(create_vsock(&ram, vsock_spec)?)
+                Some(create_vsock(&ram, vsock_spec, None)?)
             }
             None => None,
         };
         let entry = load_guest(&ram, spec, &cmdline)?;
-        let serial_stats = Arc::new(SerialStats::default());
-        let serial = serial_device(spec, serial_stats.clone())?;
+        let stats = Arc::new(SerialStats::default());
+        let serial = serial_device(spec, stats.clone(), None)?;
+        let parts = Parts {
+            ram,
+            vsock,
+            serial,
+            serial_stats: stats,
+        };
+        Self::assemble(
+            parts,
+            kvm,
+            |kvm, ram| create_vcpus(kvm, ram, spec.vcpus, entry),
+            false,
+        )
+    }
 
+    /// Puts the VM together from its parts: RAM into the KVM VM, devices on their buses and
+    /// interrupt lines, the device thread, and the vCPUs `vcpus` creates (running, or parked
+    /// until `resume` when `paused`).
+    fn assemble(
+        parts: Parts,
+        kvm: impl FnOnce() -> Result<KvmVm, VmError>,
+        vcpus: impl FnOnce(&KvmVm, &GuestRam) -> Result<Vec<VcpuFd>, BuildError>,
+        paused: bool,
+    ) -> Result<Self, BuildError> {
+        let started = Instant::now();
+        let Parts {
+            ram,
+            vsock,
+            serial,
+            serial_stats,
+        } = parts;
+        let exit = Arc::new(ExitSignal::new().map_err(io("creating the exit eventfd"))?);
         let mut kvm = kvm()?;
         kvm.map_ram(&ram)?;
         let mut pio = Bus::default();
@@ -190,8 +240,11 @@ impl Vm {
             i8042::WINDOW_LEN,
             Arc::new(Mutex::new(I8042::new(exit.clone()))),
         )?;
+        let vcpu_fds = vcpus(&kvm, &ram)?;
         let devices = EventLoop::start(subscribers)?;
-        let vcpu_fds = create_vcpus(&kvm, &ram, spec.vcpus, entry)?;
+        if paused {
+            devices.pause()?;
+        }
         let vcpu_stats = Arc::new(VcpuStats::default());
         let vcpus = VcpuSet::start(
             vcpu_fds,
@@ -201,8 +254,9 @@ impl Vm {
                 exit: exit.clone(),
                 stats: vcpu_stats.clone(),
             },
+            paused,
         )?;
-        tracing::debug!(elapsed = ?booted.elapsed(), "VM built and vCPUs started");
+        tracing::debug!(elapsed = ?started.elapsed(), "VM assembled");
         Ok(Self {
             vcpus,
             devices,
@@ -213,7 +267,8 @@ impl Vm {
             vcpu_stats,
             kvm,
             ram,
-            booted,
+            booted: started,
+            msrs: std::sync::OnceLock::new(),
         })
     }
 
@@ -240,7 +295,7 @@ impl Vm {
 
     /// Stops the vCPUs and the devices and releases everything the VM holds.
     pub fn stop(mut self) {
-        let _fds: Vec<VcpuFd> = self.vcpus.stop();
+        self.vcpus.stop();
         self.devices.stop();
         self.drain_serial();
     }
@@ -331,8 +386,13 @@ fn append_device(cmdline: &mut String, index: u32) {
     ));
 }
 
-/// The vsock device: its host socket bound, the device model behind a virtio-mmio transport.
-fn create_vsock(ram: &GuestRam, spec: &VsockSpec) -> Result<AttachedVsock, BuildError> {
+/// The vsock device: its host socket bound, the device model behind a virtio-mmio transport
+/// (fresh, or continuing from a snapshot's transport state).
+fn create_vsock(
+    ram: &GuestRam,
+    spec: &VsockSpec,
+    saved: Option<&agentvm_snapshot::state::VirtioMmioState>,
+) -> Result<AttachedVsock, BuildError> {
     let socket_error = |source| BuildError::VsockSocket {
         path: spec.socket.display().to_string(),
         source,
@@ -344,11 +404,12 @@ fn create_vsock(ram: &GuestRam, spec: &VsockSpec) -> Result<AttachedVsock, Build
         .map_err(socket_error)?;
     let irqfd = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)
         .map_err(io("creating the vsock irqfd"))?;
-    let transport = VirtioMmio::new(
-        Vsock::new(u64::from(spec.cid), muxer),
-        ram.shared_memory(),
-        Interrupt::new(irqfd),
-    )?;
+    let device = Vsock::new(u64::from(spec.cid), muxer);
+    let interrupt = Interrupt::new(irqfd);
+    let transport = match saved {
+        Some(state) => VirtioMmio::restore(device, ram.shared_memory(), interrupt, state)?,
+        None => VirtioMmio::new(device, ram.shared_memory(), interrupt)?,
+    };
     Ok(AttachedVsock {
         device: Arc::new(Mutex::new(transport)),
         stats,
@@ -416,6 +477,7 @@ type SerialParts = (Arc<Mutex<SerialDevice>>, EventFd);
 fn serial_device(
     spec: &VmSpec,
     stats: Arc<SerialStats>,
+    saved: Option<&agentvm_snapshot::state::SerialState>,
 ) -> Result<Option<SerialParts>, BuildError> {
     let destination = match &spec.serial {
         SerialSpec::Off => return Ok(None),
@@ -433,10 +495,11 @@ fn serial_device(
         .map_err(io("creating the serial irqfd"))?;
     let registered = irq.try_clone().map_err(io("cloning the serial irqfd"))?;
     let output = SerialOutput::new(destination, RateLimit::default(), stats);
-    Ok(Some((
-        Arc::new(Mutex::new(SerialDevice::new(irq, output))),
-        registered,
-    )))
+    let device = match saved {
+        Some(state) => SerialDevice::restore(irq, output, state).map_err(BuildError::State)?,
+        None => SerialDevice::new(irq, output),
+    };
+    Ok(Some((Arc::new(Mutex::new(device)), registered)))
 }
 
 fn create_vcpus(

@@ -1,0 +1,306 @@
+//! Snapshots of a paused VM and VMs restored from them.
+//!
+//! Saving resets every vsock stream first (the guest hears TRANSPORT_RESET from its event
+//! queue, so the VM that resumes and every VM restored later agree that no stream
+//! survived), then writes `state.json`, `config.json`, the memory file and, last, the
+//! manifest. Memory is written one of three ways:
+//! - a VM running on its own RAM file: the non-zero pages are copied (`vm.snapshot`), or the
+//!   file itself becomes the snapshot's memory and the VM continues copy-on-write over it
+//!   (`vm.fork`: nothing copied);
+//! - a VM running copy-on-write over a snapshot: only the pages it changed since, as a layer
+//!   on that snapshot.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use agentvm_snapshot::dir::SnapshotWriter;
+use agentvm_snapshot::manifest::{
+    BaseRef, CONFIG_FILE, DigestKind, HostIdentity, MEMORY_FILE, MemoryLayout, STATE_FILE,
+};
+use agentvm_snapshot::state::{Raw, VmState};
+use agentvm_snapshot::{Snapshot, SnapshotError};
+use kvm_ioctls::VcpuFd;
+
+use super::{
+    BuildError, Parts, RamSpec, SerialStats, Vm, VmError, VmSpec, create_vsock, serial_device,
+};
+use crate::devices::virtio::vsock;
+use crate::kvm::Flavour;
+use crate::kvm::memory::{Backing, GuestRam, MemoryError, RamOptions};
+use crate::kvm::state::{self as kvm_state, StateError, VmKvmState};
+use crate::kvm::vm::KvmVm;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PersistError {
+    #[error(transparent)]
+    Snapshot(#[from] SnapshotError),
+    #[error(transparent)]
+    Kvm(#[from] StateError),
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    #[error("snapshot state does not fit this VM: {0}")]
+    Mismatch(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SaveKind {
+    /// `vm.snapshot`: a self-contained copy (or a layer on the snapshot the VM runs from).
+    Snapshot,
+    /// `vm.fork`: the VM's memory becomes a shared, immutable base.
+    Fork,
+}
+
+/// What a save did, for logs and benchmarks.
+#[derive(Debug, Clone)]
+pub struct SaveReport {
+    pub memory_pages: u64,
+    /// Memory was linked into the snapshot, not copied.
+    pub zero_copy: bool,
+    pub layered: bool,
+    pub elapsed: Duration,
+}
+
+/// A snapshot opened, checked and decoded, ready to become a VM.
+pub struct RestoreSpec {
+    pub spec: VmSpec,
+    pub state: VmState,
+    /// Memory files, base first.
+    pub chain: Vec<PathBuf>,
+    /// The snapshot the VM will run on (the top of the chain).
+    pub top: PathBuf,
+    pub prefault: bool,
+}
+
+impl RestoreSpec {
+    /// Opens `dir`: manifest, host identity, digests of it and every base under it, state.
+    /// The caller supplies the VM spec (from the snapshot's `config.json`, with overrides).
+    pub fn open(
+        dir: &Path,
+        flavour: Flavour,
+        spec: impl FnOnce(&[u8]) -> Result<VmSpec, String>,
+        prefault: bool,
+    ) -> Result<Self, PersistError> {
+        let snapshot = Snapshot::open(dir)?;
+        snapshot.check_host(&HostIdentity::current(flavour.name()))?;
+        let chain = snapshot.chain()?;
+        let spec = spec(&snapshot.read(CONFIG_FILE)?)
+            .map_err(|e| PersistError::Mismatch(format!("config.json: {e}")))?;
+        if spec.memory_bytes != snapshot.manifest.memory.size {
+            return Err(PersistError::Mismatch(format!(
+                "config.json asks for {} bytes of RAM, the memory is {}",
+                spec.memory_bytes, snapshot.manifest.memory.size
+            )));
+        }
+        let state = VmState::from_json(&snapshot.read(STATE_FILE)?)?;
+        if state.vcpus.len() != usize::from(spec.vcpus) {
+            return Err(PersistError::Mismatch(format!(
+                "{} vCPUs saved, config.json has {}",
+                state.vcpus.len(),
+                spec.vcpus
+            )));
+        }
+        if state.vsock.is_some() != spec.vsock.is_some() {
+            return Err(PersistError::Mismatch(
+                "vsock device in state.json and config.json disagree".into(),
+            ));
+        }
+        Ok(Self {
+            spec,
+            state,
+            chain: chain.iter().map(|s| s.path(MEMORY_FILE)).collect(),
+            top: snapshot.dir,
+            prefault,
+        })
+    }
+}
+
+impl Vm {
+    /// Writes a snapshot of this (paused) VM into `dir` (existing, without a snapshot).
+    pub fn save(
+        &mut self,
+        dir: &Path,
+        kind: SaveKind,
+        config_json: &[u8],
+    ) -> Result<SaveReport, PersistError> {
+        let started = Instant::now();
+        let mut writer = SnapshotWriter::create(dir, kind == SaveKind::Snapshot)?;
+        self.reset_vsock_streams();
+        let state = self.save_state()?;
+        writer.write_file(STATE_FILE, &state.to_json()?)?;
+        writer.write_file(CONFIG_FILE, config_json)?;
+
+        let memory_path = dir.join(MEMORY_FILE);
+        let (digest_kind, digest, pages, zero_copy, base) = match (self.ram.backing().clone(), kind)
+        {
+            (Backing::Own, SaveKind::Snapshot) => {
+                let (digest, pages) = self.ram.write_full(&memory_path)?;
+                (DigestKind::Pages, digest, pages, false, None)
+            }
+            (Backing::Own, SaveKind::Fork) => {
+                let (digest, pages, linked) = self.ram.freeze_into(&memory_path, dir)?;
+                (DigestKind::Pages, digest, pages, linked, None)
+            }
+            (Backing::Private { top }, _) => {
+                let base = Snapshot::open(&top)?;
+                let (digest, pages) = self.ram.write_layer(&memory_path)?;
+                let base = BaseRef {
+                    dir: base.dir,
+                    manifest_sha256: base.manifest_sha256,
+                };
+                (DigestKind::LayerPages, digest, pages, false, Some(base))
+            }
+        };
+        writer.add_memory_file(MEMORY_FILE, digest_kind, digest)?;
+        let layered = base.is_some();
+        writer.finish(
+            HostIdentity::current(Flavour::detect().name()),
+            env!("CARGO_PKG_VERSION"),
+            MemoryLayout {
+                size: self.ram.size(),
+                base,
+            },
+        )?;
+        let report = SaveReport {
+            memory_pages: pages,
+            zero_copy,
+            layered,
+            elapsed: started.elapsed(),
+        };
+        tracing::info!(?report, dir = %dir.display(), "snapshot written");
+        Ok(report)
+    }
+
+    /// Every host stream ends at a snapshot; the guest is told through its event queue.
+    fn reset_vsock_streams(&self) {
+        if let Some(attached) = &self.vsock {
+            let mut transport = super::lock_vsock(&attached.device);
+            if let Some(mut active) = transport.active() {
+                vsock::transport_reset(&mut active, &mut self.devices.registry(0));
+            }
+        }
+    }
+
+    fn save_state(&self) -> Result<VmState, PersistError> {
+        let vcpus = self.vcpus.vcpus();
+        let msrs = match self.msrs.get() {
+            Some(msrs) => msrs,
+            None => {
+                let first = vcpus
+                    .first()
+                    .ok_or_else(|| PersistError::Mismatch("the VM has no vCPU".into()))?;
+                let probed = kvm_state::saveable_msrs(
+                    &self.kvm.kvm,
+                    &first.lock().unwrap_or_else(|p| p.into_inner()),
+                )?;
+                self.msrs.get_or_init(|| probed)
+            }
+        };
+        let mut saved = Vec::with_capacity(vcpus.len());
+        for (id, vcpu) in vcpus.iter().enumerate() {
+            let vcpu = vcpu.lock().unwrap_or_else(|p| p.into_inner());
+            saved.push(kvm_state::save_vcpu(&vcpu, id as u8, msrs)?);
+        }
+        let chips = kvm_state::save_vm(&self.kvm.fd)?;
+        Ok(VmState {
+            vcpus: saved,
+            pic_master: Raw(chips.pic_master),
+            pic_slave: Raw(chips.pic_slave),
+            ioapic: Raw(chips.ioapic),
+            pit: Raw(chips.pit),
+            clock: Raw(chips.clock),
+            serial: self
+                .serial
+                .as_ref()
+                .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).save()),
+            vsock: self.vsock.as_ref().map(|v| {
+                let transport = super::lock_vsock(&v.device);
+                let cid = transport.device().cid();
+                transport.save(cid.to_le_bytes().to_vec())
+            }),
+        })
+    }
+
+    /// Builds a VM from an opened snapshot, paused unless `resume`.
+    pub fn restore(
+        restore: RestoreSpec,
+        kvm: impl FnOnce() -> Result<KvmVm, VmError>,
+        resume: bool,
+    ) -> Result<Self, BuildError> {
+        let RestoreSpec {
+            spec,
+            state,
+            chain,
+            top,
+            prefault,
+        } = restore;
+        let RamSpec { mergeable, .. } = spec.ram;
+        let ram = GuestRam::restore(
+            spec.memory_bytes,
+            &chain,
+            &top,
+            RamOptions {
+                prefault,
+                mergeable,
+            },
+        )?;
+        let vsock = match (&spec.vsock, &state.vsock) {
+            (Some(vsock_spec), Some(saved)) => {
+                if saved.device_config != u64::from(vsock_spec.cid).to_le_bytes() {
+                    return Err(BuildError::State(
+                        "the vsock CID in state.json differs from config.json".into(),
+                    ));
+                }
+                Some(create_vsock(&ram, vsock_spec, Some(saved))?)
+            }
+            _ => None,
+        };
+        let stats = Arc::new(SerialStats::default());
+        let serial = serial_device(&spec, stats.clone(), state.serial.as_ref())?;
+        let parts = Parts {
+            ram,
+            vsock,
+            serial,
+            serial_stats: stats,
+        };
+        Self::assemble(
+            parts,
+            kvm,
+            |kvm, _ram| restore_kvm_state(kvm, &state),
+            !resume,
+        )
+    }
+}
+
+/// Interrupt controllers and PIT, then every vCPU, then the clock (last, so kvmclock is
+/// recomputed against the restored TSCs).
+fn restore_kvm_state(kvm: &KvmVm, state: &VmState) -> Result<Vec<VcpuFd>, BuildError> {
+    kvm_state::check_xsave_size(&kvm.kvm)?;
+    kvm_state::restore_chips(
+        &kvm.fd,
+        &VmKvmState {
+            pic_master: state.pic_master.0,
+            pic_slave: state.pic_slave.0,
+            ioapic: state.ioapic.0,
+            pit: state.pit.0,
+            clock: state.clock.0,
+        },
+    )?;
+    let mut vcpus = Vec::with_capacity(state.vcpus.len());
+    for (index, saved) in state.vcpus.iter().enumerate() {
+        if usize::from(saved.id) != index {
+            return Err(BuildError::State(format!(
+                "vCPU {} saved in slot {index}",
+                saved.id
+            )));
+        }
+        let vcpu = kvm
+            .fd
+            .create_vcpu(u64::from(saved.id))
+            .map_err(super::ioctl("KVM_CREATE_VCPU"))?;
+        kvm_state::restore_vcpu(&vcpu, saved)?;
+        vcpus.push(vcpu);
+    }
+    kvm_state::restore_clock(&kvm.fd, &state.clock.0)?;
+    Ok(vcpus)
+}

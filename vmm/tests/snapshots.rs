@@ -1,0 +1,322 @@
+//! Snapshot, restore and copy-on-write fork on real /dev/kvm with the test guest: the
+//! counter and stamped memory survive a snapshot and a new VMM process, forks start from the
+//! parent's state and then diverge without seeing each other's writes, and damaged or
+//! foreign snapshots are refused.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+
+use agentvm_snapshot::manifest::{MANIFEST_FILE, MEMORY_FILE, STATE_FILE};
+use agentvm_vmm_api::VmState;
+use agentvm_vmm_api::client::ClientError;
+use support::{GuestLink, Vmm};
+
+const PORT: u32 = agentvm_proto::guest::GUEST_AGENT_PORT;
+
+/// A directory for snapshots in the filesystem guest RAM lives in (so forks link, not copy).
+fn shm_dir() -> tempfile::TempDir {
+    match tempfile::tempdir_in("/dev/shm") {
+        Ok(dir) => dir,
+        Err(_) => tempfile::tempdir().unwrap(),
+    }
+}
+
+fn snapshot_dir(parent: &Path, name: &str) -> PathBuf {
+    let dir = parent.join(name);
+    std::fs::create_dir(&dir).unwrap();
+    dir
+}
+
+async fn booted_with_counter(turns: u64) -> (Vmm, GuestLink) {
+    let vmm = Vmm::spawn().await;
+    vmm.boot(&vmm.config(1, 256, "")).await;
+    let mut link = GuestLink::connect_ready(&vmm.vsock_socket(), PORT);
+    for turn in 1..=turns {
+        assert_eq!(
+            link.counter_turn(turn, &format!("e{turn}")),
+            turn.to_string()
+        );
+    }
+    (vmm, link)
+}
+
+#[tokio::test]
+async fn counter_and_memory_survive_a_snapshot_and_a_new_process() {
+    require_kvm!();
+    let (vmm, mut link) = booted_with_counter(2).await;
+    assert_eq!(link.dirty(64, 0x5eed_0001), (64 * 256, 0));
+    vmm.client.pause().await.unwrap();
+    let store = tempfile::tempdir().unwrap();
+    let dir = snapshot_dir(store.path(), "snap");
+    vmm.client.snapshot(&dir).await.unwrap();
+    // The VM stays paused and can go on; here it is thrown away with its process.
+    assert_eq!(vmm.client.info().await.unwrap().state, VmState::Paused);
+    drop(link);
+    vmm.shutdown().await;
+
+    let restored = Vmm::spawn().await;
+    restored.restore(&dir).await;
+    assert_eq!(
+        restored.client.info().await.unwrap().state,
+        VmState::Running
+    );
+    let mut link = GuestLink::connect_ready(&restored.vsock_socket(), PORT);
+    assert_eq!(link.restored(false, 1, "restored-1"), 1);
+    assert_eq!(link.counter_turn(3, "e3"), "3");
+    assert_eq!(link.dirty(64, 0), (64 * 256, 0), "every stamp intact");
+    restored.shutdown().await;
+}
+
+#[tokio::test]
+async fn snapshot_needs_a_paused_vm_and_restore_a_fresh_vmm() {
+    require_kvm!();
+    let (vmm, _link) = booted_with_counter(1).await;
+    let store = tempfile::tempdir().unwrap();
+    let dir = snapshot_dir(store.path(), "snap");
+    let status = |r: Result<(), ClientError>| r.err().and_then(|e| e.status());
+    assert_eq!(status(vmm.client.snapshot(&dir).await), Some(500));
+    assert_eq!(status(vmm.client.fork(&dir).await), Some(500));
+    vmm.client.pause().await.unwrap();
+    vmm.client.snapshot(&dir).await.unwrap();
+    // A snapshot directory is never overwritten.
+    assert_eq!(status(vmm.client.snapshot(&dir).await), Some(500));
+    // This VMM already has a VM.
+    assert_eq!(
+        status(vmm.client.restore(&restore_request(&dir)).await),
+        Some(500)
+    );
+    vmm.shutdown().await;
+}
+
+fn restore_request(dir: &Path) -> agentvm_vmm_api::types::RestoreConfig {
+    agentvm_vmm_api::types::RestoreConfig {
+        source_url: format!("file://{}", dir.display()),
+        memory_restore_mode: agentvm_vmm_api::types::MemoryRestoreMode::OnDemand,
+        resume: true,
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn sixteen_forks_start_from_the_parent_and_diverge() {
+    require_kvm!();
+    let (parent, mut parent_link) = booted_with_counter(5).await;
+    assert_eq!(parent_link.dirty(16, 0x00aa_0000), (16 * 256, 0));
+    parent.client.pause().await.unwrap();
+    let store = shm_dir();
+    let base = snapshot_dir(store.path(), "fork");
+    parent.client.fork(&base).await.unwrap();
+    parent.client.resume().await.unwrap();
+
+    let mut children = Vec::new();
+    for i in 0..16u32 {
+        let child = Vmm::spawn().await;
+        child.restore(&base).await;
+        let mut link = GuestLink::connect_ready(&child.vsock_socket(), PORT);
+        assert_eq!(link.restored(true, 1, &format!("child-{i}")), 1);
+        children.push((child, link));
+    }
+    // The parent goes on from where it was, on its own.
+    let mut parent_link = GuestLink::connect_ready(&parent.vsock_socket(), PORT);
+    assert_eq!(parent_link.counter_turn(6, "p6"), "6");
+    assert_eq!(parent_link.dirty(16, 0x00bb_0000), (16 * 256, 0));
+
+    for (i, (_, link)) in children.iter_mut().enumerate() {
+        // Each child starts from the parent's count at the fork.
+        assert_eq!(link.counter_turn(6, "c6"), "6", "child {i}");
+        // ... and from the parent's memory at the fork, not what the parent wrote since.
+        assert_eq!(
+            link.dirty(16, 0x0100_0000 + i as u32),
+            (16 * 256, 0),
+            "child {i}"
+        );
+    }
+    for (i, (_, link)) in children.iter_mut().enumerate() {
+        assert_eq!(link.counter_turn(7, "c7"), "7", "child {i}");
+        // Its own stamps, untouched by its fifteen siblings' writes.
+        assert_eq!(link.dirty(16, 0), (16 * 256, 0), "child {i}");
+    }
+    assert_eq!(
+        parent_link.dirty(16, 0),
+        (16 * 256, 0),
+        "the parent saw no child write"
+    );
+    assert_eq!(parent_link.counter_turn(7, "p7"), "7");
+
+    // Two levels: fork child 0 and check its children against it and its siblings.
+    let child0 = &children[0].0;
+    child0.client.pause().await.unwrap();
+    let second = snapshot_dir(store.path(), "fork2");
+    child0.client.fork(&second).await.unwrap();
+    child0.client.resume().await.unwrap();
+    let manifest = agentvm_snapshot::Snapshot::open(&second).unwrap().manifest;
+    assert!(
+        manifest.memory.base.is_some(),
+        "a fork of a fork is a layer"
+    );
+    for g in 0..2 {
+        let grandchild = Vmm::spawn().await;
+        grandchild.restore(&second).await;
+        let mut link = GuestLink::connect_ready(&grandchild.vsock_socket(), PORT);
+        link.restored(true, 2, &format!("grandchild-{g}"));
+        assert_eq!(link.counter_turn(8, "g8"), "8");
+        assert_eq!(
+            link.dirty(16, 0),
+            (16 * 256, 0),
+            "child 0's stamps, as at its fork"
+        );
+        assert_eq!(link.dirty(16, 0x0200_0000 + g), (16 * 256, 0));
+        grandchild.shutdown().await;
+    }
+    // The fork cut child 0's streams too.
+    children[0].1 = GuestLink::connect_ready(&children[0].0.vsock_socket(), PORT);
+    let (_, link0) = &mut children[0];
+    assert_eq!(
+        link0.dirty(16, 0),
+        (16 * 256, 0),
+        "grandchildren did not write into child 0"
+    );
+    let (_, link1) = &mut children[1];
+    assert_eq!(link1.dirty(16, 0), (16 * 256, 0), "nor into a sibling");
+    for (child, _) in children {
+        child.shutdown().await;
+    }
+    parent.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_restored_vm_snapshots_as_a_layer_that_restores_again() {
+    require_kvm!();
+    let (vmm, mut link) = booted_with_counter(1).await;
+    link.dirty(8, 0x77);
+    vmm.client.pause().await.unwrap();
+    let store = tempfile::tempdir().unwrap();
+    let first = snapshot_dir(store.path(), "first");
+    vmm.client.snapshot(&first).await.unwrap();
+    vmm.shutdown().await;
+
+    let second_vm = Vmm::spawn().await;
+    second_vm.restore(&first).await;
+    let mut link = GuestLink::connect_ready(&second_vm.vsock_socket(), PORT);
+    assert_eq!(link.counter_turn(2, "e2"), "2");
+    second_vm.client.pause().await.unwrap();
+    let second = snapshot_dir(store.path(), "second");
+    second_vm.client.snapshot(&second).await.unwrap();
+    second_vm.shutdown().await;
+    let layer = agentvm_snapshot::Snapshot::open(&second).unwrap();
+    assert!(layer.manifest.memory.base.is_some());
+    let layer_bytes = std::fs::metadata(second.join(MEMORY_FILE)).unwrap();
+    assert_eq!(
+        layer_bytes.len(),
+        256 << 20,
+        "a layer has the VM's size, sparse"
+    );
+
+    let third_vm = Vmm::spawn().await;
+    third_vm.restore(&second).await;
+    let mut link = GuestLink::connect_ready(&third_vm.vsock_socket(), PORT);
+    assert_eq!(link.counter_turn(3, "e3"), "3");
+    assert_eq!(link.dirty(8, 0), (8 * 256, 0));
+    third_vm.shutdown().await;
+}
+
+/// Takes a snapshot of a freshly booted guest for the refusal tests.
+async fn fresh_snapshot(store: &Path) -> PathBuf {
+    let (vmm, _link) = booted_with_counter(1).await;
+    vmm.client.pause().await.unwrap();
+    let dir = snapshot_dir(store, "snap");
+    vmm.client.snapshot(&dir).await.unwrap();
+    vmm.shutdown().await;
+    dir
+}
+
+async fn refused(dir: &Path, expect: &str) {
+    let vmm = Vmm::spawn().await;
+    let mut request = restore_request(dir);
+    request.vsock_socket = Some(vmm.vsock_socket());
+    request.serial_file = Some(vmm.serial_log());
+    let err = vmm
+        .client
+        .restore(&request)
+        .await
+        .expect_err("restore must fail");
+    let text = err.to_string();
+    assert!(text.contains(expect), "expected `{expect}` in: {text}");
+    // Nothing runs: no VM exists in the VMM and no vsock socket is left.
+    assert_eq!(
+        vmm.client.info().await.err().and_then(|e| e.status()),
+        Some(404)
+    );
+    assert!(!vmm.vsock_socket().exists());
+    vmm.shutdown().await;
+}
+
+fn edit(path: &Path, f: impl FnOnce(&mut Vec<u8>)) {
+    let mut bytes = std::fs::read(path).unwrap();
+    f(&mut bytes);
+    std::fs::write(path, bytes).unwrap();
+}
+
+fn edit_manifest(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
+    let path = dir.join(MANIFEST_FILE);
+    let mut manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    f(&mut manifest);
+    std::fs::write(&path, serde_json::to_vec(&manifest).unwrap()).unwrap();
+}
+
+#[tokio::test]
+async fn damaged_or_foreign_snapshots_are_refused() {
+    require_kvm!();
+    let store = tempfile::tempdir().unwrap();
+
+    let dir = fresh_snapshot(&store.path().join("a").tap_mkdir()).await;
+    let memory = dir.join(MEMORY_FILE);
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&memory)
+        .unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&file, b"tampered", 1 << 20).unwrap();
+    refused(&dir, "memory does not match its digest").await;
+
+    let dir = fresh_snapshot(&store.path().join("b").tap_mkdir()).await;
+    edit(&dir.join(STATE_FILE), |b| {
+        let at = b.len() / 2;
+        b[at] = if b[at] == b'A' { b'B' } else { b'A' };
+    });
+    refused(&dir, "state.json does not match its digest").await;
+
+    let dir = fresh_snapshot(&store.path().join("c").tap_mkdir()).await;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.join(MEMORY_FILE))
+        .unwrap()
+        .set_len(4096)
+        .unwrap();
+    refused(&dir, "memory is 4096 bytes").await;
+
+    let dir = fresh_snapshot(&store.path().join("d").tap_mkdir()).await;
+    edit_manifest(&dir, |m| m["format_version"] = 99.into());
+    refused(&dir, "format version 99").await;
+
+    let dir = fresh_snapshot(&store.path().join("e").tap_mkdir()).await;
+    let other = if agentvm_vmm::kvm::Flavour::detect().name() == "VMX" {
+        "SVM"
+    } else {
+        "VMX"
+    };
+    edit_manifest(&dir, |m| m["host"]["kvm_flavour"] = other.into());
+    refused(&dir, other).await;
+}
+
+trait TapMkdir {
+    fn tap_mkdir(self) -> Self;
+}
+
+impl TapMkdir for PathBuf {
+    fn tap_mkdir(self) -> Self {
+        std::fs::create_dir_all(&self).unwrap();
+        self
+    }
+}
