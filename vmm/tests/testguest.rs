@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use agentvm_proto::guest::v1::envelope::Body;
 use agentvm_proto::guest::v1::{HealthCheck, Shutdown};
 use agentvm_vmm_api::VmState;
-use support::{GuestLink, Vmm, fds_and_threads, rss_kib, settles_to, vm_threads, wait_for_serial};
+use support::{GuestLink, Vmm, idle_counts, rss_kib, settles_to, vm_threads, wait_for_serial};
 
 const PORT: u32 = agentvm_proto::guest::GUEST_AGENT_PORT;
 
@@ -50,10 +50,10 @@ async fn two_vcpus_boot() {
     vmm.boot(&vmm.config(2, 256, "")).await;
     let log = wait_for_serial(&vmm.serial_log(), "TESTGUEST CPUS", Duration::from_secs(5));
     assert!(log.contains("TESTGUEST CPUS 2"), "{log}");
-    let (_, threads) = fds_and_threads(vmm.pid());
-    assert!(
-        threads >= 4,
-        "main, api, devices and two vCPU threads; saw {threads}"
+    assert_eq!(
+        vm_threads(vmm.pid()),
+        ["devices", "vcpu0", "vcpu1", "vm-exit"],
+        "one thread per vCPU plus the device thread"
     );
     vmm.shutdown().await;
 }
@@ -204,7 +204,7 @@ async fn shutdown_and_delete_release_everything() {
     let vmm = Vmm::spawn().await;
     // Let the API runtime settle before taking the baseline.
     vmm.client.ping().await.unwrap();
-    let baseline = fds_and_threads(vmm.pid());
+    let baseline = idle_counts(vmm.pid());
     let rss_before = rss_kib(vmm.pid());
     for round in 0..3 {
         vmm.boot(&vmm.config(2, 256, "")).await;

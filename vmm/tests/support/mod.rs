@@ -400,17 +400,10 @@ impl GuestLink {
 
 /// Names of a process's threads that belong to a VM (vCPUs, device thread, exit watcher).
 pub fn vm_threads(pid: u32) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/task"))
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .filter_map(|e| std::fs::read_to_string(e.path().join("comm")).ok())
-                .map(|n| n.trim().to_owned())
-                .filter(|n| n.starts_with("vcpu") || n == "devices" || n == "vm-exit")
-                .collect()
-        })
-        .unwrap_or_default();
-    names.sort();
-    names
+    thread_names(pid)
+        .into_iter()
+        .filter(|n| n.starts_with("vcpu") || n == "devices" || n == "vm-exit")
+        .collect()
 }
 
 /// Open file descriptors and threads of a process, for leak checks.
@@ -436,19 +429,44 @@ pub fn fd_targets(pid: u32) -> Vec<String> {
     out
 }
 
-/// Waits (briefly) for a process's fds and threads to come back to `baseline`: the API closes
-/// a connection just after answering, so the count can lag the reply by a moment.
+fn thread_names(pid: u32) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter_map(|e| std::fs::read_to_string(e.path().join("comm")).ok())
+                .map(|n| n.trim().to_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// Fds and threads once the VMM is idle: no KVM VM being prepared in the background (a
+/// VMM prepares the next VM right after start and after every VM ends).
+pub fn idle_counts(pid: u32) -> (usize, usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while thread_names(pid).iter().any(|n| n == "vm-prepare") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    fds_and_threads(pid)
+}
+
+/// Waits for a process's fds and threads to come back to `baseline` (taken with
+/// [`idle_counts`]): the API closes a connection just after answering and the next VM is
+/// prepared in the background, so counts can lag the reply by a moment.
 pub fn settles_to(pid: u32, baseline: (usize, usize)) -> Result<(), String> {
-    let deadline = Instant::now() + Duration::from_secs(2);
+    let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let now = fds_and_threads(pid);
-        if now == baseline {
+        if now == baseline && !thread_names(pid).iter().any(|n| n == "vm-prepare") {
             return Ok(());
         }
         if Instant::now() >= deadline {
             return Err(format!(
-                "fds/threads {now:?}, expected {baseline:?}; open: {:?}",
-                fd_targets(pid)
+                "fds/threads {now:?}, expected {baseline:?}; open: {:?}; threads: {:?}",
+                fd_targets(pid),
+                thread_names(pid)
             ));
         }
         std::thread::sleep(Duration::from_millis(10));
