@@ -135,8 +135,16 @@ async fn main() {
         spawn_to_answer.push(ms(start.elapsed()));
         child.shutdown().await;
     }
-    summary("vm.restore call (256 MiB, 64 MiB written)", "ms", restore_call);
-    summary("spawn -> restore -> first frame answered", "ms", spawn_to_answer);
+    summary(
+        "vm.restore call (256 MiB, 64 MiB written)",
+        "ms",
+        restore_call,
+    );
+    summary(
+        "spawn -> restore -> first frame answered",
+        "ms",
+        spawn_to_answer,
+    );
     let mut warm = Vec::new();
     for _ in 0..runs.max(2) * 2 {
         let child = Vmm::spawn().await;
