@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use agentvm_proto::guest::v1::envelope::Body;
 use agentvm_proto::guest::v1::{HealthCheck, Shutdown};
 use agentvm_vmm_api::VmState;
-use support::{GuestLink, Vmm, idle_counts, rss_kib, settles_to, vm_threads, wait_for_serial};
+use support::{GuestLink, Vmm, idle_holdings, rss_kib, settles_to, vm_threads, wait_for_serial};
 
 const PORT: u32 = agentvm_proto::guest::GUEST_AGENT_PORT;
 
@@ -204,7 +204,7 @@ async fn shutdown_and_delete_release_everything() {
     let vmm = Vmm::spawn().await;
     // Let the API runtime settle before taking the baseline.
     vmm.client.ping().await.unwrap();
-    let baseline = idle_counts(vmm.pid());
+    let baseline = idle_holdings(vmm.pid());
     let rss_before = rss_kib(vmm.pid());
     for round in 0..3 {
         vmm.boot(&vmm.config(2, 256, "")).await;
@@ -222,7 +222,7 @@ async fn shutdown_and_delete_release_everything() {
         );
         vmm.client.delete().await.unwrap();
         let _ = std::fs::remove_file(vmm.serial_log());
-        if let Err(leak) = settles_to(vmm.pid(), baseline) {
+        if let Err(leak) = settles_to(vmm.pid(), &baseline) {
             panic!("round {round}: after delete: {leak}");
         }
         assert!(

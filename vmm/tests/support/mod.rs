@@ -442,30 +442,51 @@ fn thread_names(pid: u32) -> Vec<String> {
     names
 }
 
-/// Fds and threads once the VMM is idle: no KVM VM being prepared in the background (a
-/// VMM prepares the next VM right after start and after every VM ends).
-pub fn idle_counts(pid: u32) -> (usize, usize) {
+/// What a process holds open, for leak checks: its fd targets other than sockets (kind
+/// and count), and how many sockets. API connections come and go around every request, so
+/// sockets are compared as "no more than before" and everything else exactly.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holdings {
+    pub files: Vec<String>,
+    pub sockets: usize,
+}
+
+fn holdings(pid: u32) -> Holdings {
+    let targets = fd_targets(pid);
+    let sockets = targets.iter().filter(|t| t.starts_with("socket:")).count();
+    let mut files: Vec<String> = targets
+        .into_iter()
+        .filter(|t| !t.starts_with("socket:"))
+        // Pipe and anon-inode instance numbers differ between otherwise equal fds.
+        .map(|t| t.split('[').next().unwrap_or_default().to_owned())
+        .collect();
+    files.sort();
+    Holdings { files, sockets }
+}
+
+/// Holdings once the VMM is idle: no KVM VM being prepared in the background (a VMM
+/// prepares the next VM right after start and after every VM ends) and no request in flight.
+pub fn idle_holdings(pid: u32) -> Holdings {
     let deadline = Instant::now() + Duration::from_secs(10);
     while thread_names(pid).iter().any(|n| n == "vm-prepare") && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(5));
     }
-    fds_and_threads(pid)
+    std::thread::sleep(Duration::from_millis(100));
+    holdings(pid)
 }
 
-/// Waits for a process's fds and threads to come back to `baseline` (taken with
-/// [`idle_counts`]): the API closes a connection just after answering and the next VM is
-/// prepared in the background, so counts can lag the reply by a moment.
-pub fn settles_to(pid: u32, baseline: (usize, usize)) -> Result<(), String> {
+/// Waits for a process to hold no more than `baseline` again (see [`Holdings`]).
+pub fn settles_to(pid: u32, baseline: &Holdings) -> Result<(), String> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let now = fds_and_threads(pid);
-        if now == baseline && !thread_names(pid).iter().any(|n| n == "vm-prepare") {
+        let now = holdings(pid);
+        let preparing = thread_names(pid).iter().any(|n| n == "vm-prepare");
+        if !preparing && now.files == baseline.files && now.sockets <= baseline.sockets {
             return Ok(());
         }
         if Instant::now() >= deadline {
             return Err(format!(
-                "fds/threads {now:?}, expected {baseline:?}; open: {:?}; threads: {:?}",
-                fd_targets(pid),
+                "holds {now:?}, expected {baseline:?}; threads: {:?}",
                 thread_names(pid)
             ));
         }
