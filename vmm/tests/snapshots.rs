@@ -50,10 +50,12 @@ async fn counter_and_memory_survive_a_snapshot_and_a_new_process() {
     let store = tempfile::tempdir().unwrap();
     let dir = snapshot_dir(store.path(), "snap");
     vmm.client.snapshot(&dir).await.unwrap();
-    // The VM stays paused and can go on; here it is thrown away with its process.
+    // The VM stays paused and could go on; here its process is killed outright.
     assert_eq!(vmm.client.info().await.unwrap().state, VmState::Paused);
     drop(link);
-    vmm.shutdown().await;
+    let mut vmm = vmm;
+    vmm.child.kill().unwrap();
+    vmm.child.wait().unwrap();
 
     let restored = Vmm::spawn().await;
     restored.restore(&dir).await;
@@ -63,6 +65,10 @@ async fn counter_and_memory_survive_a_snapshot_and_a_new_process() {
     );
     let mut link = GuestLink::connect_ready(&restored.vsock_socket(), PORT);
     assert_eq!(link.restored(false, 1, "restored-1"), 1);
+    // The guest recorded the notice: generation and new identity.
+    let ready = link.hello();
+    assert_eq!(ready.restore_generation, 1);
+    assert_eq!(ready.identity.unwrap().session_uid, "restored-1");
     assert_eq!(link.counter_turn(3, "e3"), "3");
     assert_eq!(link.dirty(64, 0), (64 * 256, 0), "every stamp intact");
     restored.shutdown().await;
