@@ -264,7 +264,7 @@ fn read_u64(z: &mut impl Read) -> Result<u64, SnapshotError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::manifest::{BaseRef, CONFIG_FILE, HostIdentity, STATE_FILE};
+    use crate::manifest::{CONFIG_FILE, HostIdentity, STATE_FILE};
     use std::fs::OpenOptions;
 
     fn snapshot(dir: &Path, pages: &[(u64, u8)], base: Option<&Snapshot>) -> Snapshot {
@@ -288,10 +288,7 @@ mod tests {
             "t",
             MemoryLayout {
                 size: 8 << 20,
-                base: base.map(|b| BaseRef {
-                    dir: b.dir.clone(),
-                    manifest_sha256: b.manifest_sha256.clone(),
-                }),
+                base: base.map(Snapshot::base_ref),
             },
         )
         .unwrap();

@@ -10,8 +10,8 @@ use sha2::{Digest, Sha256};
 
 use crate::SnapshotError;
 use crate::manifest::{
-    DigestKind, FORMAT_VERSION, FileEntry, FileStamp, HostIdentity, MANIFEST_FILE, Manifest,
-    MemoryLayout,
+    BaseRef, DigestKind, FORMAT_VERSION, FileEntry, FileStamp, HostIdentity, MANIFEST_FILE,
+    Manifest, MemoryLayout,
 };
 use crate::pages;
 
@@ -180,6 +180,14 @@ impl Snapshot {
         self.dir.join(name)
     }
 
+    /// How a layer taken on top of this snapshot refers to it.
+    pub fn base_ref(&self) -> BaseRef {
+        BaseRef {
+            dir: self.dir.clone(),
+            manifest_sha256: self.manifest_sha256.clone(),
+        }
+    }
+
     /// Refuses a snapshot from an incompatible host.
     pub fn check_host(&self, here: &HostIdentity) -> Result<(), SnapshotError> {
         match self.manifest.host.incompatibility(here) {
@@ -306,10 +314,7 @@ mod tests {
             "test",
             MemoryLayout {
                 size: 1 << 20,
-                base: base.map(|b| crate::manifest::BaseRef {
-                    dir: b.dir.clone(),
-                    manifest_sha256: b.manifest_sha256.clone(),
-                }),
+                base: base.map(Snapshot::base_ref),
             },
         )
         .unwrap();

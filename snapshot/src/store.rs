@@ -189,19 +189,13 @@ impl LocalStore {
 mod tests {
     use super::*;
     use crate::SnapshotWriter;
-    use crate::manifest::{BaseRef, HostIdentity, MemoryLayout, STATE_FILE};
+    use crate::manifest::{HostIdentity, MemoryLayout, STATE_FILE};
 
     fn put(store: &LocalStore, id: &str, base: Option<&str>) {
         let dir = store.create_dir(id).unwrap();
         let mut w = SnapshotWriter::create(&dir, false).unwrap();
         w.write_file(STATE_FILE, b"{}").unwrap();
-        let base = base.map(|b| {
-            let s = store.get(b).unwrap();
-            BaseRef {
-                dir: s.dir,
-                manifest_sha256: s.manifest_sha256,
-            }
-        });
+        let base = base.map(|b| store.get(b).unwrap().base_ref());
         w.finish(
             HostIdentity::current("PVM"),
             "t",

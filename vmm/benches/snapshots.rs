@@ -17,22 +17,7 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use support::{GuestLink, Vmm};
-
-fn summary(name: &str, unit: &str, mut xs: Vec<f64>) {
-    xs.sort_by(|a, b| a.total_cmp(b));
-    println!(
-        "{name:<50} min {:>9.2}  median {:>9.2}  max {:>9.2}  {unit}  (n={})",
-        xs[0],
-        xs[xs.len() / 2],
-        xs[xs.len() - 1],
-        xs.len()
-    );
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
+use support::{GuestLink, Vmm, ms, summary};
 
 /// Snapshots live next to guest RAM (tmpfs) so forks can link; disk snapshots in a tempdir.
 fn shm_dir() -> tempfile::TempDir {

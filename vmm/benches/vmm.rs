@@ -20,22 +20,7 @@ use std::time::{Duration, Instant};
 use agentvm_proto::guest::v1::envelope::Body;
 use agentvm_proto::guest::v1::{HarnessFrame, HealthCheck, harness_frame};
 use agentvm_proto::v1::{ControllerFrame, Start, controller_frame};
-use support::{GuestLink, Vmm, rss_kib, wait_for_serial};
-
-fn summary(name: &str, unit: &str, mut xs: Vec<f64>) {
-    xs.sort_by(|a, b| a.total_cmp(b));
-    println!(
-        "{name:<46} min {:>9.2}  median {:>9.2}  max {:>9.2}  {unit}  (n={})",
-        xs[0],
-        xs[xs.len() / 2],
-        xs[xs.len() - 1],
-        xs.len()
-    );
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
+use support::{GuestLink, Vmm, ms, rss_kib, summary, wait_for_serial};
 
 async fn spawn_to_api_ready(runs: usize) -> Vec<f64> {
     let dir = tempfile::tempdir().unwrap();

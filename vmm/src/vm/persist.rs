@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use agentvm_snapshot::dir::SnapshotWriter;
 use agentvm_snapshot::manifest::{
-    BaseRef, CONFIG_FILE, DigestKind, HostIdentity, MEMORY_FILE, MemoryLayout, STATE_FILE,
+    CONFIG_FILE, DigestKind, HostIdentity, MEMORY_FILE, MemoryLayout, STATE_FILE,
 };
 use agentvm_snapshot::state::{Raw, VmState};
 use agentvm_snapshot::{Snapshot, SnapshotError};
@@ -142,12 +142,8 @@ impl Vm {
                 (DigestKind::Pages, digest, pages, linked, None)
             }
             (Backing::Private { top }, _) => {
-                let base = Snapshot::open(&top)?;
+                let base = Snapshot::open(&top)?.base_ref();
                 let (digest, pages) = self.ram.write_layer(&memory_path)?;
-                let base = BaseRef {
-                    dir: base.dir,
-                    manifest_sha256: base.manifest_sha256,
-                };
                 (DigestKind::LayerPages, digest, pages, false, Some(base))
             }
         };

@@ -504,3 +504,19 @@ pub fn rss_kib(pid: u32) -> u64 {
         .and_then(|v| v.parse().ok())
         .unwrap_or(0)
 }
+
+/// Prints one benchmark line: min, median and max of `xs`.
+pub fn summary(name: &str, unit: &str, mut xs: Vec<f64>) {
+    xs.sort_by(|a, b| a.total_cmp(b));
+    println!(
+        "{name:<50} min {:>9.2}  median {:>9.2}  max {:>9.2}  {unit}  (n={})",
+        xs[0],
+        xs[xs.len() / 2],
+        xs[xs.len() - 1],
+        xs.len()
+    );
+}
+
+pub fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
