@@ -94,7 +94,11 @@ pub async fn serve(
             signalled.notify_one();
         }
     };
-    let router = Server::builder().add_routes(routes);
+    let router = Server::builder()
+        .layer(tower::util::MapResponseLayer::new(
+            crate::api::status_limit::limit_status,
+        ))
+        .add_routes(routes);
 
     match addr {
         ListenAddr::Unix(path) => {

@@ -3,7 +3,6 @@
 //! test harnesses registered at an address (the remote runtime). Tests are named after the
 //! semantics.md §6 scenarios they prove.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,80 +17,17 @@ use agentvm_proto::v1::{
     Resumability, ResumeRequest, Session, SuspendRequest, TextPart, ToolCall, event::Body,
     exec_update::Update, harness_spec::Placement, part,
 };
-use agentvmd::config::ListenAddr;
-use agentvmd::journal::sqlite::Durability;
 use agentvmd::journal::verify::verify_chain;
-use agentvmd::node::{Node, NodeConfig};
 use tokio::sync::Semaphore;
 use tonic::transport::Channel;
 use tonic::{Code, Status};
 
 // ---------- fixture ----------
 
-struct TestNode {
-    _dir: tempfile::TempDir,
-    dir: PathBuf,
-    node: Node,
-    client: SessionsClient<Channel>,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-}
-
-impl Drop for TestNode {
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-    }
-}
-
-async fn start() -> TestNode {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().to_owned();
-    let mut cfg = NodeConfig::new(path.join("state"));
-    cfg.harness_command = vec![
-        env!("CARGO_BIN_EXE_agentvm").into(),
-        "harness".into(),
-        "serve".into(),
-    ];
-    cfg.durability = Durability::Relaxed;
-    let node = Node::open(cfg).unwrap();
-    let socket = path.join("api.sock");
-    let addr = ListenAddr::Unix(socket.clone());
-    let routes = agentvmd::server::api_routes(node.host.clone())
-        .await
-        .unwrap();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    {
-        let addr = addr.clone();
-        tokio::spawn(async move {
-            agentvmd::server::serve(&addr, routes, 0o600, async {
-                let _ = stop_rx.await;
-            })
-            .await
-            .unwrap();
-        });
-    }
-    for _ in 0..200 {
-        if socket.exists() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let channel = agentvmd::client::connect(&addr).await.unwrap();
-    TestNode {
-        _dir: dir,
-        dir: path,
-        node,
-        client: SessionsClient::new(channel),
-        stop: Some(stop_tx),
-    }
-}
+mod support;
+use support::{TestNode, start};
 
 impl TestNode {
-    fn c(&self) -> SessionsClient<Channel> {
-        self.client.clone()
-    }
-
     /// Serves `harness` on a socket in the test directory and registers it as `name`.
     fn register(&self, name: &str, harness: Arc<dyn Harness>) {
         let socket = self.dir.join(format!("{name}.sock"));

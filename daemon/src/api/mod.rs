@@ -7,3 +7,4 @@ pub mod registry_service;
 pub mod session_view;
 pub mod sessions_service;
 pub mod status;
+pub mod status_limit;

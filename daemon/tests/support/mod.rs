@@ -1,0 +1,77 @@
+//! The in-process node the Sessions API tests run against: an agentvmd node on a unix
+//! socket in a temporary directory, harness processes started from this build's `agentvm`.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use agentvm_proto::v1::sessions_client::SessionsClient;
+use agentvmd::config::ListenAddr;
+use agentvmd::journal::sqlite::Durability;
+use agentvmd::node::{Node, NodeConfig};
+use tonic::transport::Channel;
+
+pub struct TestNode {
+    _dir: tempfile::TempDir,
+    pub dir: PathBuf,
+    pub node: Node,
+    pub client: SessionsClient<Channel>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Drop for TestNode {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+pub async fn start() -> TestNode {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().to_owned();
+    let mut cfg = NodeConfig::new(path.join("state"));
+    cfg.harness_command = vec![
+        env!("CARGO_BIN_EXE_agentvm").into(),
+        "harness".into(),
+        "serve".into(),
+    ];
+    cfg.durability = Durability::Relaxed;
+    let node = Node::open(cfg).unwrap();
+    let socket = path.join("api.sock");
+    let addr = ListenAddr::Unix(socket.clone());
+    let routes = agentvmd::server::api_routes(node.host.clone())
+        .await
+        .unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    {
+        let addr = addr.clone();
+        tokio::spawn(async move {
+            agentvmd::server::serve(&addr, routes, 0o600, async {
+                let _ = stop_rx.await;
+            })
+            .await
+            .unwrap();
+        });
+    }
+    for _ in 0..200 {
+        if socket.exists() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let channel = agentvmd::client::connect(&addr).await.unwrap();
+    TestNode {
+        _dir: dir,
+        dir: path,
+        node,
+        client: SessionsClient::new(channel),
+        stop: Some(stop_tx),
+    }
+}
+
+impl TestNode {
+    pub fn c(&self) -> SessionsClient<Channel> {
+        self.client.clone()
+    }
+}
