@@ -16,6 +16,7 @@ use crate::model::provider::{ModelProvider, RoutedProvider};
 use crate::registry::store::RegistryStore;
 use crate::registry::{Registry, builtin_harnesses};
 use crate::runtime::Runtime;
+use crate::runtime::microvm::{MicrovmConfig, MicrovmRuntime};
 use crate::runtime::placement::can_place;
 use crate::runtime::process::ProcessRuntime;
 use crate::session::SessionHost;
@@ -31,6 +32,11 @@ pub struct NodeConfig {
     pub durability: Durability,
     /// An OpenAI-compatible endpoint for every model but the built-in `echo`.
     pub openai: Option<OpenAiConfig>,
+    /// The agentvm-vmm binary for the microvm runtime; `None` leaves the runtime out.
+    /// Default: `agentvm-vmm` beside this executable.
+    pub vmm_binary: Option<PathBuf>,
+    /// Where guest RAM files live (a tmpfs, so a fork can link instead of copy).
+    pub ram_dir: PathBuf,
 }
 
 impl NodeConfig {
@@ -40,8 +46,53 @@ impl NodeConfig {
             harness_command: default_harness_command(),
             durability: Durability::Full,
             openai: None,
+            vmm_binary: Some(sibling_binary("agentvm-vmm")),
+            ram_dir: PathBuf::from("/dev/shm"),
         }
     }
+}
+
+/// `name` in the directory of this executable.
+fn sibling_binary(name: &str) -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|p| p.parent().map(|d| d.join(name)))
+        .unwrap_or_else(|| PathBuf::from(name))
+}
+
+/// The harnesses the microvm runtime runs and their guest images.
+pub const MICROVM_HARNESSES: [&str; 1] = ["testguest"];
+
+/// The microvm runtime, or why this node cannot have one.
+fn microvm_runtime(cfg: &NodeConfig) -> Result<MicrovmRuntime, String> {
+    let binary = cfg
+        .vmm_binary
+        .clone()
+        .ok_or("no VMM binary is configured")?;
+    if !binary.is_file() {
+        return Err(format!("the VMM binary {} is missing", binary.display()));
+    }
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .map_err(|e| format!("/dev/kvm is not usable ({e})"))?;
+    let images = cfg.state_dir.join("images");
+    std::fs::create_dir_all(&images).map_err(|e| format!("creating {}: {e}", images.display()))?;
+    let testguest = images.join("testguest.elf");
+    if std::fs::read(&testguest).ok().as_deref() != Some(agentvm_testguest::TESTGUEST_ELF) {
+        std::fs::write(&testguest, agentvm_testguest::TESTGUEST_ELF)
+            .map_err(|e| format!("writing {}: {e}", testguest.display()))?;
+    }
+    MicrovmRuntime::new(MicrovmConfig {
+        vmm_binary: binary,
+        run_dir: cfg.state_dir.join("vms"),
+        ram_dir: cfg.ram_dir.clone(),
+        snapshot_dir: cfg.state_dir.join("snapshots"),
+        images: vec![("testguest".into(), testguest)],
+        vcpus: 1,
+        memory_mib: 256,
+    })
 }
 
 /// `<dir of this executable>/agentvm harness serve`.
@@ -72,17 +123,31 @@ impl Node {
             cfg.harness_command.clone(),
             cfg.state_dir.join("harnesses"),
         ));
-        let builtin_runtimes: HashMap<String, Arc<dyn Runtime>> = PROCESS_HARNESSES
+        let mut builtin_runtimes: HashMap<String, Arc<dyn Runtime>> = PROCESS_HARNESSES
             .iter()
             .map(|name| ((*name).to_owned(), Arc::clone(&process)))
             .collect();
+        let microvm_missing = match microvm_runtime(&cfg) {
+            Ok(runtime) => {
+                let runtime: Arc<dyn Runtime> = Arc::new(runtime);
+                for name in MICROVM_HARNESSES {
+                    builtin_runtimes.insert(name.to_owned(), Arc::clone(&runtime));
+                }
+                None
+            }
+            Err(why) => {
+                tracing::warn!(reason = %why, "no microvm runtime on this node");
+                Some(why)
+            }
+        };
         let unservable = |name: &str, caps: &Capabilities| match builtin_runtimes.get(name) {
             Some(rt) => can_place(caps, rt.name(), &rt.capabilities())
                 .err()
                 .map(|refusal| refusal.to_string()),
-            None => {
-                Some("it runs on the microvm runtime, which this node does not have yet".into())
-            }
+            None => Some(format!(
+                "it runs on the microvm runtime, which this node does not have: {}",
+                microvm_missing.as_deref().unwrap_or("not configured")
+            )),
         };
         let registry = Arc::new(Registry::new(
             builtin_harnesses(unservable),

@@ -3,6 +3,7 @@
 //!
 //! Data flows down only: the controller calls a runtime; a runtime never calls back up.
 
+pub mod microvm;
 pub mod placement;
 pub mod process;
 pub mod remote;

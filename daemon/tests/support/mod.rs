@@ -28,6 +28,11 @@ impl Drop for TestNode {
 }
 
 pub async fn start() -> TestNode {
+    start_with(|_| {}).await
+}
+
+/// `start`, with the node's configuration adjusted first.
+pub async fn start_with(configure: impl FnOnce(&mut NodeConfig)) -> TestNode {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().to_owned();
     let mut cfg = NodeConfig::new(path.join("state"));
@@ -37,6 +42,7 @@ pub async fn start() -> TestNode {
         "serve".into(),
     ];
     cfg.durability = Durability::Relaxed;
+    configure(&mut cfg);
     let node = Node::open(cfg).unwrap();
     let socket = path.join("api.sock");
     let addr = ListenAddr::Unix(socket.clone());

@@ -1,0 +1,309 @@
+//! The host side of `agentvm.guest.v1`: a stream to the guest agent over hybrid vsock
+//! (`CONNECT <port>\n` → `OK <n>\n` on the VM's socket), length-delimited frames on it, and
+//! the harness channel the controller uses ([`GuestEndpoint`]) built from such streams.
+//!
+//! Nothing here assumes a stream survives: every snapshot resets them all, so each Describe
+//! and each execution opens its own, with retries while a guest is booting or still dropping
+//! the streams a restore cut.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use agentvm_proto::guest::framing::{FrameDecoder, frame_bytes};
+use agentvm_proto::guest::v1::envelope::Body;
+use agentvm_proto::guest::v1::{
+    DescribeHarness, Envelope, HarnessFrame, Hello, Ready, Restored, harness_frame,
+};
+use agentvm_proto::guest::{GUEST_AGENT_PORT, PROTOCOL_VERSION};
+use agentvm_proto::v1::{ControllerFrame, HarnessDescriptor};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Code, Status};
+
+use crate::controller::endpoint::{HarnessEndpoint, HarnessStream};
+
+/// Largest frame accepted from a guest (a harness event carries at most a model message).
+const MAX_FRAME: usize = 4 << 20;
+/// A guest that accepted a stream must answer within this.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+/// The stream the test guest and the agent multiplex one execution on.
+const EXECUTION_STREAM: u64 = 1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum GuestError {
+    #[error("vsock socket {path}: {source}")]
+    Connect {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("the guest refused vsock port {port} (answered {answer:?})")]
+    Refused { port: u32, answer: String },
+    #[error("guest stream: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("the guest sent a bad frame: {0}")]
+    Frame(String),
+    #[error("the guest did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error("the guest answered {got} where {want} was expected")]
+    Unexpected { want: &'static str, got: String },
+    #[error("the guest speaks protocol version {0}, the host {PROTOCOL_VERSION}")]
+    Version(u32),
+    #[error("the guest reported error {code}: {message}")]
+    Guest { code: i32, message: String },
+}
+
+/// One open stream to the guest agent.
+pub struct GuestConn {
+    stream: UnixStream,
+    decoder: FrameDecoder,
+    next_id: u64,
+}
+
+impl GuestConn {
+    /// `CONNECT port` on the VM's vsock socket.
+    pub async fn connect(socket: &Path, port: u32) -> Result<Self, GuestError> {
+        let mut stream =
+            UnixStream::connect(socket)
+                .await
+                .map_err(|source| GuestError::Connect {
+                    path: socket.display().to_string(),
+                    source,
+                })?;
+        stream
+            .write_all(format!("CONNECT {port}\n").as_bytes())
+            .await?;
+        // Byte by byte: what follows the line is already the guest's stream.
+        let mut line = Vec::new();
+        let mut byte = [0u8];
+        while line.last() != Some(&b'\n') && line.len() < 64 {
+            let read = tokio::time::timeout(REPLY_TIMEOUT, stream.read(&mut byte))
+                .await
+                .map_err(|_| GuestError::Timeout(REPLY_TIMEOUT))??;
+            if read == 0 {
+                break;
+            }
+            line.push(byte[0]);
+        }
+        if !line.starts_with(b"OK ") || line.last() != Some(&b'\n') {
+            return Err(GuestError::Refused {
+                port,
+                answer: String::from_utf8_lossy(&line).into_owned(),
+            });
+        }
+        Ok(Self {
+            stream,
+            decoder: FrameDecoder::new(MAX_FRAME),
+            next_id: 1,
+        })
+    }
+
+    /// Connects and exchanges Hello/Ready, retrying until `timeout` while the guest is not
+    /// listening yet or drops the stream (a guest still booting, or applying a restore's
+    /// transport reset).
+    pub async fn ready(socket: &Path, timeout: Duration) -> Result<(Self, Ready), GuestError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut pause = Duration::from_millis(1);
+        loop {
+            let attempt = async {
+                let mut conn = Self::connect(socket, GUEST_AGENT_PORT).await?;
+                let ready = conn.hello().await?;
+                Ok::<_, GuestError>((conn, ready))
+            };
+            let result = tokio::time::timeout(Duration::from_secs(5), attempt)
+                .await
+                .unwrap_or(Err(GuestError::Timeout(Duration::from_secs(5))));
+            match result {
+                Ok(done) => return Ok(done),
+                Err(e @ (GuestError::Version(_) | GuestError::Guest { .. })) => return Err(e),
+                Err(e) if tokio::time::Instant::now() >= deadline => return Err(e),
+                Err(_) => {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(50));
+                }
+            }
+        }
+    }
+
+    pub async fn send(&mut self, body: Body) -> Result<u64, GuestError> {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.stream
+            .write_all(&frame_bytes(&Envelope {
+                id,
+                body: Some(body),
+            }))
+            .await?;
+        Ok(id)
+    }
+
+    pub async fn recv(&mut self) -> Result<Envelope, GuestError> {
+        let mut buf = [0u8; 16 << 10];
+        loop {
+            match self.decoder.next_frame() {
+                Ok(Some(envelope)) => return Ok(envelope),
+                Ok(None) => {}
+                Err(e) => return Err(GuestError::Frame(e.to_string())),
+            }
+            let n = tokio::time::timeout(REPLY_TIMEOUT, self.stream.read(&mut buf))
+                .await
+                .map_err(|_| GuestError::Timeout(REPLY_TIMEOUT))??;
+            if n == 0 {
+                return Err(GuestError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+            }
+            self.decoder.extend(&buf[..n]);
+        }
+    }
+
+    async fn call(&mut self, body: Body) -> Result<Body, GuestError> {
+        let id = self.send(body).await?;
+        loop {
+            let reply = self.recv().await?;
+            match reply.body {
+                Some(Body::Error(e)) => {
+                    return Err(GuestError::Guest {
+                        code: e.code,
+                        message: e.message,
+                    });
+                }
+                Some(body) if reply.id == id => return Ok(body),
+                // Unsolicited frames (a Ready from a guest-initiated stream) are not ours.
+                _ => continue,
+            }
+        }
+    }
+
+    pub async fn hello(&mut self) -> Result<Ready, GuestError> {
+        match self
+            .call(Body::Hello(Hello {
+                protocol_version: PROTOCOL_VERSION,
+                host_version: format!("agentvmd {}", env!("CARGO_PKG_VERSION")),
+            }))
+            .await?
+        {
+            Body::Ready(ready) if ready.protocol_version == PROTOCOL_VERSION => Ok(ready),
+            Body::Ready(ready) => Err(GuestError::Version(ready.protocol_version)),
+            other => Err(unexpected("Ready", &other)),
+        }
+    }
+
+    /// Tells a restored or forked guest so; returns the generation it acknowledged.
+    pub async fn restored(&mut self, notice: Restored) -> Result<u64, GuestError> {
+        let want = notice.generation;
+        match self.call(Body::Restored(notice)).await? {
+            Body::RestoredAck(ack) if ack.generation == want => Ok(ack.generation),
+            other => Err(unexpected("RestoredAck", &other)),
+        }
+    }
+
+    pub async fn describe(&mut self) -> Result<HarnessDescriptor, GuestError> {
+        match self.call(Body::DescribeHarness(DescribeHarness {})).await? {
+            Body::HarnessDescriptor(d) => Ok(d),
+            other => Err(unexpected("HarnessDescriptor", &other)),
+        }
+    }
+}
+
+fn unexpected(want: &'static str, got: &Body) -> GuestError {
+    let name = format!("{got:?}");
+    GuestError::Unexpected {
+        want,
+        got: name.split('(').next().unwrap_or_default().to_owned(),
+    }
+}
+
+fn to_status(e: GuestError) -> Status {
+    match e {
+        GuestError::Guest { code, message } => Status::new(Code::from_i32(code), message),
+        GuestError::Timeout(_) => Status::deadline_exceeded(e.to_string()),
+        other => Status::unavailable(other.to_string()),
+    }
+}
+
+/// The harness inside a VM, reached over the guest protocol.
+pub struct GuestEndpoint {
+    socket: PathBuf,
+    ready_timeout: Duration,
+}
+
+impl GuestEndpoint {
+    pub fn new(socket: PathBuf, ready_timeout: Duration) -> Self {
+        Self {
+            socket,
+            ready_timeout,
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl HarnessEndpoint for GuestEndpoint {
+    async fn describe(&self) -> Result<HarnessDescriptor, Status> {
+        let (mut conn, _) = GuestConn::ready(&self.socket, self.ready_timeout)
+            .await
+            .map_err(to_status)?;
+        conn.describe().await.map_err(to_status)
+    }
+
+    async fn connect(&self) -> Result<HarnessStream, Status> {
+        let (conn, _) = GuestConn::ready(&self.socket, self.ready_timeout)
+            .await
+            .map_err(to_status)?;
+        let (frames_tx, frames_rx) = mpsc::channel::<ControllerFrame>(16);
+        let (events_tx, events_rx) = mpsc::channel(64);
+        tokio::spawn(pump(conn, frames_rx, events_tx));
+        Ok(HarnessStream {
+            frames: frames_tx,
+            events: Box::pin(ReceiverStream::new(events_rx)),
+        })
+    }
+}
+
+/// Moves one execution between the controller's channels and the guest stream until the
+/// guest closes it (or the controller goes away).
+async fn pump(
+    mut conn: GuestConn,
+    mut frames: mpsc::Receiver<ControllerFrame>,
+    events: mpsc::Sender<Result<agentvm_proto::v1::Event, Status>>,
+) {
+    let mut host_open = true;
+    loop {
+        tokio::select! {
+            frame = frames.recv(), if host_open => match frame {
+                Some(frame) => {
+                    let sent = conn.send(Body::Harness(HarnessFrame {
+                        stream: EXECUTION_STREAM,
+                        frame: Some(harness_frame::Frame::Controller(frame)),
+                    })).await;
+                    if let Err(e) = sent {
+                        let _ = events.send(Err(to_status(e))).await;
+                        return;
+                    }
+                }
+                None => host_open = false,
+            },
+            reply = conn.recv() => {
+                let item = match reply {
+                    Ok(Envelope { body: Some(Body::Harness(HarnessFrame { frame: Some(frame), .. })), .. }) => match frame {
+                        harness_frame::Frame::Event(event) => Some(Ok(event)),
+                        harness_frame::Frame::Close(close) if close.code == 0 => return,
+                        harness_frame::Frame::Close(close) => Some(Err(Status::new(Code::from_i32(close.code), close.message))),
+                        harness_frame::Frame::Controller(_) => Some(Err(Status::internal("the guest sent a controller frame"))),
+                    },
+                    Ok(Envelope { body: Some(Body::Error(e)), .. }) => Some(Err(Status::new(Code::from_i32(e.code), e.message))),
+                    Ok(_) => None,
+                    Err(e) => Some(Err(to_status(e))),
+                };
+                match item {
+                    Some(Err(status)) => {
+                        let _ = events.send(Err(status)).await;
+                        return;
+                    }
+                    // The controller went away: nothing more to deliver.
+                    Some(Ok(event)) if events.send(Ok(event)).await.is_err() => return,
+                    Some(Ok(_)) | None => {}
+                }
+            }
+        }
+    }
+}

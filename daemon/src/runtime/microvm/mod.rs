@@ -1,0 +1,406 @@
+//! The `microvm` runtime: each session's harness runs inside its own KVM microVM, one
+//! agentvm-vmm process per session, driven only through the VMM's Cloud Hypervisor API.
+//!
+//! - Create: spawn a VMM, `vm.create` + `vm.boot` the session's image, wait for the guest
+//!   agent's Ready over hybrid vsock.
+//! - Suspend (EXTERNAL snapshot): pause → `vm.snapshot` into the snapshot store → stop the VMM.
+//! - Resume/restore and fork: a fresh VMM `vm.restore`s the snapshot (memory mapped
+//!   copy-on-write, so children of one snapshot share its pages), then the guest is sent its
+//!   Restored notice — fresh entropy, the host's clock, its (new) identity — before anything
+//!   else reaches it.
+//! - The harness channel is the guest frame protocol ([`guest::GuestEndpoint`]).
+
+pub mod guest;
+pub mod vmm_process;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use agentvm_proto::guest::v1::restored::Kind as RestoredKind;
+use agentvm_proto::guest::v1::{Identity, Restored};
+use agentvm_proto::v1::{RuntimeCapabilities, SnapshotRef};
+use agentvm_snapshot::LocalStore;
+use agentvm_vmm_api::config::{
+    ConsoleOutputMode, CpusConfig, MemoryConfig, SerialConfig, VmConfig, VsockConfig,
+};
+use agentvm_vmm_api::types::{MemoryRestoreMode, RestoreConfig};
+use rand::RngCore;
+
+use self::guest::{GuestConn, GuestEndpoint};
+use self::vmm_process::VmmDir;
+use super::{
+    ForkOpts, Incarnation, ObservedState, Result, Runtime, RuntimeError, SessionSpec, SnapshotKind,
+};
+use crate::controller::endpoint::HarnessEndpoint;
+
+const NAME: &str = "microvm";
+/// How long a booted or restored guest has to answer Hello.
+const READY_TIMEOUT: Duration = Duration::from_secs(20);
+/// Guest CID: with hybrid vsock it is visible only inside the guest, so every VM may use it.
+const GUEST_CID: u32 = 3;
+
+/// What the runtime needs from the node.
+#[derive(Debug, Clone)]
+pub struct MicrovmConfig {
+    /// The agentvm-vmm binary.
+    pub vmm_binary: PathBuf,
+    /// Per-session VMM directories (API and vsock sockets, serial log).
+    pub run_dir: PathBuf,
+    /// Where guest RAM files live (a tmpfs).
+    pub ram_dir: PathBuf,
+    /// Snapshot store root.
+    pub snapshot_dir: PathBuf,
+    /// Guest image (kernel) per harness name.
+    pub images: Vec<(String, PathBuf)>,
+    pub vcpus: u8,
+    pub memory_mib: u64,
+}
+
+pub struct MicrovmRuntime {
+    config: MicrovmConfig,
+    store: LocalStore,
+    next_snapshot: AtomicU64,
+}
+
+fn failed(session: &str, reason: impl Into<String>) -> RuntimeError {
+    RuntimeError::Failed {
+        runtime: NAME,
+        session: session.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+impl MicrovmRuntime {
+    pub fn new(config: MicrovmConfig) -> std::result::Result<Self, String> {
+        let store = LocalStore::open(&config.snapshot_dir)
+            .map_err(|e| format!("snapshot store {}: {e}", config.snapshot_dir.display()))?;
+        std::fs::create_dir_all(&config.run_dir)
+            .map_err(|e| format!("creating {}: {e}", config.run_dir.display()))?;
+        Ok(Self {
+            config,
+            store,
+            next_snapshot: AtomicU64::new(0),
+        })
+    }
+
+    fn vmm_dir(&self, session: &str) -> VmmDir {
+        VmmDir::new(self.config.run_dir.join(session))
+    }
+
+    fn image(&self, harness: &str) -> Option<&Path> {
+        self.config
+            .images
+            .iter()
+            .find(|(name, _)| name == harness)
+            .map(|(_, path)| path.as_path())
+    }
+
+    fn incarnation(&self, session: &str) -> Incarnation {
+        Incarnation {
+            id: session.to_owned(),
+            worker: String::new(),
+            address: self.vmm_dir(session).vsock().display().to_string(),
+            runtime: NAME.into(),
+            fence_token: 0,
+        }
+    }
+
+    fn vm_config(&self, spec: &SessionSpec, kernel: &Path, dir: &VmmDir) -> VmConfig {
+        let mut config = VmConfig::with_kernel(kernel.to_owned());
+        config.cpus = CpusConfig {
+            boot_vcpus: self.config.vcpus,
+            max_vcpus: self.config.vcpus,
+        };
+        config.memory = MemoryConfig {
+            size: self.config.memory_mib << 20,
+            ..MemoryConfig::default()
+        };
+        config.payload.cmdline = Some(format!(
+            "console=ttyS0 reboot=k panic=1 agentvm.session={}",
+            spec.session_uid
+        ));
+        config.serial = SerialConfig {
+            mode: ConsoleOutputMode::File,
+            file: Some(dir.serial()),
+            socket: None,
+        };
+        config.vsock = Some(VsockConfig {
+            cid: GUEST_CID,
+            socket: dir.vsock(),
+            id: None,
+        });
+        config
+    }
+
+    /// A VMM already running this session (after a daemon restart, or a repeated create).
+    async fn attach(&self, session: &str) -> Option<Incarnation> {
+        let dir = self.vmm_dir(session);
+        let pid = vmm_process::pid_of(&dir)?;
+        if !vmm_process::alive(pid) {
+            return None;
+        }
+        let info = tokio::time::timeout(Duration::from_secs(2), dir.client().info())
+            .await
+            .ok()?
+            .ok()?;
+        (info.state == agentvm_vmm_api::VmState::Running).then(|| self.incarnation(session))
+    }
+
+    /// Spawns a VMM for `session` and runs `start` against it; on any failure the VMM and its
+    /// directory are removed, so a failed start leaves nothing behind.
+    async fn start<F, Fut>(&self, session: &str, start: F) -> Result<Incarnation>
+    where
+        F: FnOnce(VmmDir) -> Fut,
+        Fut: std::future::Future<Output = std::result::Result<(), String>>,
+    {
+        let dir = self.vmm_dir(session);
+        if dir.dir.exists() {
+            // A dead VMM's leftovers.
+            vmm_process::stop(&dir).await;
+        }
+        vmm_process::spawn(&self.config.vmm_binary, &self.config.ram_dir, &dir)
+            .await
+            .map_err(|e| failed(session, e))?;
+        match start(dir.clone()).await {
+            Ok(()) => Ok(self.incarnation(session)),
+            Err(reason) => {
+                let serial = std::fs::read_to_string(dir.serial()).unwrap_or_default();
+                vmm_process::stop(&dir).await;
+                let tail: String = serial.lines().rev().take(5).collect::<Vec<_>>().join(" | ");
+                Err(failed(
+                    session,
+                    if tail.is_empty() {
+                        reason
+                    } else {
+                        format!("{reason} (serial, last lines first: {tail})")
+                    },
+                ))
+            }
+        }
+    }
+
+    /// Restores `snapshot` as `session` and tells the guest it was restored or forked.
+    async fn restore_as(
+        &self,
+        snapshot: &SnapshotRef,
+        session: &str,
+        kind: RestoredKind,
+    ) -> Result<Incarnation> {
+        let source = snapshot_dir(snapshot).ok_or_else(|| {
+            failed(
+                session,
+                format!(
+                    "snapshot {:?} holds no memory to restore",
+                    snapshot.external_uri
+                ),
+            )
+        })?;
+        let id = source
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+            .to_owned();
+        let inc = self
+            .start(session, |dir| async move {
+                let request = RestoreConfig {
+                    source_url: format!("file://{}", source.display()),
+                    memory_restore_mode: MemoryRestoreMode::OnDemand,
+                    resume: true,
+                    vsock_socket: Some(dir.vsock()),
+                    serial_file: Some(dir.serial()),
+                    ..Default::default()
+                };
+                dir.client()
+                    .restore(&request)
+                    .await
+                    .map_err(|e| format!("vm.restore: {e}"))?;
+                let (mut conn, ready) = GuestConn::ready(&dir.vsock(), READY_TIMEOUT)
+                    .await
+                    .map_err(|e| format!("the restored guest did not answer: {e}"))?;
+                conn.restored(restored_notice(session, kind, ready.restore_generation + 1))
+                    .await
+                    .map_err(|e| format!("the restored guest did not take its notice: {e}"))?;
+                Ok(())
+            })
+            .await?;
+        if !id.is_empty()
+            && let Err(e) = self.store.acquire(&id, session)
+        {
+            tracing::warn!(session, snapshot = %id, error = %e, "could not record the snapshot's use");
+        }
+        Ok(inc)
+    }
+
+    fn release_snapshots(&self, session: &str) {
+        for id in self.store.list().unwrap_or_default() {
+            let _ = self.store.release(&id, session);
+        }
+    }
+}
+
+/// The store directory an external snapshot reference names.
+fn snapshot_dir(snapshot: &SnapshotRef) -> Option<PathBuf> {
+    snapshot
+        .external_uri
+        .strip_prefix("file://")
+        .filter(|p| p.starts_with('/'))
+        .map(PathBuf::from)
+}
+
+/// The notice a restored or forked guest must apply before anything else: entropy to reseed
+/// with, the host's clock to step to, the identity it now has.
+fn restored_notice(session: &str, kind: RestoredKind, generation: u64) -> Restored {
+    let mut entropy = vec![0u8; 64];
+    rand::rng().fill_bytes(&mut entropy);
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i64)
+        .unwrap_or_default();
+    Restored {
+        kind: kind as i32,
+        entropy,
+        wall_clock_unix_nanos: now,
+        identity: Some(Identity {
+            session_uid: session.to_owned(),
+            hostname: session.to_owned(),
+            vsock_cid: GUEST_CID,
+            vm_id: session.to_owned(),
+        }),
+        generation,
+    }
+}
+
+#[async_trait::async_trait]
+impl Runtime for MicrovmRuntime {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn capabilities(&self) -> RuntimeCapabilities {
+        RuntimeCapabilities {
+            memory_snapshot: true,
+            cow_fork: true,
+            ..Default::default()
+        }
+    }
+
+    async fn create(&self, spec: &SessionSpec) -> Result<Incarnation> {
+        let session = &spec.session_uid;
+        if let Some(inc) = self.attach(session).await {
+            return Ok(inc);
+        }
+        let kernel = self
+            .image(&spec.harness)
+            .ok_or_else(|| {
+                failed(
+                    session,
+                    format!("no guest image for harness {:?}", spec.harness),
+                )
+            })?
+            .to_owned();
+        self.start(session, |dir| {
+            let config = self.vm_config(spec, &kernel, &dir);
+            async move {
+                let client = dir.client();
+                client
+                    .create(&config)
+                    .await
+                    .map_err(|e| format!("vm.create: {e}"))?;
+                client.boot().await.map_err(|e| format!("vm.boot: {e}"))?;
+                GuestConn::ready(&dir.vsock(), READY_TIMEOUT)
+                    .await
+                    .map(drop)
+                    .map_err(|e| format!("the guest never became ready: {e}"))
+            }
+        })
+        .await
+    }
+
+    /// EXTERNAL: pause, write the snapshot into the store, stop the VMM (compute freed).
+    async fn snapshot(&self, incarnation: &Incarnation, kind: SnapshotKind) -> Result<SnapshotRef> {
+        let session = &incarnation.id;
+        if kind == SnapshotKind::Local {
+            return Err(RuntimeError::Unsupported {
+                runtime: NAME,
+                operation: "LOCAL (warm) snapshot",
+            });
+        }
+        let dir = self.vmm_dir(session);
+        let client = dir.client();
+        client
+            .pause_idempotent()
+            .await
+            .map_err(|e| failed(session, format!("vm.pause: {e}")))?;
+        let id = format!(
+            "{session}-{}-{}",
+            std::process::id(),
+            self.next_snapshot.fetch_add(1, Ordering::Relaxed)
+        );
+        let target = self
+            .store
+            .create_dir(&id)
+            .map_err(|e| failed(session, e.to_string()))?;
+        if let Err(e) = client.snapshot(&target).await {
+            let _ = std::fs::remove_dir_all(&target);
+            let _ = client.resume_idempotent().await;
+            return Err(failed(session, format!("vm.snapshot: {e}")));
+        }
+        vmm_process::stop(&dir).await;
+        self.release_snapshots(session);
+        Ok(SnapshotRef {
+            local: session.clone(),
+            external_uri: format!("file://{}", target.display()),
+            memory: true,
+            sealed: false,
+        })
+    }
+
+    async fn restore(&self, snapshot: &SnapshotRef, spec: &SessionSpec) -> Result<Incarnation> {
+        self.restore_as(snapshot, &spec.session_uid, RestoredKind::Restored)
+            .await
+    }
+
+    async fn fork(&self, snapshot: &SnapshotRef, opts: &ForkOpts) -> Result<Option<Incarnation>> {
+        self.restore_as(snapshot, &opts.child_session_uid, RestoredKind::Forked)
+            .await
+            .map(Some)
+    }
+
+    async fn stop(&self, incarnation: &Incarnation) -> Result<()> {
+        vmm_process::stop(&self.vmm_dir(&incarnation.id)).await;
+        self.release_snapshots(&incarnation.id);
+        Ok(())
+    }
+
+    async fn status(&self, incarnation: &Incarnation) -> Result<ObservedState> {
+        let dir = self.vmm_dir(&incarnation.id);
+        let Some(pid) = vmm_process::pid_of(&dir) else {
+            return Ok(ObservedState::Unknown);
+        };
+        if !vmm_process::alive(pid) {
+            return Ok(ObservedState::Terminated);
+        }
+        Ok(
+            match tokio::time::timeout(Duration::from_secs(2), dir.client().info()).await {
+                Ok(Ok(info)) if info.state == agentvm_vmm_api::VmState::Running => {
+                    ObservedState::Live
+                }
+                Ok(Ok(info)) if info.state == agentvm_vmm_api::VmState::Paused => {
+                    ObservedState::Warm
+                }
+                _ => ObservedState::Terminated,
+            },
+        )
+    }
+
+    async fn dial(&self, incarnation: &Incarnation) -> Result<Arc<dyn HarnessEndpoint>> {
+        let dir = self.vmm_dir(&incarnation.id);
+        let pid = vmm_process::pid_of(&dir).unwrap_or_default();
+        if !vmm_process::alive(pid) {
+            return Err(failed(&incarnation.id, "its VMM is not running"));
+        }
+        Ok(Arc::new(GuestEndpoint::new(dir.vsock(), READY_TIMEOUT)))
+    }
+}

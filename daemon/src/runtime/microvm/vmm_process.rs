@@ -1,0 +1,123 @@
+//! One agentvm-vmm process per session: started in the session's directory, driven only
+//! through its Cloud Hypervisor API socket, and stopped politely first, by signal if it
+//! does not go.
+//!
+//! A VMM runs in its own process group and does not die with the daemon: a restarted
+//! agentvmd finds it again by its API socket (see `MicrovmRuntime::attach`).
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use agentvm_vmm_api::VmmClient;
+
+/// How long a fresh VMM has to answer `vmm.ping`.
+const READY_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long `vmm.shutdown` may take before the process is killed.
+const STOP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Paths of one session's VMM.
+#[derive(Debug, Clone)]
+pub struct VmmDir {
+    pub dir: PathBuf,
+}
+
+impl VmmDir {
+    pub fn new(dir: PathBuf) -> Self {
+        Self { dir }
+    }
+    pub fn api(&self) -> PathBuf {
+        self.dir.join("api.sock")
+    }
+    pub fn vsock(&self) -> PathBuf {
+        self.dir.join("vsock.sock")
+    }
+    pub fn serial(&self) -> PathBuf {
+        self.dir.join("serial.log")
+    }
+    pub fn log(&self) -> PathBuf {
+        self.dir.join("vmm.log")
+    }
+    pub fn pid_file(&self) -> PathBuf {
+        self.dir.join("vmm.pid")
+    }
+    pub fn client(&self) -> VmmClient {
+        VmmClient::new(self.api())
+    }
+}
+
+/// Starts a VMM serving its API in `dir` (created empty) and waits until it answers.
+pub async fn spawn(binary: &Path, ram_dir: &Path, dir: &VmmDir) -> Result<u32, String> {
+    std::fs::create_dir_all(&dir.dir)
+        .map_err(|e| format!("creating {}: {e}", dir.dir.display()))?;
+    let log = std::fs::File::create(dir.log())
+        .map_err(|e| format!("creating {}: {e}", dir.log().display()))?;
+    let log_err = log
+        .try_clone()
+        .map_err(|e| format!("{}: {e}", dir.log().display()))?;
+    let mut cmd = tokio::process::Command::new(binary);
+    cmd.arg("--api-socket")
+        .arg(dir.api())
+        .arg("--ram-dir")
+        .arg(ram_dir)
+        .env_clear()
+        .env("AGENTVM_VMM_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(log))
+        .stderr(Stdio::from(log_err))
+        // Its own process group: a signal for the daemon is not one for its VMs.
+        .process_group(0);
+    let child = cmd
+        .spawn()
+        .map_err(|e| format!("starting {}: {e}", binary.display()))?;
+    let pid = child.id().unwrap_or_default();
+    // Detached on purpose (no kill-on-drop): it is reaped by `reap` or found again after a
+    // daemon restart.
+    tokio::spawn(reap(child));
+    let _ = std::fs::write(dir.pid_file(), pid.to_string());
+    if let Err(e) = dir.client().wait_ready(READY_TIMEOUT).await {
+        kill(pid);
+        return Err(format!("the VMM did not come up: {e}"));
+    }
+    Ok(pid)
+}
+
+async fn reap(mut child: tokio::process::Child) {
+    let _ = child.wait().await;
+}
+
+/// The VMM's process id, from its pid file.
+pub fn pid_of(dir: &VmmDir) -> Option<u32> {
+    std::fs::read_to_string(dir.pid_file())
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+}
+
+pub fn alive(pid: u32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists and may be signalled.
+    pid != 0 && unsafe { libc::kill(pid as i32, 0) } == 0
+}
+
+pub fn kill(pid: u32) {
+    if pid != 0 {
+        // SAFETY: SIGKILL to a pid this runtime started (read from its own pid file).
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
+}
+
+/// Shuts the VMM down through its API, kills it if that does not work in time, and removes
+/// its directory.
+pub async fn stop(dir: &VmmDir) {
+    let pid = pid_of(dir);
+    let polite = tokio::time::timeout(STOP_TIMEOUT, dir.client().shutdown_vmm()).await;
+    if let Some(pid) = pid {
+        let deadline = tokio::time::Instant::now() + STOP_TIMEOUT;
+        while alive(pid) && tokio::time::Instant::now() < deadline && matches!(polite, Ok(Ok(()))) {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        if alive(pid) {
+            kill(pid);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir.dir);
+}

@@ -1,0 +1,241 @@
+//! The memory-tier scenarios of semantics.md §6 on real microVMs: the `microvm` runtime with
+//! the test guest's counter (its count lives only in guest RAM), through the Sessions API.
+//! Each test prints SKIPPED and returns when the machine has no usable KVM.
+
+mod support;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use agentvm_proto::v1::sessions_client::SessionsClient;
+use agentvm_proto::v1::{
+    ComputeState, CreateSessionRequest, ExecRequest, ExecUpdate, ForkRequest, GetSessionRequest,
+    LogRecord, Message, Part, ReplayRequest, Session, SuspendRequest, TextPart, event::Body,
+    exec_update::Update, lifecycle::Kind as LifecycleKind, part,
+};
+use agentvmd::journal::verify::verify_chain;
+use support::{TestNode, start_with};
+use tonic::transport::Channel;
+
+fn kvm_unavailable() -> Option<String> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .err()
+        .map(|e| format!("/dev/kvm is not usable here ({e})"))
+}
+
+macro_rules! require_kvm {
+    () => {
+        if let Some(reason) = kvm_unavailable() {
+            eprintln!("SKIPPED: {reason}; this test needs KVM");
+            return;
+        }
+    };
+}
+
+/// The VMM built beside this test (`target/<profile>/agentvm-vmm`).
+fn vmm_binary() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().and_then(|d| d.parent()).unwrap();
+    let binary = profile_dir.join("agentvm-vmm");
+    assert!(
+        binary.is_file(),
+        "{} is missing: build the workspace (cargo build -p agentvm-vmm) before these tests",
+        binary.display()
+    );
+    binary
+}
+
+async fn microvm_node() -> TestNode {
+    let binary = vmm_binary();
+    start_with(|cfg| {
+        cfg.vmm_binary = Some(binary);
+        cfg.ram_dir = if std::path::Path::new("/dev/shm").is_dir() {
+            "/dev/shm".into()
+        } else {
+            std::env::temp_dir()
+        };
+    })
+    .await
+}
+
+fn uid(s: &Session) -> String {
+    s.metadata.as_ref().unwrap().uid.clone()
+}
+
+async fn create(c: &mut SessionsClient<Channel>) -> String {
+    let session = c
+        .create_session(CreateSessionRequest {
+            session: Some(Session {
+                harness: "testguest".into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    uid(&session)
+}
+
+/// One turn; returns the assistant's text output.
+async fn turn(c: &mut SessionsClient<Channel>, session: &str) -> String {
+    let mut stream = c
+        .exec(ExecRequest {
+            session: session.into(),
+            inputs: vec![Message {
+                role: "user".into(),
+                parts: vec![Part {
+                    part: Some(part::Part::Text(TextPart { text: "go".into() })),
+                }],
+            }],
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|s| panic!("exec on {session}: {s}"))
+        .into_inner();
+    let mut out = Vec::new();
+    while let Some(ExecUpdate { update }) = stream
+        .message()
+        .await
+        .unwrap_or_else(|s| panic!("exec stream on {session}: {s}"))
+    {
+        if let Some(Update::Record(record)) = update
+            && let Some(Body::Message(m)) = record.event.and_then(|e| e.body)
+            && m.role == "assistant"
+        {
+            for p in m.parts {
+                if let Some(part::Part::Text(t)) = p.part {
+                    out.push(t.text);
+                }
+            }
+        }
+    }
+    out.join("")
+}
+
+async fn replay(c: &mut SessionsClient<Channel>, session: &str) -> Vec<LogRecord> {
+    let mut stream = c
+        .replay(ReplayRequest {
+            session: session.into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut records = Vec::new();
+    while let Some(r) = stream.message().await.unwrap() {
+        records.push(r);
+    }
+    records
+}
+
+async fn compute(c: &mut SessionsClient<Channel>, session: &str) -> ComputeState {
+    let s = c
+        .get_session(GetSessionRequest {
+            uid: session.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    ComputeState::try_from(s.compute_state).unwrap_or(ComputeState::Unspecified)
+}
+
+fn vm_dir(node: &TestNode, session: &str) -> PathBuf {
+    node.dir.join("state").join("vms").join(session)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scenario_75_counter_continues_across_suspend_and_resume_on_a_microvm() {
+    require_kvm!();
+    let node = microvm_node().await;
+    let mut c = node.c();
+    let s = create(&mut c).await;
+    assert_eq!(turn(&mut c, &s).await, "1");
+    assert_eq!(turn(&mut c, &s).await, "2");
+    assert!(
+        vm_dir(&node, &s).join("api.sock").exists(),
+        "a VMM runs the session"
+    );
+
+    c.suspend(SuspendRequest {
+        session: s.clone(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    assert!(
+        !vm_dir(&node, &s).exists(),
+        "a suspended session frees its VMM"
+    );
+    assert_eq!(compute(&mut c, &s).await, ComputeState::ComputeCold);
+
+    // Exec on a suspended memory session restores it first; the count lives on in guest RAM.
+    assert_eq!(turn(&mut c, &s).await, "3");
+    let records = replay(&mut c, &s).await;
+    verify_chain(&records).unwrap();
+    let suspend = records
+        .iter()
+        .find_map(|r| match r.event.as_ref()?.body.as_ref()? {
+            Body::Lifecycle(l) if l.kind == LifecycleKind::LifecycleSuspend as i32 => {
+                Some(l.clone())
+            }
+            _ => None,
+        })
+        .expect("a SUSPEND lifecycle record with its snapshot");
+    assert!(suspend.snapshot_memory && suspend.snapshot_external_uri.starts_with("file://"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scenario_76_forks_continue_from_the_parent_in_their_own_microvms() {
+    require_kvm!();
+    let node = microvm_node().await;
+    let mut c = node.c();
+    let parent = create(&mut c).await;
+    assert_eq!(turn(&mut c, &parent).await, "1");
+    assert_eq!(turn(&mut c, &parent).await, "2");
+    let children: Vec<String> = c
+        .fork(ForkRequest {
+            session: parent.clone(),
+            count: 3,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .children
+        .iter()
+        .map(uid)
+        .collect();
+    assert_eq!(children.len(), 3);
+    for child in &children {
+        assert!(
+            vm_dir(&node, child).exists(),
+            "each child runs in its own VMM"
+        );
+        assert_eq!(turn(&mut c, child).await, "3", "child {child}");
+    }
+    // Children diverge independently; the parent continues from its own state.
+    assert_eq!(turn(&mut c, &children[0]).await, "4");
+    assert_eq!(turn(&mut c, &children[1]).await, "4");
+    assert_eq!(turn(&mut c, &parent).await, "3");
+    for session in children.iter().chain([&parent]) {
+        verify_chain(&replay(&mut c, session).await).unwrap();
+    }
+    for child in &children {
+        c.delete_session(agentvm_proto::v1::DeleteSessionRequest {
+            uid: child.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for child in &children {
+        assert!(
+            !vm_dir(&node, child).exists(),
+            "deleting a session stops its VMM"
+        );
+    }
+}
