@@ -294,14 +294,11 @@ async fn pump(
                     Ok(_) => None,
                     Err(e) => Some(Err(to_status(e))),
                 };
-                match item {
-                    Some(Err(status)) => {
-                        let _ = events.send(Err(status)).await;
-                        return;
-                    }
-                    // The controller went away: nothing more to deliver.
-                    Some(Ok(event)) if events.send(Ok(event)).await.is_err() => return,
-                    Some(Ok(_)) | None => {}
+                let Some(item) = item else { continue };
+                let failed = item.is_err();
+                // A closed channel means the controller went away: nothing more to deliver.
+                if events.send(item).await.is_err() || failed {
+                    return;
                 }
             }
         }
