@@ -159,12 +159,9 @@ async fn scenario_75_counter_continues_across_suspend_and_resume_on_a_microvm() 
         "a VMM runs the session"
     );
 
-    c.suspend(SuspendRequest {
-        session: s.clone(),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    c.suspend(SuspendRequest { session: s.clone() })
+        .await
+        .unwrap();
     assert!(
         !vm_dir(&node, &s).exists(),
         "a suspended session frees its VMM"
@@ -224,12 +221,9 @@ async fn scenario_76_forks_continue_from_the_parent_in_their_own_microvms() {
         verify_chain(&replay(&mut c, session).await).unwrap();
     }
     for child in &children {
-        c.delete_session(agentvm_proto::v1::DeleteSessionRequest {
-            uid: child.clone(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+        c.delete_session(agentvm_proto::v1::DeleteSessionRequest { uid: child.clone() })
+            .await
+            .unwrap();
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
     for child in &children {
