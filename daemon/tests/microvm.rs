@@ -233,3 +233,96 @@ async fn scenario_76_forks_continue_from_the_parent_in_their_own_microvms() {
         );
     }
 }
+
+fn vmm_pid(node: &TestNode, session: &str) -> i32 {
+    std::fs::read_to_string(vm_dir(node, session).join("vmm.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+fn configure_microvm(cfg: &mut agentvmd::node::NodeConfig) {
+    cfg.vmm_binary = Some(vmm_binary());
+    cfg.ram_dir = if std::path::Path::new("/dev/shm").is_dir() {
+        "/dev/shm".into()
+    } else {
+        std::env::temp_dir()
+    };
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_daemon_readopts_running_microvms() {
+    require_kvm!();
+    let node = support::start_with(configure_microvm).await;
+    let mut c = node.c();
+    let s = create(&mut c).await;
+    assert_eq!(turn(&mut c, &s).await, "1");
+    let pid = vmm_pid(&node, &s);
+
+    let node = node.restart(configure_microvm).await;
+    let mut c = node.c();
+    assert_eq!(vmm_pid(&node, &s), pid, "the VMM outlived the daemon");
+    // The same VM, with its count in RAM, serves the next turn.
+    assert_eq!(turn(&mut c, &s).await, "2");
+    // Suspend after the restart snapshots the adopted VM rather than losing it.
+    c.suspend(SuspendRequest { session: s.clone() })
+        .await
+        .unwrap();
+    assert!(!vm_dir(&node, &s).exists());
+    assert_eq!(turn(&mut c, &s).await, "3");
+    verify_chain(&replay(&mut c, &s).await).unwrap();
+    c.delete_session(agentvm_proto::v1::DeleteSessionRequest { uid: s.clone() })
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_vmm_fails_the_turn_then_the_session_continues_from_its_last_snapshot() {
+    require_kvm!();
+    let node = microvm_node().await;
+    let mut c = node.c();
+    let s = create(&mut c).await;
+    assert_eq!(turn(&mut c, &s).await, "1");
+    assert_eq!(turn(&mut c, &s).await, "2");
+    c.suspend(SuspendRequest { session: s.clone() })
+        .await
+        .unwrap();
+    assert_eq!(turn(&mut c, &s).await, "3");
+
+    // SAFETY: SIGKILL to the VMM this test's node started.
+    unsafe { libc::kill(vmm_pid(&node, &s), libc::SIGKILL) };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let failed = c
+        .exec(ExecRequest {
+            session: s.clone(),
+            inputs: vec![Message {
+                role: "user".into(),
+                parts: vec![Part {
+                    part: Some(part::Part::Text(TextPart { text: "go".into() })),
+                }],
+            }],
+            ..Default::default()
+        })
+        .await;
+    let error = match failed {
+        Err(status) => status,
+        Ok(stream) => {
+            let mut stream = stream.into_inner();
+            loop {
+                match stream.message().await {
+                    Ok(Some(_)) => continue,
+                    Ok(None) => panic!("a turn on a dead VMM succeeded"),
+                    Err(status) => break status,
+                }
+            }
+        }
+    };
+    assert!(
+        error.message().contains("VMM") || error.message().contains("vsock"),
+        "the failure names its cause: {error:?}"
+    );
+    // The next turn restores the last snapshot (count 2): turn 3's memory died with the VMM.
+    assert_eq!(turn(&mut c, &s).await, "3");
+    verify_chain(&replay(&mut c, &s).await).unwrap();
+}

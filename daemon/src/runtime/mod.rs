@@ -93,6 +93,13 @@ pub trait Runtime: Send + Sync {
     /// Starts a session's compute from nothing (or attaches to it when already running).
     async fn create(&self, spec: &SessionSpec) -> Result<Incarnation>;
 
+    /// The session's compute if it is still running without the host knowing it (the
+    /// daemon restarted): re-adopted as it is. Backends whose compute cannot outlive the
+    /// daemon have nothing to attach to.
+    async fn attach(&self, _session_uid: &str) -> Result<Option<Incarnation>> {
+        Ok(None)
+    }
+
     async fn snapshot(&self, incarnation: &Incarnation, kind: SnapshotKind) -> Result<SnapshotRef>;
 
     /// Brings a session back from `snapshot`. Unlike upstream's SPI it also gets the session's
@@ -106,6 +113,12 @@ pub trait Runtime: Send + Sync {
 
     /// Destroys the compute and frees its worker.
     async fn stop(&self, incarnation: &Incarnation) -> Result<()>;
+
+    /// Frees what the runtime keeps for a deleted session (its snapshots), except what
+    /// another session still uses.
+    async fn reclaim(&self, _session_uid: &str) -> Result<()> {
+        Ok(())
+    }
 
     async fn status(&self, incarnation: &Incarnation) -> Result<ObservedState>;
 

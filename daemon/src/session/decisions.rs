@@ -196,12 +196,19 @@ impl SessionHost {
             .map_err(j)?;
         // Fence out any writer that survived the preemption.
         self.journal.new_fence(uid).map_err(j)?;
+        self.adopt(uid).await?;
         if let Some((inc, runtime)) = self.live_take(uid) {
             runtime.stop(&inc).await.map_err(|e| {
                 Status::internal(format!(
                     "session {uid} is marked for deletion but its compute did not stop ({e}); retry DeleteSession"
                 ))
             })?;
+        }
+        if let Ok(placement) = self.place(&row.harness)
+            && let Err(e) = placement.runtime.reclaim(uid).await
+        {
+            // The session is gone either way; what could not be freed yet stays for later.
+            tracing::warn!(session = %uid, error = %e, "reclaiming the session's snapshots");
         }
         self.journal
             .set_deletion(uid, DeletionState::Deleted)

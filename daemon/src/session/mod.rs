@@ -157,6 +157,28 @@ impl SessionHost {
             .map(|l| (l.incarnation, l.runtime))
     }
 
+    /// Takes back compute still running for `uid` that this host does not know of (after a
+    /// daemon restart), so suspend, fork and delete act on it rather than around it.
+    pub(crate) async fn adopt(&self, uid: &str) -> Result<(), Status> {
+        if self.live_get(uid).is_some() {
+            return Ok(());
+        }
+        let row = self.row(uid)?;
+        let Ok(placement) = self.place(&row.harness) else {
+            return Ok(());
+        };
+        if let Some(inc) = placement
+            .runtime
+            .attach(uid)
+            .await
+            .map_err(|e| runtime_status(&e))?
+        {
+            tracing::info!(session = %uid, "re-adopted running compute");
+            self.live_put(uid, inc, placement.runtime);
+        }
+        Ok(())
+    }
+
     /// Resolves a harness name. Unknown → INVALID_ARGUMENT naming what is served.
     pub fn place(&self, name: &str) -> Result<Placement, Status> {
         let entry = self.registry.get(name).map_err(|_| {

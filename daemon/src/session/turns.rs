@@ -231,15 +231,34 @@ impl SessionHost {
         if let Some((inc, _)) = self.live_get(&row.uid) {
             return Ok(inc);
         }
+        if let Some(inc) = placement
+            .runtime
+            .attach(&row.uid)
+            .await
+            .map_err(|e| runtime_status(&e))?
+        {
+            tracing::info!(session = %row.uid, "re-adopted running compute");
+            self.live_put(&row.uid, inc.clone(), placement.runtime.clone());
+            return Ok(inc);
+        }
         let spec = SessionSpec {
             session_uid: row.uid.clone(),
             image: String::new(),
             harness: placement.harness.clone(),
             identity: row.identity.clone(),
         };
-        let snapshot = if placement.memory_tier() && row.compute_state == ComputeState::ComputeCold
-        {
-            own_suspend_ref(&self.records(&row.uid)?, &row.uid).filter(|r| r.memory)
+        // Memory tier: suspended, or its compute is gone (a VMM killed, a node restarted
+        // without it) — either way the last snapshot is the state to continue from.
+        let snapshot = if placement.memory_tier() {
+            let last = own_suspend_ref(&self.records(&row.uid)?, &row.uid).filter(|r| r.memory);
+            if row.compute_state != ComputeState::ComputeCold {
+                tracing::warn!(
+                    session = %row.uid,
+                    snapshot = last.as_ref().map(|r| r.external_uri.as_str()).unwrap_or("none"),
+                    "the session's compute is gone; continuing from its last snapshot"
+                );
+            }
+            last
         } else {
             None
         };
@@ -270,6 +289,7 @@ impl SessionHost {
     /// Snapshot(EXTERNAL) of the live compute (freeing it); a session without live compute
     /// has nothing in memory, so its reference is the session itself.
     pub(super) async fn checkpoint(&self, uid: &str) -> Result<SnapshotRef, Status> {
+        self.adopt(uid).await?;
         match self.live_take(uid) {
             Some((inc, runtime)) => runtime
                 .snapshot(&inc, SnapshotKind::External)

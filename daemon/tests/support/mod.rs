@@ -33,8 +33,13 @@ pub async fn start() -> TestNode {
 
 /// `start`, with the node's configuration adjusted first.
 pub async fn start_with(configure: impl FnOnce(&mut NodeConfig)) -> TestNode {
-    let dir = tempfile::tempdir().unwrap();
+    start_in(tempfile::tempdir().unwrap(), configure).await
+}
+
+/// A node over an existing directory: what a restarted daemon finds.
+pub async fn start_in(dir: tempfile::TempDir, configure: impl FnOnce(&mut NodeConfig)) -> TestNode {
     let path = dir.path().to_owned();
+    let _ = std::fs::remove_file(path.join("api.sock"));
     let mut cfg = NodeConfig::new(path.join("state"));
     cfg.harness_command = vec![
         env!("CARGO_BIN_EXE_agentvm").into(),
@@ -79,5 +84,18 @@ pub async fn start_with(configure: impl FnOnce(&mut NodeConfig)) -> TestNode {
 impl TestNode {
     pub fn c(&self) -> SessionsClient<Channel> {
         self.client.clone()
+    }
+
+    /// Stops this node (its API server and session host) and starts a new one over the same
+    /// state, as a daemon restart would. Anything outside the process's own objects (harness
+    /// or VMM processes) keeps running.
+    pub async fn restart(mut self, configure: impl FnOnce(&mut NodeConfig)) -> TestNode {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let dir = std::mem::replace(&mut self._dir, tempfile::tempdir().unwrap());
+        drop(self);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        start_in(dir, configure).await
     }
 }

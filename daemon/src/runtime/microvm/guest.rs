@@ -52,6 +52,8 @@ pub enum GuestError {
     Version(u32),
     #[error("the guest reported error {code}: {message}")]
     Guest { code: i32, message: String },
+    #[error("the session's VMM is not running")]
+    VmmGone,
 }
 
 /// One open stream to the guest agent.
@@ -101,11 +103,18 @@ impl GuestConn {
 
     /// Connects and exchanges Hello/Ready, retrying until `timeout` while the guest is not
     /// listening yet or drops the stream (a guest still booting, or applying a restore's
-    /// transport reset).
-    pub async fn ready(socket: &Path, timeout: Duration) -> Result<(Self, Ready), GuestError> {
+    /// transport reset) — but not once `vmm_alive` says there is no VMM to wait for.
+    pub async fn ready(
+        socket: &Path,
+        timeout: Duration,
+        vmm_alive: &(dyn Fn() -> bool + Send + Sync),
+    ) -> Result<(Self, Ready), GuestError> {
         let deadline = tokio::time::Instant::now() + timeout;
         let mut pause = Duration::from_millis(1);
         loop {
+            if !vmm_alive() {
+                return Err(GuestError::VmmGone);
+            }
             let attempt = async {
                 let mut conn = Self::connect(socket, GUEST_AGENT_PORT).await?;
                 let ready = conn.hello().await?;
@@ -221,17 +230,22 @@ fn to_status(e: GuestError) -> Status {
     }
 }
 
+/// Whether the VMM behind a guest still runs.
+pub type Liveness = Box<dyn Fn() -> bool + Send + Sync>;
+
 /// The harness inside a VM, reached over the guest protocol.
 pub struct GuestEndpoint {
     socket: PathBuf,
     ready_timeout: Duration,
+    vmm_alive: Liveness,
 }
 
 impl GuestEndpoint {
-    pub fn new(socket: PathBuf, ready_timeout: Duration) -> Self {
+    pub fn new(socket: PathBuf, ready_timeout: Duration, vmm_alive: Liveness) -> Self {
         Self {
             socket,
             ready_timeout,
+            vmm_alive,
         }
     }
 }
@@ -239,14 +253,14 @@ impl GuestEndpoint {
 #[async_trait::async_trait]
 impl HarnessEndpoint for GuestEndpoint {
     async fn describe(&self) -> Result<HarnessDescriptor, Status> {
-        let (mut conn, _) = GuestConn::ready(&self.socket, self.ready_timeout)
+        let (mut conn, _) = GuestConn::ready(&self.socket, self.ready_timeout, &*self.vmm_alive)
             .await
             .map_err(to_status)?;
         conn.describe().await.map_err(to_status)
     }
 
     async fn connect(&self) -> Result<HarnessStream, Status> {
-        let (conn, _) = GuestConn::ready(&self.socket, self.ready_timeout)
+        let (conn, _) = GuestConn::ready(&self.socket, self.ready_timeout, &*self.vmm_alive)
             .await
             .map_err(to_status)?;
         let (frames_tx, frames_rx) = mpsc::channel::<ControllerFrame>(16);

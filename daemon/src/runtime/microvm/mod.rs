@@ -135,10 +135,9 @@ impl MicrovmRuntime {
     }
 
     /// A VMM already running this session (after a daemon restart, or a repeated create).
-    async fn attach(&self, session: &str) -> Option<Incarnation> {
+    async fn running(&self, session: &str) -> Option<Incarnation> {
         let dir = self.vmm_dir(session);
-        let pid = vmm_process::pid_of(&dir)?;
-        if !vmm_process::alive(pid) {
+        if !dir.vmm_alive() {
             return None;
         }
         let info = tokio::time::timeout(Duration::from_secs(2), dir.client().info())
@@ -216,9 +215,10 @@ impl MicrovmRuntime {
                     .restore(&request)
                     .await
                     .map_err(|e| format!("vm.restore: {e}"))?;
-                let (mut conn, ready) = GuestConn::ready(&dir.vsock(), READY_TIMEOUT)
-                    .await
-                    .map_err(|e| format!("the restored guest did not answer: {e}"))?;
+                let (mut conn, ready) =
+                    GuestConn::ready(&dir.vsock(), READY_TIMEOUT, &|| dir.vmm_alive())
+                        .await
+                        .map_err(|e| format!("the restored guest did not answer: {e}"))?;
                 conn.restored(restored_notice(session, kind, ready.restore_generation + 1))
                     .await
                     .map_err(|e| format!("the restored guest did not take its notice: {e}"))?;
@@ -286,9 +286,13 @@ impl Runtime for MicrovmRuntime {
         }
     }
 
+    async fn attach(&self, session_uid: &str) -> Result<Option<Incarnation>> {
+        Ok(self.running(session_uid).await)
+    }
+
     async fn create(&self, spec: &SessionSpec) -> Result<Incarnation> {
         let session = &spec.session_uid;
-        if let Some(inc) = self.attach(session).await {
+        if let Some(inc) = self.running(session).await {
             return Ok(inc);
         }
         let kernel = self
@@ -309,7 +313,7 @@ impl Runtime for MicrovmRuntime {
                     .await
                     .map_err(|e| format!("vm.create: {e}"))?;
                 client.boot().await.map_err(|e| format!("vm.boot: {e}"))?;
-                GuestConn::ready(&dir.vsock(), READY_TIMEOUT)
+                GuestConn::ready(&dir.vsock(), READY_TIMEOUT, &|| dir.vmm_alive())
                     .await
                     .map(drop)
                     .map_err(|e| format!("the guest never became ready: {e}"))
@@ -374,12 +378,26 @@ impl Runtime for MicrovmRuntime {
         Ok(())
     }
 
+    /// Deletes the session's snapshots that nothing uses any more (a fork's children keep
+    /// theirs alive until they are gone too).
+    async fn reclaim(&self, session_uid: &str) -> Result<()> {
+        let prefix = format!("{session_uid}-");
+        for id in self.store.list().unwrap_or_default() {
+            if id.starts_with(&prefix)
+                && let Err(e) = self.store.delete(&id)
+            {
+                tracing::info!(session = session_uid, snapshot = %id, reason = %e, "snapshot kept");
+            }
+        }
+        Ok(())
+    }
+
     async fn status(&self, incarnation: &Incarnation) -> Result<ObservedState> {
         let dir = self.vmm_dir(&incarnation.id);
-        let Some(pid) = vmm_process::pid_of(&dir) else {
+        if vmm_process::pid_of(&dir).is_none() {
             return Ok(ObservedState::Unknown);
-        };
-        if !vmm_process::alive(pid) {
+        }
+        if !dir.vmm_alive() {
             return Ok(ObservedState::Terminated);
         }
         Ok(
@@ -397,10 +415,14 @@ impl Runtime for MicrovmRuntime {
 
     async fn dial(&self, incarnation: &Incarnation) -> Result<Arc<dyn HarnessEndpoint>> {
         let dir = self.vmm_dir(&incarnation.id);
-        let pid = vmm_process::pid_of(&dir).unwrap_or_default();
-        if !vmm_process::alive(pid) {
+        if !dir.vmm_alive() {
             return Err(failed(&incarnation.id, "its VMM is not running"));
         }
-        Ok(Arc::new(GuestEndpoint::new(dir.vsock(), READY_TIMEOUT)))
+        let socket = dir.vsock();
+        Ok(Arc::new(GuestEndpoint::new(
+            socket,
+            READY_TIMEOUT,
+            Box::new(move || dir.vmm_alive()),
+        )))
     }
 }

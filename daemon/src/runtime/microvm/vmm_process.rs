@@ -44,6 +44,20 @@ impl VmmDir {
     pub fn client(&self) -> VmmClient {
         VmmClient::new(self.api())
     }
+
+    /// The VMM recorded in this directory is still running: its pid is alive and is still a
+    /// VMM serving this directory's socket (a pid reused by another process is not).
+    pub fn vmm_alive(&self) -> bool {
+        let Some(pid) = pid_of(self) else {
+            return false;
+        };
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let api = self.api();
+        alive(pid)
+            && cmdline
+                .split(|b| *b == 0)
+                .any(|arg| arg == api.as_os_str().as_encoded_bytes())
+    }
 }
 
 /// Starts a VMM serving its API in `dir` (created empty) and waits until it answers.
