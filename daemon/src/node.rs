@@ -92,6 +92,7 @@ fn microvm_runtime(cfg: &NodeConfig) -> Result<MicrovmRuntime, String> {
         images: vec![("testguest".into(), testguest)],
         vcpus: 1,
         memory_mib: 256,
+        ready_timeout: std::time::Duration::from_secs(20),
     })
 }
 

@@ -326,3 +326,144 @@ async fn a_killed_vmm_fails_the_turn_then_the_session_continues_from_its_last_sn
     assert_eq!(turn(&mut c, &s).await, "3");
     verify_chain(&replay(&mut c, &s).await).unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_that_never_becomes_ready_fails_create_and_leaves_nothing() {
+    use agentvmd::runtime::microvm::{MicrovmConfig, MicrovmRuntime};
+    use agentvmd::runtime::{Runtime, SessionSpec};
+    require_kvm!();
+    let dir = tempfile::tempdir().unwrap();
+    let image = dir.path().join("halt.elf");
+    std::fs::write(
+        &image,
+        agentvm_testguest::synthetic::elf64(agentvm_testguest::synthetic::HALT64),
+    )
+    .unwrap();
+    let runtime = MicrovmRuntime::new(MicrovmConfig {
+        vmm_binary: vmm_binary(),
+        run_dir: dir.path().join("vms"),
+        ram_dir: dir.path().to_owned(),
+        snapshot_dir: dir.path().join("snapshots"),
+        images: vec![("silent".into(), image)],
+        vcpus: 1,
+        memory_mib: 64,
+        ready_timeout: Duration::from_secs(1),
+    })
+    .unwrap();
+    let started = std::time::Instant::now();
+    let err = runtime
+        .create(&SessionSpec {
+            session_uid: "s-silent".into(),
+            harness: "silent".into(),
+            ..Default::default()
+        })
+        .await
+        .err()
+        .expect("create must fail");
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(err.to_string().contains("never became ready"), "{err}");
+    assert!(
+        !dir.path().join("vms/s-silent").exists(),
+        "nothing left behind"
+    );
+    let leftover = std::process::Command::new("pgrep")
+        .args(["-f", &dir.path().join("vms/s-silent").display().to_string()])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default();
+    assert!(leftover.is_empty(), "a VMM process is left: {leftover}");
+}
+
+/// Everything a node holds for its sessions: processes it started, its own fds, the
+/// sockets and files under its state directory.
+fn holdings(node: &TestNode) -> (usize, usize, usize) {
+    let state = node.dir.join("state").display().to_string();
+    let vmms = std::process::Command::new("pgrep")
+        .args(["-f", &state])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).lines().count())
+        .unwrap_or_default();
+    let fds = std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.count())
+        .unwrap_or(0);
+    let files = walk(&node.dir.join("state/vms")) + walk(&node.dir.join("state/snapshots"));
+    (vmms, fds, files)
+}
+
+fn walk(dir: &std::path::Path) -> usize {
+    std::fs::read_dir(dir)
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| {
+                    if e.path().is_dir() {
+                        1 + walk(&e.path())
+                    } else {
+                        1
+                    }
+                })
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_leaks_after_many_create_suspend_resume_fork_delete_cycles() {
+    require_kvm!();
+    let cycles: usize = std::env::var("AGENTVM_LEAK_CYCLES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200);
+    let node = microvm_node().await;
+    let mut c = node.c();
+    // Warm up once so lazily created state (connection pools, the snapshot store) is there.
+    let warm = create(&mut c).await;
+    turn(&mut c, &warm).await;
+    c.delete_session(agentvm_proto::v1::DeleteSessionRequest { uid: warm })
+        .await
+        .unwrap();
+    let before = holdings(&node);
+    for cycle in 0..cycles {
+        let s = create(&mut c).await;
+        assert_eq!(turn(&mut c, &s).await, "1", "cycle {cycle}");
+        c.suspend(SuspendRequest { session: s.clone() })
+            .await
+            .unwrap();
+        assert_eq!(turn(&mut c, &s).await, "2", "cycle {cycle}");
+        let children = c
+            .fork(ForkRequest {
+                session: s.clone(),
+                count: 1,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .children;
+        let child = uid(&children[0]);
+        assert_eq!(turn(&mut c, &child).await, "3", "cycle {cycle}");
+        for session in [child, s] {
+            c.delete_session(agentvm_proto::v1::DeleteSessionRequest { uid: session })
+                .await
+                .unwrap();
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let after = holdings(&node);
+    if after != before {
+        let listing = std::process::Command::new("find")
+            .arg(node.dir.join("state/snapshots"))
+            .arg(node.dir.join("state/vms"))
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        eprintln!("left under state/:\n{listing}");
+    }
+    assert_eq!(
+        after, before,
+        "(VMM processes, daemon fds, files under vms/ and snapshots/) after {cycles} cycles"
+    );
+}

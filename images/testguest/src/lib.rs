@@ -107,3 +107,65 @@ pub mod markers {
     /// Prefix of `TESTGUEST ERROR <what>`.
     pub const ERROR: &str = "TESTGUEST ERROR ";
 }
+
+/// Minimal kernel images built in memory, for tests of the boot paths and of guests that
+/// misbehave: x86-64 code wrapped as an ELF64 without a PVH note, or as a bzImage.
+pub mod synthetic {
+    /// `hlt` in a loop: a guest that boots and never says anything.
+    pub const HALT64: &[u8] = &[0xf4, 0xeb, 0xfd];
+
+    fn put16(buf: &mut [u8], at: usize, v: u16) {
+        buf[at..at + 2].copy_from_slice(&v.to_le_bytes());
+    }
+    fn put32(buf: &mut [u8], at: usize, v: u32) {
+        buf[at..at + 4].copy_from_slice(&v.to_le_bytes());
+    }
+    fn put64(buf: &mut [u8], at: usize, v: u64) {
+        buf[at..at + 8].copy_from_slice(&v.to_le_bytes());
+    }
+
+    /// A minimal ELF64 executable: one PT_LOAD at 2 MiB, no notes.
+    pub fn elf64(code: &[u8]) -> Vec<u8> {
+        const LOAD: u64 = 0x20_0000;
+        const CODE_OFFSET: usize = 0x1000;
+        let mut image = vec![0u8; CODE_OFFSET + code.len()];
+        image[..4].copy_from_slice(b"\x7fELF");
+        image[4] = 2; // ELFCLASS64
+        image[5] = 1; // little endian
+        image[6] = 1; // version
+        put16(&mut image, 16, 2); // ET_EXEC
+        put16(&mut image, 18, 62); // EM_X86_64
+        put32(&mut image, 20, 1);
+        put64(&mut image, 24, LOAD); // e_entry
+        put64(&mut image, 32, 64); // e_phoff
+        put16(&mut image, 52, 64); // e_ehsize
+        put16(&mut image, 54, 56); // e_phentsize
+        put16(&mut image, 56, 1); // e_phnum
+        let ph = 64;
+        put32(&mut image, ph, 1); // PT_LOAD
+        put32(&mut image, ph + 4, 5); // R+X
+        put64(&mut image, ph + 8, CODE_OFFSET as u64);
+        put64(&mut image, ph + 16, LOAD);
+        put64(&mut image, ph + 24, LOAD);
+        put64(&mut image, ph + 32, code.len() as u64);
+        put64(&mut image, ph + 40, code.len() as u64);
+        put64(&mut image, ph + 48, 0x1000);
+        image[CODE_OFFSET..].copy_from_slice(code);
+        image
+    }
+
+    /// A minimal bzImage: one setup sector after the boot sector, then the protected-mode kernel
+    /// whose 64-bit entry is 0x200 bytes in.
+    pub fn bzimage(code: &[u8]) -> Vec<u8> {
+        let setup = 2 * 512;
+        let mut image = vec![0u8; setup + 0x200 + code.len()];
+        image[0x1f1] = 1; // setup_sects
+        put16(&mut image, 0x1fe, 0xaa55);
+        image[0x202..0x206].copy_from_slice(b"HdrS");
+        put16(&mut image, 0x206, 0x020f); // boot protocol 2.15
+        image[0x211] = 1; // LOADED_HIGH
+        put32(&mut image, 0x214, 0x10_0000); // code32_start
+        image[setup + 0x200..].copy_from_slice(code);
+        image
+    }
+}

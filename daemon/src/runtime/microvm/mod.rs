@@ -36,8 +36,6 @@ use super::{
 use crate::controller::endpoint::HarnessEndpoint;
 
 const NAME: &str = "microvm";
-/// How long a booted or restored guest has to answer Hello.
-const READY_TIMEOUT: Duration = Duration::from_secs(20);
 /// Guest CID: with hybrid vsock it is visible only inside the guest, so every VM may use it.
 const GUEST_CID: u32 = 3;
 
@@ -56,6 +54,8 @@ pub struct MicrovmConfig {
     pub images: Vec<(String, PathBuf)>,
     pub vcpus: u8,
     pub memory_mib: u64,
+    /// How long a booted or restored guest has to answer Hello.
+    pub ready_timeout: Duration,
 }
 
 pub struct MicrovmRuntime {
@@ -216,7 +216,7 @@ impl MicrovmRuntime {
                     .await
                     .map_err(|e| format!("vm.restore: {e}"))?;
                 let (mut conn, ready) =
-                    GuestConn::ready(&dir.vsock(), READY_TIMEOUT, &|| dir.vmm_alive())
+                    GuestConn::ready(&dir.vsock(), self.config.ready_timeout, &|| dir.vmm_alive())
                         .await
                         .map_err(|e| format!("the restored guest did not answer: {e}"))?;
                 conn.restored(restored_notice(session, kind, ready.restore_generation + 1))
@@ -313,7 +313,7 @@ impl Runtime for MicrovmRuntime {
                     .await
                     .map_err(|e| format!("vm.create: {e}"))?;
                 client.boot().await.map_err(|e| format!("vm.boot: {e}"))?;
-                GuestConn::ready(&dir.vsock(), READY_TIMEOUT, &|| dir.vmm_alive())
+                GuestConn::ready(&dir.vsock(), self.config.ready_timeout, &|| dir.vmm_alive())
                     .await
                     .map(drop)
                     .map_err(|e| format!("the guest never became ready: {e}"))
@@ -382,12 +382,23 @@ impl Runtime for MicrovmRuntime {
     /// theirs alive until they are gone too).
     async fn reclaim(&self, session_uid: &str) -> Result<()> {
         let prefix = format!("{session_uid}-");
-        for id in self.store.list().unwrap_or_default() {
-            if id.starts_with(&prefix)
-                && let Err(e) = self.store.delete(&id)
-            {
-                tracing::info!(session = session_uid, snapshot = %id, reason = %e, "snapshot kept");
+        let mut left: Vec<String> = self
+            .store
+            .list()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|id| id.starts_with(&prefix))
+            .collect();
+        // Layers go before the bases under them: repeat while a pass frees something.
+        loop {
+            let before = left.len();
+            left.retain(|id| self.store.delete(id).is_err());
+            if left.len() == before {
+                break;
             }
+        }
+        for id in &left {
+            tracing::info!(session = session_uid, snapshot = %id, "snapshot kept: still in use");
         }
         Ok(())
     }
@@ -421,7 +432,7 @@ impl Runtime for MicrovmRuntime {
         let socket = dir.vsock();
         Ok(Arc::new(GuestEndpoint::new(
             socket,
-            READY_TIMEOUT,
+            self.config.ready_timeout,
             Box::new(move || dir.vmm_alive()),
         )))
     }
