@@ -83,21 +83,13 @@ fn write_extent(z: &mut impl Write, offset: u64, bytes: &[u8]) -> Result<(), Sna
 /// Streams the chain's guest memory composed (for every page, the topmost layer holding
 /// it), non-zero pages only; returns the page digest of the result.
 fn write_composed_memory(z: &mut impl Write, chain: &[Snapshot]) -> Result<String, SnapshotError> {
-    let mut files = Vec::new();
-    // Page index → the layer that has it last; only indices are kept, never page data.
-    let mut owner = std::collections::BTreeMap::new();
-    for snapshot in chain {
-        if !snapshot.manifest.files.contains_key(MEMORY_FILE) {
-            continue;
-        }
-        let file = File::open(snapshot.path(MEMORY_FILE)).map_err(io_err)?;
-        for (offset, len) in pages::data_extents(&file).map_err(io_err)? {
-            for index in offset / PAGE_SIZE..(offset + len).div_ceil(PAGE_SIZE) {
-                owner.insert(index, files.len());
-            }
-        }
-        files.push(file);
-    }
+    let files = chain
+        .iter()
+        .filter(|s| s.manifest.files.contains_key(MEMORY_FILE))
+        .map(|s| File::open(s.path(MEMORY_FILE)))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(io_err)?;
+    let owner = pages::owners(&files).map_err(io_err)?;
     let mut hasher = PageHasher::default();
     let mut page = vec![0u8; PAGE_SIZE as usize];
     for (index, layer) in owner {

@@ -106,6 +106,20 @@ pub fn file_digest(file: &File) -> io::Result<(String, u64)> {
     Ok((hasher.finish(), pages))
 }
 
+/// For a chain of memory files (base first), the file each page's content comes from: the
+/// topmost one holding data there. Only indices are kept, never page contents.
+pub fn owners(files: &[File]) -> io::Result<std::collections::BTreeMap<u64, usize>> {
+    let mut owner = std::collections::BTreeMap::new();
+    for (layer, file) in files.iter().enumerate() {
+        for (offset, len) in data_extents(file)? {
+            for index in offset / PAGE_SIZE..(offset + len).div_ceil(PAGE_SIZE) {
+                owner.insert(index, layer);
+            }
+        }
+    }
+    Ok(owner)
+}
+
 /// Layer digest of a file: every page of its data extents, zero pages included.
 pub fn layer_digest(file: &File) -> io::Result<(String, u64)> {
     let mut hasher = PageHasher::default();

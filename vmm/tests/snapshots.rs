@@ -326,3 +326,52 @@ impl TapMkdir for PathBuf {
         self
     }
 }
+
+#[tokio::test]
+async fn long_snapshot_chains_are_flattened() {
+    require_kvm!();
+    let (vmm, mut link) = booted_with_counter(1).await;
+    link.dirty(4, 0x42);
+    vmm.client.pause().await.unwrap();
+    let store = tempfile::tempdir().unwrap();
+    let mut dir = snapshot_dir(store.path(), "gen-0");
+    vmm.client.snapshot(&dir).await.unwrap();
+    vmm.shutdown().await;
+    let mut depths = Vec::new();
+    for generation in 1..=10u64 {
+        let vm = Vmm::spawn().await;
+        vm.restore(&dir).await;
+        let mut link = GuestLink::connect_ready(&vm.vsock_socket(), PORT);
+        let count = generation + 1;
+        assert_eq!(link.counter_turn(count, "e"), count.to_string());
+        vm.client.pause().await.unwrap();
+        dir = snapshot_dir(store.path(), &format!("gen-{generation}"));
+        vm.client.snapshot(&dir).await.unwrap();
+        vm.shutdown().await;
+        depths.push(
+            agentvm_snapshot::Snapshot::open(&dir)
+                .unwrap()
+                .chain()
+                .unwrap()
+                .len(),
+        );
+    }
+    assert!(
+        depths.iter().all(|d| *d <= agentvm_vmm::vm::FLATTEN_AT),
+        "chains stay short: {depths:?}"
+    );
+    assert!(
+        depths.contains(&1),
+        "some generation was written whole: {depths:?}"
+    );
+    let last = Vmm::spawn().await;
+    last.restore(&dir).await;
+    let mut link = GuestLink::connect_ready(&last.vsock_socket(), PORT);
+    assert_eq!(link.counter_turn(12, "e"), "12");
+    assert_eq!(
+        link.dirty(4, 0),
+        (4 * 256, 0),
+        "memory from generation 0 survived"
+    );
+    last.shutdown().await;
+}

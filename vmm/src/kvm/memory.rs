@@ -246,6 +246,63 @@ impl GuestRam {
         Ok((hasher.finish(), pages))
     }
 
+    /// Writes all of a `Private` VM's memory as one self-contained file: every page any file
+    /// of its chain (`chain`, base first) holds or the VM changed, read through the VM's own
+    /// mapping (which composes them), non-zero pages only. Returns the page digest and count.
+    pub fn write_flattened(
+        &self,
+        chain: &[PathBuf],
+        dest: &Path,
+    ) -> Result<(String, u64), MemoryError> {
+        let out = create_new(dest)?;
+        let write_err = |source| MemoryError::Write {
+            path: dest.display().to_string(),
+            source,
+        };
+        out.set_len(self.size).map_err(write_err)?;
+        let files = chain
+            .iter()
+            .map(|p| {
+                File::open(p).map_err(|source| MemoryError::Snapshot {
+                    path: p.display().to_string(),
+                    source,
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut candidates: std::collections::BTreeSet<u64> = pages::owners(&files)
+            .map_err(write_err)?
+            .into_keys()
+            .collect();
+        for region in regions(self.size) {
+            let host = self.host_address(region.gpa);
+            let first = region.file_offset / PAGE_SIZE;
+            candidates.extend(
+                changed_pages(host, region.len)
+                    .map_err(MemoryError::Pagemap)?
+                    .into_iter()
+                    .map(|i| first + i),
+            );
+        }
+        let mut hasher = PageHasher::default();
+        let mut page = vec![0u8; PAGE_SIZE as usize];
+        for file_page in candidates {
+            let Some(gpa) = gpa_of(self.size, file_page * PAGE_SIZE) else {
+                continue;
+            };
+            self.memory
+                .read_slice(&mut page, GuestAddress(gpa))
+                .map_err(|e| write_err(io::Error::other(e.to_string())))?;
+            if pages::is_zero(&page) {
+                continue;
+            }
+            out.write_all_at(&page, file_page * PAGE_SIZE)
+                .map_err(write_err)?;
+            hasher.page(file_page, &page);
+        }
+        let pages = hasher.pages();
+        Ok((hasher.finish(), pages))
+    }
+
     /// Turns an `Own` VM's RAM file into the immutable base `dest` (linked there when it
     /// can be, copied otherwise) and remaps this VM copy-on-write over it, so the VM and
     /// every VM restored from `dest` share its pages. Returns the page digest, page count,
@@ -285,6 +342,14 @@ impl GuestRam {
             .get_host_address(GuestAddress(gpa))
             .unwrap_or(std::ptr::null_mut())
     }
+}
+
+/// The guest-physical address of a memory-file offset (the file skips the MMIO hole).
+fn gpa_of(size: u64, file_offset: u64) -> Option<u64> {
+    regions(size)
+        .into_iter()
+        .find(|r| file_offset >= r.file_offset && file_offset < r.file_offset + r.len)
+        .map(|r| r.gpa + (file_offset - r.file_offset))
 }
 
 fn create_new(path: &Path) -> Result<File, MemoryError> {

@@ -4,7 +4,7 @@
 
 mod persist;
 
-pub use persist::{RestoreSpec, SaveKind, SaveReport};
+pub use persist::{FLATTEN_AT, RestoreSpec, SaveKind, SaveReport};
 
 use std::collections::BTreeMap;
 use std::fs::OpenOptions;

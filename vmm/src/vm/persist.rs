@@ -43,6 +43,10 @@ pub enum PersistError {
     Mismatch(String),
 }
 
+/// A snapshot of a VM whose chain of snapshots is this deep is written whole instead of as
+/// another layer.
+pub const FLATTEN_AT: usize = 8;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SaveKind {
     /// `vm.snapshot`: a self-contained copy (or a layer on the snapshot the VM runs from).
@@ -142,9 +146,23 @@ impl Vm {
                 (DigestKind::Pages, digest, pages, linked, None)
             }
             (Backing::Private { top }, _) => {
-                let base = Snapshot::open(&top)?.base_ref();
-                let (digest, pages) = self.ram.write_layer(&memory_path)?;
-                (DigestKind::LayerPages, digest, pages, false, Some(base))
+                let top = Snapshot::open(&top)?;
+                let chain = top.chain()?;
+                if chain.len() >= FLATTEN_AT {
+                    // Long chains cost restore time and pin every base: start afresh.
+                    let files: Vec<PathBuf> = chain.iter().map(|s| s.path(MEMORY_FILE)).collect();
+                    let (digest, pages) = self.ram.write_flattened(&files, &memory_path)?;
+                    (DigestKind::Pages, digest, pages, false, None)
+                } else {
+                    let (digest, pages) = self.ram.write_layer(&memory_path)?;
+                    (
+                        DigestKind::LayerPages,
+                        digest,
+                        pages,
+                        false,
+                        Some(top.base_ref()),
+                    )
+                }
             }
         };
         writer.add_memory_file(MEMORY_FILE, digest_kind, digest)?;
