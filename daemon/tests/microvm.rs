@@ -234,6 +234,41 @@ async fn scenario_76_forks_continue_from_the_parent_in_their_own_microvms() {
     }
 }
 
+/// A fork parks the parent; forking it again (or after a suspend) starts the children from
+/// that same snapshot instead of failing for want of a running VM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_parent_forks_again_from_its_last_snapshot() {
+    require_kvm!();
+    let node = microvm_node().await;
+    let mut c = node.c();
+    let parent = create(&mut c).await;
+    assert_eq!(turn(&mut c, &parent).await, "1");
+    let mut children = Vec::new();
+    for _ in 0..2 {
+        let batch = c
+            .fork(ForkRequest {
+                session: parent.clone(),
+                count: 1,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .children;
+        assert_eq!(compute(&mut c, &parent).await, ComputeState::ComputeCold);
+        children.extend(batch.iter().map(uid));
+    }
+    for child in &children {
+        assert_eq!(turn(&mut c, child).await, "2", "child {child}");
+    }
+    assert_eq!(turn(&mut c, &parent).await, "2");
+    for child in &children {
+        c.delete_session(agentvm_proto::v1::DeleteSessionRequest { uid: child.clone() })
+            .await
+            .unwrap();
+    }
+}
+
 fn vmm_pid(node: &TestNode, session: &str) -> i32 {
     std::fs::read_to_string(vm_dir(node, session).join("vmm.pid"))
         .unwrap()
@@ -453,7 +488,11 @@ async fn no_leaks_after_many_create_suspend_resume_fork_delete_cycles() {
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
     let after = holdings(&node);
-    if after != before {
+    // The fd table is the whole test process's, shared with tests running beside this one,
+    // so fds get a little slack either way; a per-cycle leak would show as hundreds.
+    const FD_SLACK: usize = 16;
+    let leaked = after.0 != before.0 || after.2 != before.2 || after.1 > before.1 + FD_SLACK;
+    if leaked {
         let listing = std::process::Command::new("find")
             .arg(node.dir.join("state/snapshots"))
             .arg(node.dir.join("state/vms"))
@@ -462,8 +501,9 @@ async fn no_leaks_after_many_create_suspend_resume_fork_delete_cycles() {
             .unwrap_or_default();
         eprintln!("left under state/:\n{listing}");
     }
-    assert_eq!(
-        after, before,
-        "(VMM processes, daemon fds, files under vms/ and snapshots/) after {cycles} cycles"
+    assert!(
+        !leaked,
+        "(VMM processes, daemon fds, files under vms/ and snapshots/): {before:?} before, \
+         {after:?} after {cycles} cycles"
     );
 }

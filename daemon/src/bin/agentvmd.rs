@@ -28,6 +28,13 @@ struct Args {
     /// `PROGRAM harness serve NAME --listen unix:PATH`. Default: `agentvm` beside agentvmd.
     #[arg(long)]
     harness_bin: Option<PathBuf>,
+    /// The agentvm-vmm binary the microvm runtime starts, one per session.
+    /// Default: `agentvm-vmm` beside agentvmd; the runtime is left out if it is missing.
+    #[arg(long)]
+    vmm_binary: Option<PathBuf>,
+    /// Directory for guest RAM files; a tmpfs lets a fork link RAM instead of copying it.
+    #[arg(long, default_value = "/dev/shm")]
+    ram_dir: PathBuf,
     /// OpenAI-compatible endpoint (up to the version path, e.g. https://api.openai.com/v1)
     /// serving every model except the built-in `echo`.
     #[arg(long)]
@@ -57,6 +64,10 @@ fn main() -> anyhow::Result<()> {
         node_config.harness_command =
             vec![bin.display().to_string(), "harness".into(), "serve".into()];
     }
+    if let Some(bin) = &args.vmm_binary {
+        node_config.vmm_binary = Some(bin.clone());
+    }
+    node_config.ram_dir = args.ram_dir.clone();
     if let Some(base_url) = &args.openai_base_url {
         let api_key = load_api_key(
             Some(&args.openai_api_key_env),

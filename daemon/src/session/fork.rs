@@ -1,16 +1,26 @@
 //! Fork: N children from one point of a parent's log (semantics.md §3 Fork, §4.3).
 
+use std::sync::Arc;
+
 use agentvm_proto::v1::{ForkRequest, Session, SnapshotRef, lifecycle::Kind as LifecycleKind};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
 use tonic::Status;
 
 use super::guard::Hold;
-use super::{SessionHost, busy, new_session_uid, runtime_status};
+use super::{SessionHost, busy, new_session_uid, own_suspend_ref, runtime_status};
 use crate::api::status::journal_status;
 use crate::clock::now_nanos;
 use crate::controller::Interrupt;
 use crate::journal::{DeletionState, SessionRow};
 use crate::runtime::placement::can_place;
 use crate::runtime::{ForkOpts, Incarnation, SessionSpec};
+
+/// Children started at once; more only queue on the same two cores and VMM spawns.
+const FORK_PARALLELISM: usize = 8;
+
+/// Children started so far, in request order, with what the runtime runs them as.
+type Provisioned = Vec<(String, Option<Incarnation>)>;
 
 /// Each provisioned child gets this long to stop when a fan-out is rolled back.
 const ROLLBACK_STOP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
@@ -62,15 +72,25 @@ impl SessionHost {
                     "session {uid} advanced during the fork; fork again at the new head"
                 )));
             }
-            let snapshot = self.checkpoint(&uid).await?;
-            self.append_lifecycle(
-                &uid,
-                at_seq,
-                fence,
-                LifecycleKind::LifecycleSuspend,
-                "fork",
-                Some(snapshot.clone()),
-            )?;
+            self.adopt(&uid).await?;
+            let snapshot = if self.live_get(&uid).is_some() {
+                let snapshot = self.checkpoint(&uid).await?;
+                self.append_lifecycle(
+                    &uid,
+                    at_seq,
+                    fence,
+                    LifecycleKind::LifecycleSuspend,
+                    "fork",
+                    Some(snapshot.clone()),
+                )?;
+                snapshot
+            } else {
+                // Cold (suspended, or an earlier fork already parked it): its head is the
+                // last snapshot it took, so the children start from that one.
+                own_suspend_ref(&self.records(&uid)?, &uid)
+                    .filter(|r| r.memory)
+                    .unwrap_or_default()
+            };
             if snapshot.external_uri.is_empty() {
                 return Err(Status::failed_precondition(format!(
                     "the runtime gave no external snapshot of session {uid} to fork from"
@@ -85,26 +105,16 @@ impl SessionHost {
         };
 
         let count = req.count as usize;
-        let mut provisioned: Vec<(String, Option<Incarnation>)> = Vec::with_capacity(count);
-        for _ in 0..count {
-            let child = new_session_uid();
-            let opts = ForkOpts {
-                child_session_uid: child.clone(),
-                spec: SessionSpec {
-                    session_uid: child.clone(),
-                    image: String::new(),
-                    harness: placement.harness.clone(),
-                    identity: parent.identity.clone(),
-                },
-            };
-            match placement.runtime.fork(&source, &opts).await {
-                Ok(inc) => provisioned.push((child, inc)),
-                Err(e) => {
-                    self.roll_back(&placement, &provisioned, &[]).await;
-                    return Err(runtime_status(&e));
-                }
+        let provisioned = match self
+            .provision_children(&placement, &parent, &source, count)
+            .await
+        {
+            Ok(p) => p,
+            Err((provisioned, e)) => {
+                self.roll_back(&placement, &provisioned, &[]).await;
+                return Err(e);
             }
-        }
+        };
 
         let mut written: Vec<String> = Vec::with_capacity(count);
         for (i, (child, _)) in provisioned.iter().enumerate() {
@@ -127,6 +137,60 @@ impl SessionHost {
         }
         tracing::info!(session = %uid, children = children.len(), at_seq, "session forked");
         Ok(children)
+    }
+
+    /// Starts `count` children from `source`, several at a time: each one is mostly waiting
+    /// on its own VMM, so a wide fan-out costs a few child start-ups, not `count` of them.
+    /// On failure, hands back what did start so the caller can stop it.
+    async fn provision_children(
+        &self,
+        placement: &super::Placement,
+        parent: &SessionRow,
+        source: &SnapshotRef,
+        count: usize,
+    ) -> Result<Provisioned, (Provisioned, Status)> {
+        let permits = Arc::new(Semaphore::new(FORK_PARALLELISM));
+        let mut set = JoinSet::new();
+        for index in 0..count {
+            let child = new_session_uid();
+            let opts = ForkOpts {
+                child_session_uid: child.clone(),
+                spec: SessionSpec {
+                    session_uid: child.clone(),
+                    image: String::new(),
+                    harness: placement.harness.clone(),
+                    identity: parent.identity.clone(),
+                },
+            };
+            let runtime = placement.runtime.clone();
+            let source = source.clone();
+            let permits = permits.clone();
+            set.spawn(async move {
+                let _permit = permits.acquire_owned().await;
+                (index, child, runtime.fork(&source, &opts).await)
+            });
+        }
+        let mut slots: Vec<Option<(String, Option<Incarnation>)>> = vec![None; count];
+        let mut failure = None;
+        while let Some(joined) = set.join_next().await {
+            match joined {
+                Ok((index, child, Ok(inc))) => slots[index] = Some((child, inc)),
+                Ok((_, child, Err(e))) => {
+                    tracing::warn!(child = %child, error = %e, "fork: a child did not start");
+                    failure.get_or_insert_with(|| runtime_status(&e));
+                }
+                Err(e) => {
+                    failure.get_or_insert_with(|| {
+                        Status::internal(format!("fork: starting a child failed: {e}"))
+                    });
+                }
+            }
+        }
+        let provisioned: Provisioned = slots.into_iter().flatten().collect();
+        match failure {
+            None => Ok(provisioned),
+            Some(e) => Err((provisioned, e)),
+        }
     }
 
     fn write_child(

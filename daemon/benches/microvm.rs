@@ -1,0 +1,261 @@
+//! Sessions on microVMs, measured through the Sessions API with the test guest's counter:
+//! first turn (create → VM booted → answered), warm turn latency, suspend, resume → first
+//! event, fork fan-out 1/16/64/128 → every child answered, memory per idle session and
+//! sessions per GiB. Prints a table and writes the figures as JSON (`AGENTVM_BENCH_JSON`,
+//! default `target/bench-microvm.json`).
+//!
+//! `cargo build --release -p agentvm-vmm && cargo bench -p agentvmd --bench microvm`
+//! (the VMM is taken from beside this benchmark; `AGENTVM_VMM_BIN` overrides it).
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use agentvm_proto::v1::sessions_client::SessionsClient;
+use agentvm_proto::v1::{
+    CreateSessionRequest, DeleteSessionRequest, ExecRequest, ForkRequest, Message, Part, Session,
+    SuspendRequest, TextPart, part,
+};
+use serde_json::json;
+use tonic::transport::Channel;
+
+fn stats(
+    name: &str,
+    unit: &str,
+    mut xs: Vec<f64>,
+    out: &mut serde_json::Map<String, serde_json::Value>,
+) {
+    xs.sort_by(|a, b| a.total_cmp(b));
+    let pick = |q: f64| xs[((xs.len() - 1) as f64 * q).round() as usize];
+    println!(
+        "{name:<44} min {:>8.2}  p50 {:>8.2}  p99 {:>8.2}  max {:>8.2}  {unit}  (n={})",
+        xs[0],
+        pick(0.5),
+        pick(0.99),
+        xs[xs.len() - 1],
+        xs.len()
+    );
+    out.insert(
+        name.to_owned(),
+        json!({"unit": unit, "n": xs.len(), "min": xs[0], "p50": pick(0.5), "p99": pick(0.99), "max": xs[xs.len() - 1]}),
+    );
+}
+
+fn vmm_binary() -> PathBuf {
+    if let Some(bin) = std::env::var_os("AGENTVM_VMM_BIN") {
+        return bin.into();
+    }
+    let exe = std::env::current_exe().unwrap();
+    exe.parent()
+        .and_then(|d| d.parent())
+        .unwrap()
+        .join("agentvm-vmm")
+}
+
+async fn create(c: &mut SessionsClient<Channel>) -> String {
+    c.create_session(CreateSessionRequest {
+        session: Some(Session {
+            harness: "testguest".into(),
+            ..Default::default()
+        }),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .metadata
+    .unwrap()
+    .uid
+}
+
+/// One turn; returns (time to the first record, time to the end of the stream).
+async fn turn(c: &mut SessionsClient<Channel>, session: &str) -> (Duration, Duration) {
+    let start = Instant::now();
+    let mut stream = c
+        .exec(ExecRequest {
+            session: session.into(),
+            inputs: vec![Message {
+                role: "user".into(),
+                parts: vec![Part {
+                    part: Some(part::Part::Text(TextPart { text: "go".into() })),
+                }],
+            }],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut first = None;
+    while let Some(update) = stream.message().await.unwrap() {
+        if first.is_none()
+            && matches!(
+                update.update,
+                Some(agentvm_proto::v1::exec_update::Update::Record(_))
+            )
+        {
+            first = Some(start.elapsed());
+        }
+    }
+    (first.unwrap_or_default(), start.elapsed())
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// PSS (MiB) of the VMM processes serving `sessions`.
+fn pss_mib(state: &std::path::Path, sessions: &[String]) -> Vec<f64> {
+    sessions
+        .iter()
+        .filter_map(|s| {
+            let pid = std::fs::read_to_string(state.join("vms").join(s).join("vmm.pid")).ok()?;
+            let rollup =
+                std::fs::read_to_string(format!("/proc/{}/smaps_rollup", pid.trim())).ok()?;
+            rollup
+                .lines()
+                .find_map(|l| l.strip_prefix("Pss:"))
+                .and_then(|v| v.split_whitespace().next())
+                .and_then(|v| v.parse::<f64>().ok())
+                .map(|kib| kib / 1024.0)
+        })
+        .collect()
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let quick = !std::env::args().any(|a| a == "--bench");
+    if let Err(e) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+    {
+        println!("SKIPPED: /dev/kvm is not usable here ({e}); the microVM benchmarks need KVM");
+        return;
+    }
+    let binary = vmm_binary();
+    if !binary.is_file() {
+        println!(
+            "SKIPPED: no VMM at {} (cargo build -p agentvm-vmm first, or set AGENTVM_VMM_BIN)",
+            binary.display()
+        );
+        return;
+    }
+    let runs = if quick { 2 } else { 20 };
+    let node = support::start_with(|cfg| {
+        cfg.vmm_binary = Some(binary.clone());
+        cfg.ram_dir = "/dev/shm".into();
+    })
+    .await;
+    let state = node.dir.join("state");
+    let mut c = node.c();
+    let mut out = serde_json::Map::new();
+    out.insert("vmm_binary".into(), json!(binary.display().to_string()));
+
+    let mut first_turn = Vec::new();
+    let mut warm = Vec::new();
+    let mut suspend = Vec::new();
+    let mut resume_first = Vec::new();
+    let mut sessions = Vec::new();
+    for _ in 0..runs {
+        let s = create(&mut c).await;
+        first_turn.push(ms(turn(&mut c, &s).await.1));
+        for _ in 0..5 {
+            warm.push(ms(turn(&mut c, &s).await.1));
+        }
+        let start = Instant::now();
+        c.suspend(SuspendRequest { session: s.clone() })
+            .await
+            .unwrap();
+        suspend.push(ms(start.elapsed()));
+        resume_first.push(ms(turn(&mut c, &s).await.0));
+        sessions.push(s);
+    }
+    stats(
+        "create -> first turn answered (boot)",
+        "ms",
+        first_turn,
+        &mut out,
+    );
+    stats("exec turn, warm", "ms", warm, &mut out);
+    stats(
+        "suspend (snapshot to disk, VMM stopped)",
+        "ms",
+        suspend,
+        &mut out,
+    );
+    stats(
+        "resume -> first event (restore + turn)",
+        "ms",
+        resume_first,
+        &mut out,
+    );
+
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let pss = pss_mib(&state, &sessions);
+    let per_session = pss.iter().sum::<f64>() / pss.len().max(1) as f64;
+    stats("idle session, VMM PSS", "MiB", pss, &mut out);
+    println!(
+        "{:<44} {:>8.0}  (1 GiB / mean PSS of an idle session)",
+        "sessions per GiB",
+        1024.0 / per_session
+    );
+    out.insert("sessions_per_gib".into(), json!(1024.0 / per_session));
+    for s in sessions {
+        c.delete_session(DeleteSessionRequest { uid: s })
+            .await
+            .unwrap();
+    }
+
+    let parent = create(&mut c).await;
+    turn(&mut c, &parent).await;
+    let widths: &[i32] = if quick { &[1, 4] } else { &[1, 16, 64, 128] };
+    for &k in widths {
+        let start = Instant::now();
+        let children = c
+            .fork(ForkRequest {
+                session: parent.clone(),
+                count: k,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .children;
+        let forked = start.elapsed();
+        // Every child's guest already answered (Ready and its Restored notice) before Fork
+        // returned; one turn each proves the harness too.
+        let mut set = tokio::task::JoinSet::new();
+        for child in &children {
+            let mut c = c.clone();
+            let uid = child.metadata.as_ref().unwrap().uid.clone();
+            set.spawn(async move { turn(&mut c, &uid).await });
+        }
+        while set.join_next().await.is_some() {}
+        let answered = start.elapsed();
+        println!(
+            "{:<44} fork {:>8.1} ms, every child answered a turn {:>8.1} ms",
+            format!("fork fan-out {k}"),
+            ms(forked),
+            ms(answered)
+        );
+        out.insert(
+            format!("fork_{k}"),
+            json!({"fork_ms": ms(forked), "all_answered_ms": ms(answered)}),
+        );
+        for child in children {
+            c.delete_session(DeleteSessionRequest {
+                uid: child.metadata.unwrap().uid,
+            })
+            .await
+            .unwrap();
+        }
+    }
+    let path = std::env::var_os("AGENTVM_BENCH_JSON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/bench-microvm.json")
+        });
+    std::fs::write(&path, serde_json::to_vec_pretty(&out).unwrap()).unwrap();
+    println!("figures written to {}", path.display());
+}
