@@ -131,6 +131,11 @@ impl Node {
         let microvm_missing = match microvm_runtime(&cfg) {
             Ok(runtime) => {
                 let runtime: Arc<dyn Runtime> = Arc::new(runtime);
+                tracing::info!(
+                    vmm = %cfg.vmm_binary.as_deref().unwrap_or(std::path::Path::new("")).display(),
+                    harnesses = ?MICROVM_HARNESSES,
+                    "microvm runtime ready"
+                );
                 for name in MICROVM_HARNESSES {
                     builtin_runtimes.insert(name.to_owned(), Arc::clone(&runtime));
                 }
