@@ -16,6 +16,7 @@ use crate::model::provider::{ModelProvider, RoutedProvider};
 use crate::registry::store::RegistryStore;
 use crate::registry::{Registry, builtin_harnesses};
 use crate::runtime::Runtime;
+use crate::runtime::microvm::flavour::VmmFlavour;
 use crate::runtime::microvm::{MicrovmConfig, MicrovmRuntime};
 use crate::runtime::placement::can_place;
 use crate::runtime::process::ProcessRuntime;
@@ -35,6 +36,8 @@ pub struct NodeConfig {
     /// The agentvm-vmm binary for the microvm runtime; `None` leaves the runtime out.
     /// Default: `agentvm-vmm` beside this executable.
     pub vmm_binary: Option<PathBuf>,
+    /// Which VMM `vmm_binary` is.
+    pub vmm_flavour: VmmFlavour,
     /// Where guest RAM files live (a tmpfs, so a fork can link instead of copy).
     pub ram_dir: PathBuf,
 }
@@ -47,9 +50,19 @@ impl NodeConfig {
             durability: Durability::Full,
             openai: None,
             vmm_binary: Some(sibling_binary("agentvm-vmm")),
+            vmm_flavour: VmmFlavour::Agentvm,
             ram_dir: PathBuf::from("/dev/shm"),
         }
     }
+}
+
+/// The first `name` on `$PATH`.
+pub fn find_in_path(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|path| {
+        std::env::split_paths(&path)
+            .map(|dir| dir.join(name))
+            .find(|candidate| candidate.is_file())
+    })
 }
 
 /// `name` in the directory of this executable.
@@ -79,17 +92,28 @@ fn microvm_runtime(cfg: &NodeConfig) -> Result<MicrovmRuntime, String> {
         .map_err(|e| format!("/dev/kvm is not usable ({e})"))?;
     let images = cfg.state_dir.join("images");
     std::fs::create_dir_all(&images).map_err(|e| format!("creating {}: {e}", images.display()))?;
-    let testguest = images.join("testguest.elf");
-    if std::fs::read(&testguest).ok().as_deref() != Some(agentvm_testguest::TESTGUEST_ELF) {
-        std::fs::write(&testguest, agentvm_testguest::TESTGUEST_ELF)
-            .map_err(|e| format!("writing {}: {e}", testguest.display()))?;
+    let mut guest_images = Vec::new();
+    if cfg.vmm_flavour.boots_mmio_guests() {
+        let testguest = images.join("testguest.elf");
+        if std::fs::read(&testguest).ok().as_deref() != Some(agentvm_testguest::TESTGUEST_ELF) {
+            std::fs::write(&testguest, agentvm_testguest::TESTGUEST_ELF)
+                .map_err(|e| format!("writing {}: {e}", testguest.display()))?;
+        }
+        guest_images.push(("testguest".to_owned(), testguest));
+    } else {
+        tracing::warn!(
+            vmm = cfg.vmm_flavour.name(),
+            "the test guest needs virtio-mmio, which this VMM does not offer: \
+             testguest sessions will be refused"
+        );
     }
     MicrovmRuntime::new(MicrovmConfig {
         vmm_binary: binary,
+        flavour: cfg.vmm_flavour,
         run_dir: cfg.state_dir.join("vms"),
         ram_dir: cfg.ram_dir.clone(),
         snapshot_dir: cfg.state_dir.join("snapshots"),
-        images: vec![("testguest".into(), testguest)],
+        images: guest_images,
         vcpus: 1,
         memory_mib: 256,
         ready_timeout: std::time::Duration::from_secs(20),

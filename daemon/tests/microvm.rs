@@ -376,6 +376,7 @@ async fn a_guest_that_never_becomes_ready_fails_create_and_leaves_nothing() {
     .unwrap();
     let runtime = MicrovmRuntime::new(MicrovmConfig {
         vmm_binary: vmm_binary(),
+        flavour: Default::default(),
         run_dir: dir.path().join("vms"),
         ram_dir: dir.path().to_owned(),
         snapshot_dir: dir.path().join("snapshots"),
@@ -506,4 +507,49 @@ async fn no_leaks_after_many_create_suspend_resume_fork_delete_cycles() {
         "(VMM processes, daemon fds, files under vms/ and snapshots/): {before:?} before, \
          {after:?} after {cycles} cycles"
     );
+}
+
+/// On Cloud Hypervisor (PCI only) the virtio-mmio test guest cannot run: its sessions are
+/// refused with the reason instead of booting a guest that never answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_cloud_hypervisor_testguest_sessions_are_refused_by_name() {
+    require_kvm!();
+    let node = support::start_with(|cfg| {
+        cfg.vmm_flavour = agentvmd::runtime::microvm::flavour::VmmFlavour::CloudHypervisor;
+        // Never started: the refusal comes before any VMM would be.
+        cfg.vmm_binary = Some("/bin/sh".into());
+    })
+    .await;
+    let mut c = node.c();
+    let session = create(&mut c).await;
+    let err = c
+        .exec(ExecRequest {
+            session: session.clone(),
+            inputs: vec![Message {
+                role: "user".into(),
+                parts: vec![Part {
+                    part: Some(part::Part::Text(TextPart { text: "go".into() })),
+                }],
+            }],
+            ..Default::default()
+        })
+        .await;
+    let message = match err {
+        Err(status) => status.message().to_owned(),
+        Ok(stream) => {
+            let mut stream = stream.into_inner();
+            loop {
+                match stream.message().await {
+                    Err(status) => break status.message().to_owned(),
+                    Ok(Some(_)) => continue,
+                    Ok(None) => panic!("the turn ran on a VMM that cannot boot the test guest"),
+                }
+            }
+        }
+    };
+    assert!(
+        message.contains("testguest") && message.contains("cloud-hypervisor"),
+        "{message}"
+    );
+    assert!(!node.dir.join("state/vms").join(&session).exists());
 }

@@ -86,10 +86,11 @@ impl LocalStore {
         Ok(ids)
     }
 
-    /// Marks `holder` (a VM, a session) as using snapshot `id`. Idempotent.
+    /// Marks `holder` (a VM, a session) as using snapshot `id`. Idempotent. Any directory
+    /// in the store counts, a foreign VMM's snapshot without our manifest too.
     pub fn acquire(&self, id: &str, holder: &str) -> Result<(), SnapshotError> {
         check_name("holder", holder)?;
-        if !self.dir(id)?.join(crate::manifest::MANIFEST_FILE).exists() {
+        if !self.dir(id)?.is_dir() {
             return Err(SnapshotError::NotFound(id.to_owned()));
         }
         let refs = self.root.join(REFS).join(id);

@@ -187,6 +187,18 @@ impl VmmClient {
         self.get_json(endpoint::VM_INFO).await
     }
 
+    /// The VM's state from `GET vm.info`, reading nothing else of the answer: Cloud
+    /// Hypervisor's `vm.info` carries config sections this crate's strict types refuse.
+    pub async fn state(&self) -> Result<VmState, ClientError> {
+        #[derive(serde::Deserialize)]
+        struct StateOnly {
+            state: VmState,
+        }
+        self.get_json::<StateOnly>(endpoint::VM_INFO)
+            .await
+            .map(|info| info.state)
+    }
+
     /// `PUT vm.pause`.
     pub async fn pause(&self) -> Result<(), ClientError> {
         self.put(endpoint::VM_PAUSE).await
@@ -238,8 +250,9 @@ impl VmmClient {
         self.put_json(endpoint::VM_FORK, &body).await
     }
 
-    /// `vm.pause`, where "already paused" counts as success: on a 500 it reads `vm.info` and
-    /// returns Ok if the VM is `Paused`, else the original error.
+    /// `vm.pause`, where "already paused" counts as success: on a wrong-state answer (500, or
+    /// 409 from Cloud Hypervisor v53 on) it reads the VM's state and returns Ok if the VM is
+    /// `Paused`, else the original error.
     pub async fn pause_idempotent(&self) -> Result<(), ClientError> {
         self.idempotent(self.pause().await, VmState::Paused).await
     }
@@ -255,10 +268,12 @@ impl VmmClient {
         target: VmState,
     ) -> Result<(), ClientError> {
         match result {
-            Err(err) if err.status() == Some(ApiError::INTERNAL) => match self.info().await {
-                Ok(info) if info.state == target => Ok(()),
-                _ => Err(err),
-            },
+            Err(err) if matches!(err.status(), Some(ApiError::INTERNAL | ApiError::CONFLICT)) => {
+                match self.state().await {
+                    Ok(state) if state == target => Ok(()),
+                    _ => Err(err),
+                }
+            }
             other => other,
         }
     }

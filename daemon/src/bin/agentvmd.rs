@@ -4,7 +4,8 @@ use std::path::PathBuf;
 
 use agentvmd::config::{self, ListenAddr};
 use agentvmd::model::openai::{OpenAiConfig, load_api_key};
-use agentvmd::node::{Node, NodeConfig};
+use agentvmd::node::{Node, NodeConfig, find_in_path};
+use agentvmd::runtime::microvm::flavour::VmmFlavour;
 use agentvmd::server;
 use anyhow::Context;
 use clap::Parser;
@@ -28,10 +29,14 @@ struct Args {
     /// `PROGRAM harness serve NAME --listen unix:PATH`. Default: `agentvm` beside agentvmd.
     #[arg(long)]
     harness_bin: Option<PathBuf>,
-    /// The agentvm-vmm binary the microvm runtime starts, one per session.
-    /// Default: `agentvm-vmm` beside agentvmd; the runtime is left out if it is missing.
+    /// The VMM binary the microvm runtime starts, one per session. Default: `agentvm-vmm`
+    /// beside agentvmd, or `cloud-hypervisor` on PATH; the runtime is left out if missing.
     #[arg(long)]
     vmm_binary: Option<PathBuf>,
+    /// Which VMM that is: `agentvm` (forks copy-on-write) or `cloud-hypervisor` (v52 or
+    /// later; forks by snapshot and full restore).
+    #[arg(long, default_value = "agentvm")]
+    vmm_flavour: VmmFlavour,
     /// Directory for guest RAM files; a tmpfs lets a fork link RAM instead of copying it.
     #[arg(long, default_value = "/dev/shm")]
     ram_dir: PathBuf,
@@ -64,9 +69,12 @@ fn main() -> anyhow::Result<()> {
         node_config.harness_command =
             vec![bin.display().to_string(), "harness".into(), "serve".into()];
     }
-    if let Some(bin) = &args.vmm_binary {
-        node_config.vmm_binary = Some(bin.clone());
-    }
+    node_config.vmm_flavour = args.vmm_flavour;
+    node_config.vmm_binary = match (&args.vmm_binary, args.vmm_flavour) {
+        (Some(bin), _) => Some(bin.clone()),
+        (None, VmmFlavour::Agentvm) => node_config.vmm_binary.take(),
+        (None, flavour) => find_in_path(flavour.default_binary()),
+    };
     node_config.ram_dir = args.ram_dir.clone();
     if let Some(base_url) = &args.openai_base_url {
         let api_key = load_api_key(

@@ -14,19 +14,7 @@ use crate::support::TestServer;
 /// Accepts one connection, reads the request head, answers `response` verbatim, and returns
 /// the request head it read.
 fn answer_once(listener: UnixListener, response: &'static [u8]) -> JoinHandle<String> {
-    tokio::spawn(async move {
-        let (mut stream, _) = listener.accept().await.expect("accept");
-        let mut head = Vec::new();
-        let mut byte = [0u8; 1];
-        while !head.ends_with(b"\r\n\r\n") {
-            if stream.read(&mut byte).await.expect("read") == 0 {
-                break;
-            }
-            head.push(byte[0]);
-        }
-        stream.write_all(response).await.expect("write");
-        String::from_utf8_lossy(&head).into_owned()
-    })
+    tokio::spawn(async move { answer_once_on(&listener, response).await })
 }
 
 fn listener(dir: &Path) -> (UnixListener, std::path::PathBuf) {
@@ -250,4 +238,75 @@ async fn generic_requests_reach_new_endpoints() {
         .await
         .expect_err("invalid uri");
     assert!(matches!(err, ClientError::InvalidRequest { .. }), "{err:?}");
+}
+
+/// A `vm.info` as Cloud Hypervisor v53 answers it: config sections this crate's strict
+/// types do not model (rng, platform, landlock, …).
+fn cloud_hypervisor_info() -> &'static [u8] {
+    let body = serde_json::json!({
+        "config": {
+            "cpus": {"boot_vcpus": 1, "max_vcpus": 1, "kvm_hyperv": false},
+            "memory": {"size": 268435456, "mergeable": false, "hotplug_method": "Acpi"},
+            "rng": {"src": "/dev/urandom", "iommu": false},
+            "platform": {"num_pci_segments": 1},
+            "landlock_enable": false
+        },
+        "state": "Paused",
+        "memory_actual_size": 268435456,
+        "device_tree": {}
+    })
+    .to_string();
+    let response = format!(
+        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    Box::leak(response.into_bytes().into_boxed_slice())
+}
+
+#[tokio::test]
+async fn state_reads_a_cloud_hypervisor_vm_info() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (listener, path) = listener(dir.path());
+    let _server = answer_once(listener, cloud_hypervisor_info());
+    assert_eq!(
+        VmmClient::new(&path).state().await.expect("state"),
+        VmState::Paused
+    );
+}
+
+#[tokio::test]
+async fn idempotent_pause_accepts_cloud_hypervisor_409_for_already_paused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (listener, path) = listener(dir.path());
+    let server = tokio::spawn(async move {
+        let conflict = answer_once_on(
+            &listener,
+            b"HTTP/1.1 409 Conflict\r\nContent-Length: 2\r\n\r\n[]",
+        )
+        .await;
+        let info = answer_once_on(&listener, cloud_hypervisor_info()).await;
+        (conflict, info)
+    });
+    VmmClient::new(&path)
+        .pause_idempotent()
+        .await
+        .expect("already paused");
+    let (conflict, info) = server.await.expect("server");
+    assert!(conflict.starts_with("PUT /api/v1/vm.pause"), "{conflict}");
+    assert!(info.starts_with("GET /api/v1/vm.info"), "{info}");
+}
+
+/// Like [`answer_once`], on a listener that stays open for the next connection.
+async fn answer_once_on(listener: &UnixListener, response: &[u8]) -> String {
+    let (mut stream, _) = listener.accept().await.expect("accept");
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        if stream.read(&mut byte).await.expect("read") == 0 {
+            break;
+        }
+        head.push(byte[0]);
+    }
+    stream.write_all(response).await.expect("write");
+    String::from_utf8_lossy(&head).into_owned()
 }

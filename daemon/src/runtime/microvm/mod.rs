@@ -10,6 +10,7 @@
 //!   else reaches it.
 //! - The harness channel is the guest frame protocol ([`guest::GuestEndpoint`]).
 
+pub mod flavour;
 pub mod guest;
 pub mod vmm_process;
 
@@ -25,9 +26,9 @@ use agentvm_snapshot::LocalStore;
 use agentvm_vmm_api::config::{
     ConsoleOutputMode, CpusConfig, MemoryConfig, SerialConfig, VmConfig, VsockConfig,
 };
-use agentvm_vmm_api::types::{MemoryRestoreMode, RestoreConfig};
 use rand::RngCore;
 
+use self::flavour::VmmFlavour;
 use self::guest::{GuestConn, GuestEndpoint};
 use self::vmm_process::VmmDir;
 use super::{
@@ -42,8 +43,9 @@ const GUEST_CID: u32 = 3;
 /// What the runtime needs from the node.
 #[derive(Debug, Clone)]
 pub struct MicrovmConfig {
-    /// The agentvm-vmm binary.
+    /// The VMM binary, of `flavour`.
     pub vmm_binary: PathBuf,
+    pub flavour: VmmFlavour,
     /// Per-session VMM directories (API and vsock sockets, serial log).
     pub run_dir: PathBuf,
     /// Where guest RAM files live (a tmpfs).
@@ -86,7 +88,7 @@ impl MicrovmRuntime {
     }
 
     fn vmm_dir(&self, session: &str) -> VmmDir {
-        VmmDir::new(self.config.run_dir.join(session))
+        VmmDir::new(self.config.run_dir.join(session), self.config.flavour)
     }
 
     fn image(&self, harness: &str) -> Option<&Path> {
@@ -140,11 +142,11 @@ impl MicrovmRuntime {
         if !dir.vmm_alive() {
             return None;
         }
-        let info = tokio::time::timeout(Duration::from_secs(2), dir.client().info())
+        let state = tokio::time::timeout(Duration::from_secs(2), dir.client().state())
             .await
             .ok()?
             .ok()?;
-        (info.state == agentvm_vmm_api::VmState::Running).then(|| self.incarnation(session))
+        (state == agentvm_vmm_api::VmState::Running).then(|| self.incarnation(session))
     }
 
     /// Spawns a VMM for `session` and runs `start` against it; on any failure the VMM and its
@@ -203,14 +205,12 @@ impl MicrovmRuntime {
             .to_owned();
         let inc = self
             .start(session, |dir| async move {
-                let request = RestoreConfig {
-                    source_url: format!("file://{}", source.display()),
-                    memory_restore_mode: MemoryRestoreMode::OnDemand,
-                    resume: true,
-                    vsock_socket: Some(dir.vsock()),
-                    serial_file: Some(dir.serial()),
-                    ..Default::default()
-                };
+                let request = dir.flavour.restore_request(
+                    &source,
+                    &dir.restore_scratch(),
+                    &dir.vsock(),
+                    &dir.serial(),
+                )?;
                 dir.client()
                     .restore(&request)
                     .await
@@ -281,7 +281,7 @@ impl Runtime for MicrovmRuntime {
     fn capabilities(&self) -> RuntimeCapabilities {
         RuntimeCapabilities {
             memory_snapshot: true,
-            cow_fork: true,
+            cow_fork: self.config.flavour.cow_fork(),
             ..Default::default()
         }
     }
@@ -300,7 +300,11 @@ impl Runtime for MicrovmRuntime {
             .ok_or_else(|| {
                 failed(
                     session,
-                    format!("no guest image for harness {:?}", spec.harness),
+                    format!(
+                        "no guest image for harness {:?} on the {} VMM",
+                        spec.harness,
+                        self.config.flavour.name()
+                    ),
                 )
             })?
             .to_owned();
@@ -411,15 +415,14 @@ impl Runtime for MicrovmRuntime {
         if !dir.vmm_alive() {
             return Ok(ObservedState::Terminated);
         }
+        use agentvm_vmm_api::VmState;
         Ok(
-            match tokio::time::timeout(Duration::from_secs(2), dir.client().info()).await {
-                Ok(Ok(info)) if info.state == agentvm_vmm_api::VmState::Running => {
-                    ObservedState::Live
-                }
-                Ok(Ok(info)) if info.state == agentvm_vmm_api::VmState::Paused => {
-                    ObservedState::Warm
-                }
-                _ => ObservedState::Terminated,
+            match tokio::time::timeout(Duration::from_secs(2), dir.client().state()).await {
+                Ok(Ok(VmState::Running)) => ObservedState::Live,
+                Ok(Ok(VmState::Paused)) => ObservedState::Warm,
+                Ok(Ok(VmState::Created | VmState::Shutdown)) => ObservedState::Terminated,
+                // Alive but not answering: a busy VMM (a snapshot in progress) looks the same.
+                Ok(Err(_)) | Err(_) => ObservedState::Unknown,
             },
         )
     }

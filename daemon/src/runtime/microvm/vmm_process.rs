@@ -11,6 +11,8 @@ use std::time::Duration;
 
 use agentvm_vmm_api::VmmClient;
 
+use super::flavour::VmmFlavour;
+
 /// How long a fresh VMM has to answer `vmm.ping`.
 const READY_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long `vmm.shutdown` may take before the process is killed.
@@ -20,11 +22,12 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 #[derive(Debug, Clone)]
 pub struct VmmDir {
     pub dir: PathBuf,
+    pub flavour: VmmFlavour,
 }
 
 impl VmmDir {
-    pub fn new(dir: PathBuf) -> Self {
-        Self { dir }
+    pub fn new(dir: PathBuf, flavour: VmmFlavour) -> Self {
+        Self { dir, flavour }
     }
     pub fn api(&self) -> PathBuf {
         self.dir.join("api.sock")
@@ -41,6 +44,10 @@ impl VmmDir {
     pub fn pid_file(&self) -> PathBuf {
         self.dir.join("vmm.pid")
     }
+    /// Where a restore prepares what it restores from, when the VMM needs that.
+    pub fn restore_scratch(&self) -> PathBuf {
+        self.dir.join("restore")
+    }
     pub fn client(&self) -> VmmClient {
         VmmClient::new(self.api())
     }
@@ -56,7 +63,7 @@ impl VmmDir {
         alive(pid)
             && cmdline
                 .split(|b| *b == 0)
-                .any(|arg| arg == api.as_os_str().as_encoded_bytes())
+                .any(|arg| self.flavour.names_api_socket(arg, &api))
     }
 }
 
@@ -70,10 +77,7 @@ pub async fn spawn(binary: &Path, ram_dir: &Path, dir: &VmmDir) -> Result<u32, S
         .try_clone()
         .map_err(|e| format!("{}: {e}", dir.log().display()))?;
     let mut cmd = tokio::process::Command::new(binary);
-    cmd.arg("--api-socket")
-        .arg(dir.api())
-        .arg("--ram-dir")
-        .arg(ram_dir)
+    cmd.args(dir.flavour.args(&dir.api(), ram_dir))
         .env_clear()
         .env("AGENTVM_VMM_LOG", "warn")
         .stdin(Stdio::null())
