@@ -61,6 +61,8 @@ where
 
 /// The routes of the Sessions API listener.
 pub async fn api_routes(host: Arc<SessionHost>) -> anyhow::Result<Routes> {
+    // Serving starts here, so does noticing compute that dies between requests.
+    host.watch_compute();
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter
         .set_service_status("", tonic_health::ServingStatus::Serving)

@@ -312,6 +312,38 @@ async fn a_restarted_daemon_readopts_running_microvms() {
         .unwrap();
 }
 
+/// Runs one turn and returns how it failed (its status message); panics if it succeeded.
+async fn failed_turn(mut c: SessionsClient<Channel>, session: String) -> String {
+    let started = c
+        .exec(ExecRequest {
+            session: session.clone(),
+            inputs: vec![Message {
+                role: "user".into(),
+                parts: vec![Part {
+                    part: Some(part::Part::Text(TextPart { text: "go".into() })),
+                }],
+            }],
+            ..Default::default()
+        })
+        .await;
+    match started {
+        Err(status) => status.message().to_owned(),
+        Ok(stream) => {
+            let mut stream = stream.into_inner();
+            loop {
+                match stream.message().await {
+                    Ok(Some(_)) => continue,
+                    Ok(None) => panic!("the turn on {session} succeeded"),
+                    Err(status) => break status.message().to_owned(),
+                }
+            }
+        }
+    }
+}
+
+/// kill -9 of a VMM in the middle of a turn: the turn fails naming the cause, the log
+/// records the lost compute (the session reads COLD, not a LIVE VM that is gone), and the
+/// next turn continues from the last snapshot.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_vmm_fails_the_turn_then_the_session_continues_from_its_last_snapshot() {
     require_kvm!();
@@ -325,41 +357,91 @@ async fn a_killed_vmm_fails_the_turn_then_the_session_continues_from_its_last_sn
         .unwrap();
     assert_eq!(turn(&mut c, &s).await, "3");
 
-    // SAFETY: SIGKILL to the VMM this test's node started.
-    unsafe { libc::kill(vmm_pid(&node, &s), libc::SIGKILL) };
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let failed = c
-        .exec(ExecRequest {
-            session: s.clone(),
-            inputs: vec![Message {
-                role: "user".into(),
-                parts: vec![Part {
-                    part: Some(part::Part::Text(TextPart { text: "go".into() })),
-                }],
-            }],
-            ..Default::default()
-        })
-        .await;
-    let error = match failed {
-        Err(status) => status,
-        Ok(stream) => {
-            let mut stream = stream.into_inner();
-            loop {
-                match stream.message().await {
-                    Ok(Some(_)) => continue,
-                    Ok(None) => panic!("a turn on a dead VMM succeeded"),
-                    Err(status) => break status,
-                }
-            }
-        }
-    };
+    // Stopped first, so the next turn is surely in flight when the VMM dies.
+    let pid = vmm_pid(&node, &s);
+    // SAFETY: signals to the VMM this test's node started.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let in_flight = tokio::spawn(failed_turn(c.clone(), s.clone()));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let message = in_flight.await.unwrap();
     assert!(
-        error.message().contains("VMM") || error.message().contains("vsock"),
-        "the failure names its cause: {error:?}"
+        ["VMM", "vsock", "guest", "harness"]
+            .iter()
+            .any(|word| message.contains(word)),
+        "the failure names its cause: {message}"
     );
-    // The next turn restores the last snapshot (count 2): turn 3's memory died with the VMM.
+
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while compute(&mut c, &s).await != ComputeState::ComputeCold {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the lost VMM was never recorded"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let records = replay(&mut c, &s).await;
+    let Some(Body::Lifecycle(last)) = records
+        .last()
+        .and_then(|r| r.event.as_ref())
+        .and_then(|e| e.body.clone())
+    else {
+        panic!("the last record is not a lifecycle record");
+    };
+    assert_eq!(last.kind, LifecycleKind::LifecycleSuspend as i32);
+    assert!(last.detail.contains("compute lost"), "{}", last.detail);
+    assert!(
+        last.snapshot_memory,
+        "it names the snapshot to continue from"
+    );
+    // Turn 3's memory died with the VMM: the next turn restores count 2.
     assert_eq!(turn(&mut c, &s).await, "3");
     verify_chain(&replay(&mut c, &s).await).unwrap();
+}
+
+/// A fork child whose VM dies before it ever suspends continues from the snapshot it was
+/// cloned from (its FORK record names it), not from scratch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_child_whose_vmm_dies_continues_from_the_fork_snapshot() {
+    require_kvm!();
+    let node = microvm_node().await;
+    let mut c = node.c();
+    let parent = create(&mut c).await;
+    assert_eq!(turn(&mut c, &parent).await, "1");
+    assert_eq!(turn(&mut c, &parent).await, "2");
+    let child = uid(&c
+        .fork(ForkRequest {
+            session: parent.clone(),
+            count: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .children[0]);
+    assert_eq!(turn(&mut c, &child).await, "3");
+    // SAFETY: SIGKILL to the VMM this test's node started.
+    unsafe { libc::kill(vmm_pid(&node, &child), libc::SIGKILL) };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let records = replay(&mut c, &child).await;
+        if let Some(Body::Lifecycle(l)) = records
+            .last()
+            .and_then(|r| r.event.as_ref())
+            .and_then(|e| e.body.clone())
+            && l.detail.contains("compute lost")
+        {
+            // Noticed while idle, by the exit watch, which knows how the VMM ended.
+            assert!(l.detail.contains("signal 9"), "{}", l.detail);
+            assert_eq!(compute(&mut c, &child).await, ComputeState::ComputeCold);
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "never recorded");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(turn(&mut c, &child).await, "3");
+    assert_eq!(turn(&mut c, &parent).await, "3");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -552,4 +634,86 @@ async fn on_cloud_hypervisor_testguest_sessions_are_refused_by_name() {
         "{message}"
     );
     assert!(!node.dir.join("state/vms").join(&session).exists());
+}
+
+/// A daemon that starts over VMMs a previous one left watches the living ones from then on
+/// and reports the dead ones (clearing their directories), so no session keeps claiming a
+/// VM that is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_runtime_watches_surviving_vmms_and_reports_dead_ones() {
+    use agentvmd::runtime::microvm::{MicrovmConfig, MicrovmRuntime};
+    use agentvmd::runtime::{Runtime, SessionSpec};
+    require_kvm!();
+    let dir = tempfile::tempdir().unwrap();
+    let image = dir.path().join("testguest.elf");
+    std::fs::write(&image, agentvm_testguest::TESTGUEST_ELF).unwrap();
+    let config = MicrovmConfig {
+        vmm_binary: vmm_binary(),
+        flavour: Default::default(),
+        run_dir: dir.path().join("vms"),
+        ram_dir: dir.path().to_owned(),
+        snapshot_dir: dir.path().join("snapshots"),
+        images: vec![("testguest".into(), image)],
+        vcpus: 1,
+        memory_mib: 64,
+        ready_timeout: Duration::from_secs(10),
+    };
+    let before = MicrovmRuntime::new(config.clone()).unwrap();
+    for session in ["s-dies", "s-lives"] {
+        before
+            .create(&SessionSpec {
+                session_uid: session.into(),
+                harness: "testguest".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    let pid = |session: &str| -> i32 {
+        std::fs::read_to_string(dir.path().join("vms").join(session).join("vmm.pid"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    let (dies, lives) = (pid("s-dies"), pid("s-lives"));
+    drop(before);
+    // SAFETY: SIGKILL to a VMM this test started.
+    unsafe { libc::kill(dies, libc::SIGKILL) };
+    // Until the pid is gone, the new runtime could still take it for alive.
+    while std::path::Path::new(&format!("/proc/{dies}/cmdline")).exists()
+        && !std::fs::read(format!("/proc/{dies}/cmdline"))
+            .unwrap_or_default()
+            .is_empty()
+    {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+
+    let after = MicrovmRuntime::new(config).unwrap();
+    let mut reports = after.compute_lost().expect("the microvm runtime reports");
+    let first = tokio::time::timeout(Duration::from_secs(5), reports.recv())
+        .await
+        .expect("a report")
+        .unwrap();
+    assert_eq!(first.session_uid, "s-dies");
+    assert!(
+        first.reason.contains("gone when this daemon started"),
+        "{}",
+        first.reason
+    );
+    assert!(!dir.path().join("vms/s-dies").exists());
+
+    // SAFETY: as above.
+    unsafe { libc::kill(lives, libc::SIGKILL) };
+    let second = tokio::time::timeout(Duration::from_secs(5), reports.recv())
+        .await
+        .expect("the surviving VMM is watched")
+        .unwrap();
+    assert_eq!(second.session_uid, "s-lives");
+    assert!(
+        second.reason.contains(&format!("pid {lives}")),
+        "{}",
+        second.reason
+    );
+    let _ = std::fs::remove_dir_all(dir.path().join("vms/s-lives"));
 }

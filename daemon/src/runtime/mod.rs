@@ -83,6 +83,14 @@ pub enum RuntimeError {
 
 pub type Result<T> = std::result::Result<T, RuntimeError>;
 
+/// A session's compute ended without the host asking (a VMM killed or crashed).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ComputeLost {
+    pub session_uid: String,
+    /// What ended it, as far as the runtime can tell (exit status, the VMM's last words).
+    pub reason: String,
+}
+
 #[async_trait::async_trait]
 pub trait Runtime: Send + Sync {
     /// The backend's name as ComputeRef.runtime reports it.
@@ -121,6 +129,12 @@ pub trait Runtime: Send + Sync {
     }
 
     async fn status(&self, incarnation: &Incarnation) -> Result<ObservedState>;
+
+    /// Reports of compute that ended on its own, for runtimes whose compute can; the host
+    /// records them so a session's state does not claim compute that is gone.
+    fn compute_lost(&self) -> Option<tokio::sync::broadcast::Receiver<ComputeLost>> {
+        None
+    }
 
     /// Opens the harness channel of a live incarnation.
     async fn dial(&self, incarnation: &Incarnation) -> Result<Arc<dyn HarnessEndpoint>>;

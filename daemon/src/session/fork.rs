@@ -8,7 +8,7 @@ use tokio::task::JoinSet;
 use tonic::Status;
 
 use super::guard::Hold;
-use super::{SessionHost, busy, new_session_uid, own_suspend_ref, runtime_status};
+use super::{SessionHost, busy, new_session_uid, resume_point, runtime_status};
 use crate::api::status::journal_status;
 use crate::clock::now_nanos;
 use crate::controller::Interrupt;
@@ -87,9 +87,7 @@ impl SessionHost {
             } else {
                 // Cold (suspended, or an earlier fork already parked it): its head is the
                 // last snapshot it took, so the children start from that one.
-                own_suspend_ref(&self.records(&uid)?, &uid)
-                    .filter(|r| r.memory)
-                    .unwrap_or_default()
+                resume_point(&self.records(&uid)?, parent.fork_seq).unwrap_or_default()
             };
             if snapshot.external_uri.is_empty() {
                 return Err(Status::failed_precondition(format!(
@@ -118,7 +116,10 @@ impl SessionHost {
 
         let mut written: Vec<String> = Vec::with_capacity(count);
         for (i, (child, _)) in provisioned.iter().enumerate() {
-            let result = self.write_child(&parent, child, &req, i, at_seq);
+            // A memory child's FORK record names the snapshot it was cloned from: the state
+            // it continues from should its VM be lost before it suspends itself.
+            let cloned_from = memory.then(|| source.clone());
+            let result = self.write_child(&parent, child, &req, i, at_seq, cloned_from);
             match result {
                 Ok(()) => written.push(child.clone()),
                 Err(e) => {
@@ -200,6 +201,7 @@ impl SessionHost {
         req: &ForkRequest,
         index: usize,
         at_seq: i64,
+        cloned_from: Option<SnapshotRef>,
     ) -> Result<(), Status> {
         let now = now_nanos();
         let row = SessionRow {
@@ -230,7 +232,7 @@ impl SessionHost {
             fence,
             LifecycleKind::LifecycleFork,
             &format!("parent@{at_seq}"),
-            None,
+            cloned_from,
         )?;
         Ok(())
     }

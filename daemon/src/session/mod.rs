@@ -6,6 +6,7 @@
 mod decisions;
 mod fork;
 pub mod guard;
+mod lost;
 mod turns;
 
 use std::collections::{BTreeMap, HashMap};
@@ -13,8 +14,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use agentvm_proto::v1::{
-    Capabilities, ComputeState, EventKind, HarnessDescriptor, IdentityRef, LogRecord, Origin,
-    Resumability, Session, SnapshotRef, event::Body, harness_spec::Placement as SpecPlacement,
+    Capabilities, ComputeState, HarnessDescriptor, IdentityRef, LogRecord, Origin, Resumability,
+    Session, SnapshotRef, event::Body, harness_spec::Placement as SpecPlacement,
     lifecycle::Kind as LifecycleKind,
 };
 use rand::Rng;
@@ -83,6 +84,8 @@ pub struct SessionHost {
     builtin_runtimes: HashMap<String, Arc<dyn Runtime>>,
     guards: Arc<Guards>,
     live: Mutex<HashMap<String, Live>>,
+    /// Set once the runtimes' lost-compute reports are being recorded.
+    watching: std::sync::atomic::AtomicBool,
 }
 
 /// A session uid: `sess-` and 24 lowercase hex characters.
@@ -123,6 +126,7 @@ impl SessionHost {
             builtin_runtimes,
             guards: Arc::default(),
             live: Mutex::default(),
+            watching: Default::default(),
         }
     }
 
@@ -437,16 +441,20 @@ pub fn view_of(row: &SessionRow, records: &[LogRecord]) -> Session {
     s
 }
 
-/// The most recent SUSPEND snapshot this session took itself (inherited parent refs skipped).
-pub fn own_suspend_ref(records: &[LogRecord], uid: &str) -> Option<SnapshotRef> {
+/// The memory snapshot this session continues from when its compute is gone: the latest
+/// SUSPEND it took itself or, for a fork child that never suspended, the snapshot its FORK
+/// record names. Records up to `fork_seq` were copied from the parent and are not its own
+/// (an older SUSPEND there is an earlier state of the parent, not of this session).
+pub fn resume_point(records: &[LogRecord], fork_seq: i64) -> Option<SnapshotRef> {
     records
         .iter()
         .rev()
+        .take_while(|r| r.seq > fork_seq)
         .find_map(|r| match &r.event.as_ref()?.body {
             Some(Body::Lifecycle(l))
-                if l.kind == LifecycleKind::LifecycleSuspend as i32
-                    && r.event.as_ref()?.kind == EventKind::EventLifecycle as i32
-                    && l.snapshot_local == uid =>
+                if (l.kind == LifecycleKind::LifecycleSuspend as i32
+                    || l.kind == LifecycleKind::LifecycleFork as i32)
+                    && l.snapshot_memory =>
             {
                 Some(SnapshotRef {
                     local: l.snapshot_local.clone(),

@@ -8,7 +8,7 @@ use tokio::sync::mpsc;
 use tonic::Status;
 
 use super::guard::{Held, Hold};
-use super::{NewSession, Placement, SessionHost, busy, own_suspend_ref, runtime_status, view_of};
+use super::{NewSession, Placement, SessionHost, busy, resume_point, runtime_status, view_of};
 use crate::api::status::journal_status;
 use crate::controller::log::SessionLog;
 use crate::controller::{
@@ -177,9 +177,17 @@ impl SessionHost {
         let (endpoint, descriptor) = match self.describe(placement, &incarnation).await {
             Ok(d) => d,
             Err(s) => {
-                // A compute we cannot reach is not kept as the session's incarnation.
+                // A compute we cannot reach is not kept as the session's incarnation; a
+                // memory-tier session's RAM goes with it, which its log then says.
                 if let Some((inc, rt)) = self.live_take(&row.uid) {
                     let _ = rt.stop(&inc).await;
+                    if placement.memory_tier() && row.compute_state == ComputeState::ComputeLive {
+                        self.record_lost(
+                            &row.uid,
+                            row.fork_seq,
+                            &format!("unreachable: {}", s.message()),
+                        );
+                    }
                 }
                 return Err(s);
             }
@@ -250,8 +258,8 @@ impl SessionHost {
         // Memory tier: suspended, or its compute is gone (a VMM killed, a node restarted
         // without it) — either way the last snapshot is the state to continue from.
         let snapshot = if placement.memory_tier() {
-            let last = own_suspend_ref(&self.records(&row.uid)?, &row.uid).filter(|r| r.memory);
-            if row.compute_state != ComputeState::ComputeCold {
+            let last = resume_point(&self.records(&row.uid)?, row.fork_seq);
+            if row.compute_state == ComputeState::ComputeLive {
                 tracing::warn!(
                     session = %row.uid,
                     snapshot = last.as_ref().map(|r| r.external_uri.as_str()).unwrap_or("none"),

@@ -38,6 +38,13 @@ pub async fn start_with(configure: impl FnOnce(&mut NodeConfig)) -> TestNode {
 
 /// A node over an existing directory: what a restarted daemon finds.
 pub async fn start_in(dir: tempfile::TempDir, configure: impl FnOnce(&mut NodeConfig)) -> TestNode {
+    // The daemon's logs, when RUST_LOG asks for them (captured per test like its output).
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
+    }
     let path = dir.path().to_owned();
     let _ = std::fs::remove_file(path.join("api.sock"));
     let mut cfg = NodeConfig::new(path.join("state"));

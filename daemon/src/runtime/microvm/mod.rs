@@ -10,6 +10,7 @@
 //!   else reaches it.
 //! - The harness channel is the guest frame protocol ([`guest::GuestEndpoint`]).
 
+pub mod exit_watch;
 pub mod flavour;
 pub mod guest;
 pub mod vmm_process;
@@ -28,6 +29,7 @@ use agentvm_vmm_api::config::{
 };
 use rand::RngCore;
 
+use self::exit_watch::ExitWatch;
 use self::flavour::VmmFlavour;
 use self::guest::{GuestConn, GuestEndpoint};
 use self::vmm_process::VmmDir;
@@ -64,6 +66,7 @@ pub struct MicrovmRuntime {
     config: MicrovmConfig,
     store: LocalStore,
     next_snapshot: AtomicU64,
+    exits: ExitWatch,
 }
 
 fn failed(session: &str, reason: impl Into<String>) -> RuntimeError {
@@ -84,6 +87,7 @@ impl MicrovmRuntime {
             config,
             store,
             next_snapshot: AtomicU64::new(0),
+            exits: ExitWatch::default(),
         })
     }
 
@@ -146,7 +150,35 @@ impl MicrovmRuntime {
             .await
             .ok()?
             .ok()?;
-        (state == agentvm_vmm_api::VmState::Running).then(|| self.incarnation(session))
+        if state != agentvm_vmm_api::VmState::Running {
+            return None;
+        }
+        if let Some(pid) = vmm_process::pid_of(&dir) {
+            self.exits.watch(dir, pid);
+        }
+        Some(self.incarnation(session))
+    }
+
+    fn take_stock(&self) {
+        let Ok(entries) = std::fs::read_dir(&self.config.run_dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let session = entry.file_name().to_string_lossy().into_owned();
+            let dir = self.vmm_dir(&session);
+            match vmm_process::pid_of(&dir) {
+                Some(pid) if dir.vmm_alive() => self.exits.watch(dir, pid),
+                _ => {
+                    self.exits.report(
+                        &session,
+                        "its VMM was gone when this daemon started (killed while no daemon \
+                         watched it, or the node restarted)"
+                            .into(),
+                    );
+                    let _ = std::fs::remove_dir_all(&dir.dir);
+                }
+            }
+        }
     }
 
     /// Spawns a VMM for `session` and runs `start` against it; on any failure the VMM and its
@@ -159,16 +191,21 @@ impl MicrovmRuntime {
         let dir = self.vmm_dir(session);
         if dir.dir.exists() {
             // A dead VMM's leftovers.
-            vmm_process::stop(&dir).await;
+            vmm_process::stop(&dir, &self.exits).await;
         }
-        vmm_process::spawn(&self.config.vmm_binary, &self.config.ram_dir, &dir)
-            .await
-            .map_err(|e| failed(session, e))?;
+        vmm_process::spawn(
+            &self.config.vmm_binary,
+            &self.config.ram_dir,
+            &dir,
+            &self.exits,
+        )
+        .await
+        .map_err(|e| failed(session, e))?;
         match start(dir.clone()).await {
             Ok(()) => Ok(self.incarnation(session)),
             Err(reason) => {
                 let serial = std::fs::read_to_string(dir.serial()).unwrap_or_default();
-                vmm_process::stop(&dir).await;
+                vmm_process::stop(&dir, &self.exits).await;
                 let tail: String = serial.lines().rev().take(5).collect::<Vec<_>>().join(" | ");
                 Err(failed(
                     session,
@@ -355,7 +392,7 @@ impl Runtime for MicrovmRuntime {
             let _ = client.resume_idempotent().await;
             return Err(failed(session, format!("vm.snapshot: {e}")));
         }
-        vmm_process::stop(&dir).await;
+        vmm_process::stop(&dir, &self.exits).await;
         self.release_snapshots(session);
         Ok(SnapshotRef {
             local: session.clone(),
@@ -377,7 +414,7 @@ impl Runtime for MicrovmRuntime {
     }
 
     async fn stop(&self, incarnation: &Incarnation) -> Result<()> {
-        vmm_process::stop(&self.vmm_dir(&incarnation.id)).await;
+        vmm_process::stop(&self.vmm_dir(&incarnation.id), &self.exits).await;
         self.release_snapshots(&incarnation.id);
         Ok(())
     }
@@ -425,6 +462,14 @@ impl Runtime for MicrovmRuntime {
                 Ok(Err(_)) | Err(_) => ObservedState::Unknown,
             },
         )
+    }
+
+    /// Subscribing also takes stock of the VMMs a previous daemon left: the running ones are
+    /// watched from now on, the dead ones reported (and their directories removed).
+    fn compute_lost(&self) -> Option<tokio::sync::broadcast::Receiver<super::ComputeLost>> {
+        let reports = self.exits.subscribe();
+        self.take_stock();
+        Some(reports)
     }
 
     async fn dial(&self, incarnation: &Incarnation) -> Result<Arc<dyn HarnessEndpoint>> {

@@ -5,12 +5,14 @@
 //! A VMM runs in its own process group and does not die with the daemon: a restarted
 //! agentvmd finds it again by its API socket (see `MicrovmRuntime::attach`).
 
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
 use agentvm_vmm_api::VmmClient;
 
+use super::exit_watch::ExitWatch;
 use super::flavour::VmmFlavour;
 
 /// How long a fresh VMM has to answer `vmm.ping`.
@@ -67,8 +69,14 @@ impl VmmDir {
     }
 }
 
-/// Starts a VMM serving its API in `dir` (created empty) and waits until it answers.
-pub async fn spawn(binary: &Path, ram_dir: &Path, dir: &VmmDir) -> Result<u32, String> {
+/// Starts a VMM serving its API in `dir` (created empty) and waits until it answers. From
+/// the moment it runs, `watch` reaps it and reports an exit nobody asked for.
+pub async fn spawn(
+    binary: &Path,
+    ram_dir: &Path,
+    dir: &VmmDir,
+    watch: &ExitWatch,
+) -> Result<u32, String> {
     std::fs::create_dir_all(&dir.dir)
         .map_err(|e| format!("creating {}: {e}", dir.dir.display()))?;
     let log = std::fs::File::create(dir.log())
@@ -76,32 +84,28 @@ pub async fn spawn(binary: &Path, ram_dir: &Path, dir: &VmmDir) -> Result<u32, S
     let log_err = log
         .try_clone()
         .map_err(|e| format!("{}: {e}", dir.log().display()))?;
-    let mut cmd = tokio::process::Command::new(binary);
-    cmd.args(dir.flavour.args(&dir.api(), ram_dir))
+    // std's Command rather than tokio's: the child is reaped by the exit watch (through its
+    // pidfd), not by a handle, and dropping the handle must not kill or reap it.
+    let child = std::process::Command::new(binary)
+        .args(dir.flavour.args(&dir.api(), ram_dir))
         .env_clear()
         .env("AGENTVM_VMM_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::from(log))
         .stderr(Stdio::from(log_err))
         // Its own process group: a signal for the daemon is not one for its VMs.
-        .process_group(0);
-    let child = cmd
+        .process_group(0)
         .spawn()
         .map_err(|e| format!("starting {}: {e}", binary.display()))?;
-    let pid = child.id().unwrap_or_default();
-    // Detached on purpose (no kill-on-drop): it is reaped by `reap` or found again after a
-    // daemon restart.
-    tokio::spawn(reap(child));
+    let pid = child.id();
     let _ = std::fs::write(dir.pid_file(), pid.to_string());
+    watch.watch(dir.clone(), pid);
     if let Err(e) = dir.client().wait_ready(READY_TIMEOUT).await {
+        watch.expect_exit(pid);
         kill(pid);
         return Err(format!("the VMM did not come up: {e}"));
     }
     Ok(pid)
-}
-
-async fn reap(mut child: tokio::process::Child) {
-    let _ = child.wait().await;
 }
 
 /// The VMM's process id, from its pid file.
@@ -125,8 +129,11 @@ pub fn kill(pid: u32) {
 
 /// Shuts the VMM down through its API, kills it if that does not work in time, and removes
 /// its directory.
-pub async fn stop(dir: &VmmDir) {
+pub async fn stop(dir: &VmmDir, watch: &ExitWatch) {
     let pid = pid_of(dir);
+    if let Some(pid) = pid {
+        watch.expect_exit(pid);
+    }
     let polite = tokio::time::timeout(STOP_TIMEOUT, dir.client().shutdown_vmm()).await;
     if let Some(pid) = pid {
         let deadline = tokio::time::Instant::now() + STOP_TIMEOUT;
