@@ -50,11 +50,16 @@ async fn two_vcpus_boot() {
     vmm.boot(&vmm.config(2, 256, "")).await;
     let log = wait_for_serial(&vmm.serial_log(), "TESTGUEST CPUS", Duration::from_secs(5));
     assert!(log.contains("TESTGUEST CPUS 2"), "{log}");
-    assert_eq!(
-        vm_threads(vmm.pid()),
-        ["devices", "vcpu0", "vcpu1", "vm-exit"],
-        "one thread per vCPU plus the device thread"
-    );
+    // A thread names itself once it runs, so a just-spawned one may still carry its
+    // parent's name: poll briefly rather than sample once.
+    let want = ["devices", "vcpu0", "vcpu1", "vm-exit"];
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let mut threads = vm_threads(vmm.pid());
+    while threads != want && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+        threads = vm_threads(vmm.pid());
+    }
+    assert_eq!(threads, want, "one thread per vCPU plus the device thread");
     vmm.shutdown().await;
 }
 
