@@ -103,6 +103,7 @@ impl SessionHost {
         };
 
         let count = req.count as usize;
+        let started = std::time::Instant::now();
         let provisioned = match self
             .provision_children(&placement, &parent, &source, count)
             .await
@@ -114,6 +115,7 @@ impl SessionHost {
             }
         };
 
+        let provisioned_in = started.elapsed();
         let mut written: Vec<String> = Vec::with_capacity(count);
         for (i, (child, _)) in provisioned.iter().enumerate() {
             // A memory child's FORK record names the snapshot it was cloned from: the state
@@ -136,7 +138,14 @@ impl SessionHost {
             }
             children.push(self.view(&child)?);
         }
-        tracing::info!(session = %uid, children = children.len(), at_seq, "session forked");
+        tracing::info!(
+            session = %uid,
+            children = children.len(),
+            at_seq,
+            provision_ms = provisioned_in.as_secs_f64() * 1e3,
+            journal_ms = (started.elapsed() - provisioned_in).as_secs_f64() * 1e3,
+            "session forked"
+        );
         Ok(children)
     }
 
