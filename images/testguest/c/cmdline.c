@@ -112,6 +112,8 @@ void tg_cmdline_parse(const char *s, u32 max, struct tg_cmdline *out)
 				out->dev[out->ndev++] = d;
 		} else if (starts(&c, "testguest.irqtest") && at_end(&c)) {
 			out->irqtest = 1;
+		} else if (starts(&c, "testguest.echo") && at_end(&c)) {
+			out->echo = 1;
 		} else if (starts(&c, "testguest.connect=")) {
 			u64 port;
 			if (parse_num(&c, &port, 0) || !at_end(&c) || !port || port > 0xffffffffu)

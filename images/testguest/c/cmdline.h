@@ -16,6 +16,7 @@ struct tg_cmdline {
 	struct tg_mmio_dev dev[TG_MAX_MMIO];
 	u32 connect_port; /* testguest.connect=<port>; 0 = none */
 	u32 irqtest;      /* testguest.irqtest: prove PIC interrupt delivery with the PIT */
+	u32 echo;         /* testguest.echo: be the stateless echo harness, not the counter */
 	u32 bad;          /* options with a malformed value, ignored */
 };
 

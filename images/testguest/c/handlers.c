@@ -27,9 +27,11 @@ enum {
 /* Bounds on what is copied from requests into replies or guest RAM. */
 #define MAX_IDENTITY 2048u
 #define MAX_EXECUTION_ID 1024u
+#define MAX_ECHO_TEXT 1024u
 
 /* Guest state. It lives in guest RAM, so snapshots, restores and forks carry it along. */
 static u64 harness_count;
+static int echo_mode;
 static u64 restore_generation;
 static u32 identity_len;
 static int has_identity;
@@ -250,14 +252,24 @@ static int on_health(u64 id, struct tg_sink *out)
 	return finish(&e, f, out);
 }
 
+void tg_set_echo(int on)
+{
+	echo_mode = on;
+}
+
 static int on_describe(u64 id, struct tg_sink *out)
 {
 	struct pb_enc e;
 	u32 f = begin(&e, id);
 	u32 m = pb_open(&e, ENV_HARNESS_DESCRIPTOR);
-	pb_put_str(&e, 1, "testguest");
+	pb_put_str(&e, 1, echo_mode ? "testguest-echo" : "testguest");
 	u32 caps = pb_open(&e, 4);
-	pb_put_uint(&e, 1, 2); /* RESUMABILITY_REQUIRES_MEMORY_SNAPSHOT */
+	if (echo_mode) {
+		pb_put_uint(&e, 1, 1); /* RESUMABILITY_STATELESS_REPLAY */
+		pb_put_uint(&e, 2, 1); /* fork_safe */
+	} else {
+		pb_put_uint(&e, 1, 2); /* RESUMABILITY_REQUIRES_MEMORY_SNAPSHOT */
+	}
 	pb_close(&e, caps);
 	pb_put_str(&e, 5, "1");
 	pb_close(&e, m);
@@ -285,13 +297,12 @@ static int send_close(u64 id, u64 stream, u32 code, const char *msg, struct tg_s
 	return finish(&e, f, out);
 }
 
-/* One counter turn: OUTPUT with the new count, END COMPLETED, then a clean close. */
-static int counter_turn(u64 id, u64 stream, const u8 *exec, u32 exec_len, struct tg_sink *out)
+/* One turn answered with `text`: OUTPUT, END COMPLETED, then a clean close. */
+static int answer_turn(u64 id, u64 stream, const u8 *exec, u32 exec_len, const void *text,
+		       u32 text_len, struct tg_sink *out)
 {
-	char digits[20];
-	u32 nd = tg_fmt_u64(digits, ++harness_count);
 	struct pb_enc e;
-	u32 f, h, ev, msg, part, text, end;
+	u32 f, h, ev, msg, part, tp, end;
 
 	h = begin_harness(&e, id, stream, &f);
 	ev = pb_open(&e, 3); /* Event */
@@ -301,9 +312,9 @@ static int counter_turn(u64 id, u64 stream, const u8 *exec, u32 exec_len, struct
 	msg = pb_open(&e, 8);   /* Message */
 	pb_put_str(&e, 1, "assistant");
 	part = pb_open(&e, 2);  /* Part */
-	text = pb_open(&e, 1);  /* TextPart */
-	pb_put_bytes(&e, 1, digits, nd);
-	pb_close(&e, text);
+	tp = pb_open(&e, 1);    /* TextPart */
+	pb_put_bytes(&e, 1, text, text_len);
+	pb_close(&e, tp);
 	pb_close(&e, part);
 	pb_close(&e, msg);
 	pb_close(&e, ev);
@@ -326,6 +337,89 @@ static int counter_turn(u64 id, u64 stream, const u8 *exec, u32 exec_len, struct
 	if (r != TG_KEEP)
 		return r;
 	return send_close(id, stream, 0, "", out);
+}
+
+static int counter_turn(u64 id, u64 stream, const u8 *exec, u32 exec_len, struct tg_sink *out)
+{
+	char digits[20];
+	u32 nd = tg_fmt_u64(digits, ++harness_count);
+	return answer_turn(id, stream, exec, exec_len, digits, nd, out);
+}
+
+/* The first field `want` (length-delimited) in a message; 0 when absent, -1 when malformed.
+ * With `last`, the last one instead (repeated fields). */
+static int find_field(const u8 *p, u32 n, u32 want, int last, const u8 **b, u32 *bn)
+{
+	struct pb_dec d = {p, p + n};
+	u32 f, wt;
+	int found = 0;
+	while (d.p < d.end) {
+		if (pb_key(&d, &f, &wt))
+			return -1;
+		if (f == want && wt == PB_LEN) {
+			if (pb_bytes(&d, b, bn))
+				return -1;
+			found = 1;
+			if (!last)
+				return 1;
+		} else if (pb_skip(&d, wt)) {
+			return -1;
+		}
+	}
+	return found;
+}
+
+/* Start{inputs: repeated Message = 3}: the text of the last input's first text part.
+ * Message{parts = 2}, Part{text = 1}, TextPart{text = 1}. Returns 0 with *tn = 0 when the
+ * turn has no text, -1 when the Start is malformed. */
+static int last_input_text(const u8 *start, u32 n, const u8 **t, u32 *tn)
+{
+	const u8 *msg, *part, *tp;
+	u32 mn, pn, tpn;
+	*tn = 0;
+	int r = find_field(start, n, 3, 1, &msg, &mn);
+	if (r <= 0)
+		return r;
+	struct pb_dec d = {msg, msg + mn};
+	u32 f, wt;
+	while (d.p < d.end) {
+		if (pb_key(&d, &f, &wt))
+			return -1;
+		if (f != 2 || wt != PB_LEN) {
+			if (pb_skip(&d, wt))
+				return -1;
+			continue;
+		}
+		if (pb_bytes(&d, &part, &pn))
+			return -1;
+		r = find_field(part, pn, 1, 0, &tp, &tpn);
+		if (r < 0)
+			return -1;
+		if (r == 0)
+			continue; /* not a text part */
+		r = find_field(tp, tpn, 1, 0, t, tn);
+		return r < 0 ? -1 : 0;
+	}
+	return 0;
+}
+
+/* The stateless echo turn: "echo:" and the last input's text, recomputed from the Start alone,
+ * so a fresh guest given the same Start answers the same (what replay relies on). */
+static int echo_turn(u64 id, u64 stream, const u8 *exec, u32 exec_len, const u8 *start,
+		     u32 start_len, struct tg_sink *out)
+{
+	static u8 text[5 + MAX_ECHO_TEXT];
+	const u8 *in;
+	u32 in_len;
+	if (last_input_text(start, start_len, &in, &in_len))
+		return tg_send_error(out, id, TG_INVALID_ARGUMENT, "malformed Start");
+	if (in_len > MAX_ECHO_TEXT)
+		return send_close(id, stream, TG_INVALID_ARGUMENT, "input text too long to echo", out);
+	if (pb_utf8(in, in_len))
+		return send_close(id, stream, TG_INVALID_ARGUMENT, "input text is not UTF-8", out);
+	memcpy(text, "echo:", 5);
+	memcpy(text + 5, in, in_len);
+	return answer_turn(id, stream, exec, exec_len, text, 5 + in_len, out);
 }
 
 static int on_harness(const u8 *p, u32 n, u64 id, struct tg_sink *out)
@@ -355,12 +449,12 @@ static int on_harness(const u8 *p, u32 n, u64 id, struct tg_sink *out)
 	if (frame != 2)
 		return TG_KEEP; /* events and closes from the host mean nothing here */
 
-	/* ControllerFrame: execution_id, and which of start/cancel/... it carries. Start's
-	 * contents (config, history, inputs) are never needed, so never parsed. */
+	/* ControllerFrame: execution_id, and which of start/cancel/... it carries. The counter
+	 * never reads Start's contents; echo reads only its last input. */
 	d.p = ctl;
 	d.end = ctl + ctl_len;
-	const u8 *exec = 0;
-	u32 exec_len = 0, kind = 0;
+	const u8 *exec = 0, *start = 0;
+	u32 exec_len = 0, start_len = 0, kind = 0;
 	while (d.p < d.end) {
 		if (pb_key(&d, &f, &wt))
 			return -1;
@@ -374,6 +468,8 @@ static int on_harness(const u8 *p, u32 n, u64 id, struct tg_sink *out)
 				exec_len = bn;
 			} else if (f >= 3) {
 				kind = f;
+				start = b;
+				start_len = bn;
 			}
 		} else if (pb_skip(&d, wt)) {
 			return -1;
@@ -384,6 +480,8 @@ static int on_harness(const u8 *p, u32 n, u64 id, struct tg_sink *out)
 			return tg_send_error(out, id, TG_RESOURCE_EXHAUSTED, "execution_id too long");
 		if (pb_utf8(exec, exec_len))
 			return -1; /* it is echoed: it must be a valid string */
+		if (echo_mode)
+			return echo_turn(id, stream, exec, exec_len, start, start_len, out);
 		return counter_turn(id, stream, exec, exec_len, out);
 	}
 	if (kind == 4)

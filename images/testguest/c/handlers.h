@@ -45,6 +45,9 @@ int tg_handle_envelope(const u8 *env, u32 n, struct tg_sink *out);
 /* The Ready envelope (sent unsolicited, id 0, on a connection the guest opened). */
 int tg_send_ready(struct tg_sink *out, u64 id);
 int tg_send_error(struct tg_sink *out, u64 id, u32 code, const char *msg);
+/* Echo mode: the harness is `testguest-echo` (stateless, fork-safe), whose turn answers
+ * "echo:" and the text of the turn's last input, instead of the counter. */
+void tg_set_echo(int on);
 /* The dirty region: pages of 4 KiB from base. */
 void tg_dirty_setup(u8 *base, u32 pages);
 

@@ -121,6 +121,7 @@ void tg_start(u32 start_info)
 	start_vsock(&cl);
 	if (cl.irqtest)
 		irqtest_start();
+	tg_set_echo(cl.echo);
 	if (cl.bad)
 		tg_error_n("malformed command line options ignored:", cl.bad);
 	tg_log("READY");

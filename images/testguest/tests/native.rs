@@ -694,6 +694,113 @@ fn counter_turns_count_up_across_connections() {
     }
 }
 
+/// A Start whose inputs end with `last` (an earlier input and a non-text part first, so
+/// the guest must find the last input's text part).
+fn start_with_inputs(id: u64, stream: u64, exec: &str, last: Vec<Part>) -> Envelope {
+    let text = |t: &str| Part {
+        part: Some(part::Part::Text(TextPart { text: t.into() })),
+    };
+    controller(
+        id,
+        stream,
+        exec,
+        controller_frame::Frame::Start(Start {
+            config: vec![],
+            history: vec![],
+            inputs: vec![
+                ContentMessage {
+                    role: "user".into(),
+                    parts: vec![text("earlier")],
+                },
+                ContentMessage {
+                    role: "user".into(),
+                    parts: last,
+                },
+            ],
+            identity: None,
+            resume_from_seq: 0,
+        }),
+    )
+}
+
+/// The frames of one turn answered with `text`.
+fn answered(id: u64, stream: u64, exec: &str, text: &str) -> Vec<Envelope> {
+    let mut frames = turn(id, stream, exec, 1);
+    if let Some(Body::Harness(h)) = &mut frames[0].body
+        && let Some(harness_frame::Frame::Event(ev)) = &mut h.frame
+        && let Some(event::Body::Message(m)) = &mut ev.body
+    {
+        m.parts = vec![Part {
+            part: Some(part::Part::Text(TextPart { text: text.into() })),
+        }];
+    } else {
+        panic!("turn() changed shape");
+    }
+    frames
+}
+
+#[test]
+fn echo_mode_describes_a_stateless_harness_and_echoes_the_last_input() {
+    let mut h = Host::new();
+    h.cmd(b'm', &1u32.to_le_bytes());
+    h.open(5000);
+    let got = h.request(5000, &env(4, Body::DescribeHarness(DescribeHarness {})));
+    let Some(Body::HarnessDescriptor(d)) = &got[0].body else {
+        panic!("{got:?}");
+    };
+    assert_eq!(d.id, "testguest-echo");
+    assert_eq!(
+        d.capabilities,
+        Some(Capabilities {
+            resumability: Resumability::StatelessReplay as i32,
+            fork_safe: true,
+            ..Default::default()
+        })
+    );
+    let text = |t: &str| Part {
+        part: Some(part::Part::Text(TextPart { text: t.into() })),
+    };
+    // Every turn answers from its own Start: the same Start, the same answer.
+    for _ in 0..2 {
+        assert_eq!(
+            h.request(5000, &start_with_inputs(10, 5, "e1", vec![text("héllo")])),
+            answered(10, 5, "e1", "echo:héllo")
+        );
+    }
+    // A non-text part before the text part is skipped.
+    let reasoning = Part {
+        part: Some(part::Part::Reasoning(Default::default())),
+    };
+    assert_eq!(
+        h.request(
+            5000,
+            &start_with_inputs(11, 6, "e2", vec![reasoning, text("two")])
+        ),
+        answered(11, 6, "e2", "echo:two")
+    );
+    // No text at all: an empty echo.
+    assert_eq!(
+        h.request(5000, &start_with_inputs(12, 7, "e3", vec![])),
+        answered(12, 7, "e3", "echo:")
+    );
+    // Too long to echo: the stream is closed with INVALID_ARGUMENT, the guest carries on.
+    let got = h.request(
+        5000,
+        &start_with_inputs(13, 8, "e4", vec![text(&"x".repeat(1025))]),
+    );
+    let Some(Body::Harness(hf)) = &got[0].body else {
+        panic!("{got:?}");
+    };
+    let Some(harness_frame::Frame::Close(close)) = &hf.frame else {
+        panic!("{got:?}");
+    };
+    assert_eq!(close.code, 3, "{close:?}");
+    assert_eq!(
+        h.request(5000, &start_with_inputs(14, 9, "e5", vec![text("ok")])),
+        answered(14, 9, "e5", "echo:ok")
+    );
+}
+
 #[test]
 fn cancel_closes_the_stream_and_other_controller_frames_are_ignored() {
     let mut h = Host::new();
@@ -1139,6 +1246,15 @@ fn hostile_envelopes_never_crash_the_guest() {
     let valid: Vec<Vec<u8>> = vec![
         hello(1).encode_to_vec(),
         start(2, 3, "e").encode_to_vec(),
+        start_with_inputs(
+            6,
+            7,
+            "e",
+            vec![Part {
+                part: Some(part::Part::Text(TextPart { text: "hi".into() })),
+            }],
+        )
+        .encode_to_vec(),
         dirty(3, 1, 5).encode_to_vec(),
         env(
             4,
@@ -1172,6 +1288,10 @@ fn hostile_envelopes_never_crash_the_guest() {
         }
     };
     for round in 0..3000 {
+        // Half the rounds as the echo harness, which parses the Start's inputs.
+        if round % 1500 == 0 {
+            d.cmd(b'm', &u32::from(round != 0).to_le_bytes());
+        }
         let mut bytes = if round % 3 == 0 {
             // Pure noise.
             let n = (xorshift(&mut x) % 64) as usize;
@@ -1556,21 +1676,21 @@ fn parse(cmdline: &str) -> String {
 fn command_line() {
     assert_eq!(
         parse("console=ttyS0 virtio_mmio.device=4K@0xd0000000:5 testguest.connect=7000"),
-        "dev 1000@d0000000:5;connect 7000;irqtest 0;bad 0"
+        "dev 1000@d0000000:5;connect 7000;irqtest 0;echo 0;bad 0"
     );
     assert_eq!(
         parse(
             "virtio_mmio.device=0x1000@0xD0001000:12:3\tvirtio_mmio.device=1M@4096:7 \
              testguest.irqtest  reboot=k"
         ),
-        "dev 1000@d0001000:12;dev 100000@1000:7;connect 0;irqtest 1;bad 0"
+        "dev 1000@d0001000:12;dev 100000@1000:7;connect 0;irqtest 1;echo 0;bad 0"
     );
     // Not NUL-terminated in the driver: the length bound is what ends the parse.
     assert_eq!(
         parse("virtio_mmio.device=512@0xfeb00000:10"),
-        "dev 200@feb00000:10;connect 0;irqtest 0;bad 0"
+        "dev 200@feb00000:10;connect 0;irqtest 0;echo 0;bad 0"
     );
-    assert_eq!(parse(""), "connect 0;irqtest 0;bad 0");
+    assert_eq!(parse(""), "connect 0;irqtest 0;echo 0;bad 0");
     for bad in [
         "virtio_mmio.device=4K@:5",
         "virtio_mmio.device=4K@0xd0000000",
@@ -1586,12 +1706,18 @@ fn command_line() {
         "testguest.connect=",
         "testguest.connect=5000x",
     ] {
-        assert_eq!(parse(bad), "connect 0;irqtest 0;bad 1", "{bad}");
+        assert_eq!(parse(bad), "connect 0;irqtest 0;echo 0;bad 1", "{bad}");
     }
+    assert_eq!(
+        parse("testguest.echo console=ttyS0"),
+        "connect 0;irqtest 0;echo 1;bad 0"
+    );
     // Lookalikes are not options.
     assert_eq!(
-        parse("xvirtio_mmio.device=4K@0:1 testguest.irqtests testguest.connectx=1"),
-        "connect 0;irqtest 0;bad 0"
+        parse(
+            "xvirtio_mmio.device=4K@0:1 testguest.irqtests testguest.connectx=1 testguest.echoes"
+        ),
+        "connect 0;irqtest 0;echo 0;bad 0"
     );
     let many: Vec<String> = (0..10)
         .map(|i| {

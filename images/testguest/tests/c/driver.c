@@ -115,6 +115,10 @@ static void command(u8 cmd, u8 *p, u32 n)
 			exit(2);
 		memcpy(dirty + (size_t)ld32(p) * TG_DIRTY_PAGE, p + 4, 4);
 		break;
+	case 'm': /* u32: 1 = echo harness, 0 = counter */
+		need(n, 4, "mode");
+		tg_set_echo((int)ld32(p));
+		break;
 	case 'u': /* u64 uptime in ms */
 		need(n, 8, "uptime");
 		uptime = ld64(p);
@@ -140,8 +144,9 @@ static void command(u8 cmd, u8 *p, u32 n)
 			len += snprintf(out + len, sizeof out - (size_t)len, "dev %llx@%llx:%u;",
 					(unsigned long long)cl.dev[i].size,
 					(unsigned long long)cl.dev[i].base, cl.dev[i].irq);
-		len += snprintf(out + len, sizeof out - (size_t)len, "connect %u;irqtest %u;bad %u",
-				cl.connect_port, cl.irqtest, cl.bad);
+		len += snprintf(out + len, sizeof out - (size_t)len,
+				"connect %u;irqtest %u;echo %u;bad %u", cl.connect_port, cl.irqtest,
+				cl.echo, cl.bad);
 		rec('K', out, (u32)len);
 		break;
 	}
