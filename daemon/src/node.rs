@@ -17,7 +17,7 @@ use crate::registry::store::RegistryStore;
 use crate::registry::{Registry, builtin_harnesses};
 use crate::runtime::Runtime;
 use crate::runtime::microvm::flavour::VmmFlavour;
-use crate::runtime::microvm::{MicrovmConfig, MicrovmRuntime};
+use crate::runtime::microvm::{GuestImage, MicrovmConfig, MicrovmRuntime};
 use crate::runtime::placement::can_place;
 use crate::runtime::process::ProcessRuntime;
 use crate::session::SessionHost;
@@ -74,7 +74,7 @@ fn sibling_binary(name: &str) -> PathBuf {
 }
 
 /// The harnesses the microvm runtime runs and their guest images.
-pub const MICROVM_HARNESSES: [&str; 1] = ["testguest"];
+pub const MICROVM_HARNESSES: [&str; 2] = ["testguest", "testguest-echo"];
 
 /// The microvm runtime, or why this node cannot have one.
 fn microvm_runtime(cfg: &NodeConfig) -> Result<MicrovmRuntime, String> {
@@ -99,12 +99,25 @@ fn microvm_runtime(cfg: &NodeConfig) -> Result<MicrovmRuntime, String> {
             std::fs::write(&testguest, agentvm_testguest::TESTGUEST_ELF)
                 .map_err(|e| format!("writing {}: {e}", testguest.display()))?;
         }
-        guest_images.push(("testguest".to_owned(), testguest));
+        // One image, two harnesses: the counter (memory snapshots) and, with
+        // `testguest.echo`, a stateless one that resumes by replay.
+        guest_images.push(GuestImage {
+            harness: "testguest".into(),
+            kernel: testguest.clone(),
+            cmdline: String::new(),
+            memory_snapshot: true,
+        });
+        guest_images.push(GuestImage {
+            harness: "testguest-echo".into(),
+            kernel: testguest,
+            cmdline: "testguest.echo".into(),
+            memory_snapshot: false,
+        });
     } else {
         tracing::warn!(
             vmm = cfg.vmm_flavour.name(),
             "the test guest needs virtio-mmio, which this VMM does not offer: \
-             testguest sessions will be refused"
+             testguest and testguest-echo sessions will be refused"
         );
     }
     MicrovmRuntime::new(MicrovmConfig {

@@ -462,7 +462,12 @@ async fn a_guest_that_never_becomes_ready_fails_create_and_leaves_nothing() {
         run_dir: dir.path().join("vms"),
         ram_dir: dir.path().to_owned(),
         snapshot_dir: dir.path().join("snapshots"),
-        images: vec![("silent".into(), image)],
+        images: vec![agentvmd::runtime::microvm::GuestImage {
+            harness: "silent".into(),
+            kernel: image,
+            cmdline: String::new(),
+            memory_snapshot: true,
+        }],
         vcpus: 1,
         memory_mib: 64,
         ready_timeout: Duration::from_secs(1),
@@ -653,7 +658,12 @@ async fn a_new_runtime_watches_surviving_vmms_and_reports_dead_ones() {
         run_dir: dir.path().join("vms"),
         ram_dir: dir.path().to_owned(),
         snapshot_dir: dir.path().join("snapshots"),
-        images: vec![("testguest".into(), image)],
+        images: vec![agentvmd::runtime::microvm::GuestImage {
+            harness: "testguest".into(),
+            kernel: image,
+            cmdline: String::new(),
+            memory_snapshot: true,
+        }],
         vcpus: 1,
         memory_mib: 64,
         ready_timeout: Duration::from_secs(10),
@@ -716,4 +726,121 @@ async fn a_new_runtime_watches_surviving_vmms_and_reports_dead_ones() {
         second.reason
     );
     let _ = std::fs::remove_dir_all(dir.path().join("vms/s-lives"));
+}
+
+/// One turn with `text` as input; returns the assistant's text output.
+async fn say(c: &mut SessionsClient<Channel>, session: &str, text: &str) -> String {
+    let mut stream = c
+        .exec(ExecRequest {
+            session: session.into(),
+            inputs: vec![Message {
+                role: "user".into(),
+                parts: vec![Part {
+                    part: Some(part::Part::Text(TextPart { text: text.into() })),
+                }],
+            }],
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|s| panic!("exec on {session}: {s}"))
+        .into_inner();
+    let mut out = String::new();
+    while let Some(ExecUpdate { update }) = stream.message().await.unwrap() {
+        if let Some(Update::Record(record)) = update
+            && let Some(Body::Message(m)) = record.event.and_then(|e| e.body)
+            && m.role == "assistant"
+        {
+            for p in m.parts {
+                if let Some(part::Part::Text(t)) = p.part {
+                    out.push_str(&t.text);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// A STATELESS_REPLAY harness in a microVM: suspend stops the VM without writing its RAM
+/// anywhere, resume and a fork at an earlier point start fresh VMs that the host brings up to
+/// date by replay, and a lost VM is simply replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stateless_sessions_run_on_microvms_and_resume_by_replay() {
+    require_kvm!();
+    let node = microvm_node().await;
+    let mut c = node.c();
+    let s = uid(&c
+        .create_session(CreateSessionRequest {
+            session: Some(Session {
+                harness: "testguest-echo".into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner());
+    assert_eq!(say(&mut c, &s, "one").await, "echo:one");
+    let after_one = replay(&mut c, &s).await.last().unwrap().seq;
+    assert_eq!(say(&mut c, &s, "two").await, "echo:two");
+    assert!(vm_dir(&node, &s).exists());
+
+    c.suspend(SuspendRequest { session: s.clone() })
+        .await
+        .unwrap();
+    assert_eq!(compute(&mut c, &s).await, ComputeState::ComputeCold);
+    assert!(!vm_dir(&node, &s).exists(), "suspend stops the VM");
+    let snapshots = std::fs::read_dir(node.dir.join("state/snapshots"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name() != ".refs")
+        .count();
+    assert_eq!(
+        snapshots, 0,
+        "a stateless session's RAM is never written out"
+    );
+    let Some(Body::Lifecycle(suspend)) = replay(&mut c, &s)
+        .await
+        .last()
+        .and_then(|r| r.event.as_ref())
+        .and_then(|e| e.body.clone())
+    else {
+        panic!("no SUSPEND record");
+    };
+    assert!(!suspend.snapshot_memory);
+
+    assert_eq!(say(&mut c, &s, "three").await, "echo:three");
+    assert!(
+        vm_dir(&node, &s).exists(),
+        "a fresh VM serves the next turn"
+    );
+
+    // A replay fork at an earlier point: the child gets a VM of its own at its first turn.
+    let child = uid(&c
+        .fork(ForkRequest {
+            session: s.clone(),
+            count: 1,
+            at_seq: after_one,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .children[0]);
+    assert_eq!(say(&mut c, &child, "branch").await, "echo:branch");
+    assert!(vm_dir(&node, &child).exists());
+
+    // A lost VM is replaced at the next turn; nothing to restore.
+    // SAFETY: SIGKILL to a VMM this test's node started.
+    unsafe { libc::kill(vmm_pid(&node, &s), libc::SIGKILL) };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while compute(&mut c, &s).await != ComputeState::ComputeCold {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the loss was never recorded"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(say(&mut c, &s, "four").await, "echo:four");
+    for session in [&s, &child] {
+        verify_chain(&replay(&mut c, session).await).unwrap();
+    }
 }

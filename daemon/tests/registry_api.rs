@@ -199,7 +199,15 @@ async fn register_observe_list_retire_and_survive_restart() {
     let only_names: Vec<&str> = names.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(
         only_names,
-        vec!["chat", "counter", "dead", "echo", "fake", "testguest"]
+        vec![
+            "chat",
+            "counter",
+            "dead",
+            "echo",
+            "fake",
+            "testguest",
+            "testguest-echo"
+        ]
     );
     assert!(names.contains(&("echo".into(), HarnessSource::Static)));
 

@@ -41,6 +41,7 @@ pub fn builtin_harnesses(
             "testguest",
             caps(Resumability::RequiresMemorySnapshot, false),
         ),
+        ("testguest-echo", caps(Resumability::StatelessReplay, true)),
     ]
     .into_iter()
     .map(|(name, capabilities)| StaticHarness {

@@ -154,7 +154,15 @@ fn list_merges_static_and_registered_in_name_order_and_pages() {
     };
     assert_eq!(
         names(r.list("", 50, false).unwrap()),
-        vec!["alpha", "chat", "counter", "echo", "testguest", "zeta"]
+        vec![
+            "alpha",
+            "chat",
+            "counter",
+            "echo",
+            "testguest",
+            "testguest-echo",
+            "zeta"
+        ]
     );
     assert_eq!(names(r.list("", 2, true).unwrap()), vec!["alpha", "chat"]);
     assert_eq!(

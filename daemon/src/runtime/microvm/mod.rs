@@ -15,7 +15,7 @@ pub mod flavour;
 pub mod guest;
 pub mod vmm_process;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -42,6 +42,18 @@ const NAME: &str = "microvm";
 /// Guest CID: with hybrid vsock it is visible only inside the guest, so every VM may use it.
 const GUEST_CID: u32 = 3;
 
+/// A kernel that boots into a guest serving `harness`.
+#[derive(Debug, Clone)]
+pub struct GuestImage {
+    pub harness: String,
+    pub kernel: PathBuf,
+    /// Appended to the kernel command line (how one image serves several harnesses).
+    pub cmdline: String,
+    /// The harness keeps state in RAM (REQUIRES_MEMORY_SNAPSHOT). A stateless one is
+    /// suspended by stopping its VM, and resumed by replay into a fresh one.
+    pub memory_snapshot: bool,
+}
+
 /// What the runtime needs from the node.
 #[derive(Debug, Clone)]
 pub struct MicrovmConfig {
@@ -54,8 +66,8 @@ pub struct MicrovmConfig {
     pub ram_dir: PathBuf,
     /// Snapshot store root.
     pub snapshot_dir: PathBuf,
-    /// Guest image (kernel) per harness name.
-    pub images: Vec<(String, PathBuf)>,
+    /// The guest image that serves each harness.
+    pub images: Vec<GuestImage>,
     pub vcpus: u8,
     pub memory_mib: u64,
     /// How long a booted or restored guest has to answer Hello.
@@ -95,12 +107,17 @@ impl MicrovmRuntime {
         VmmDir::new(self.config.run_dir.join(session), self.config.flavour)
     }
 
-    fn image(&self, harness: &str) -> Option<&Path> {
-        self.config
-            .images
-            .iter()
-            .find(|(name, _)| name == harness)
-            .map(|(_, path)| path.as_path())
+    fn image(&self, harness: &str) -> Option<&GuestImage> {
+        self.config.images.iter().find(|i| i.harness == harness)
+    }
+
+    /// Whether the VM in `dir` runs a harness whose state lives in RAM. A VM restored from a
+    /// snapshot (no harness file) always does: only memory-tier sessions are snapshotted.
+    fn keeps_memory(&self, dir: &VmmDir) -> bool {
+        std::fs::read_to_string(dir.harness_file())
+            .ok()
+            .and_then(|harness| self.image(harness.trim()).map(|i| i.memory_snapshot))
+            .unwrap_or(true)
     }
 
     fn incarnation(&self, session: &str) -> Incarnation {
@@ -113,8 +130,8 @@ impl MicrovmRuntime {
         }
     }
 
-    fn vm_config(&self, spec: &SessionSpec, kernel: &Path, dir: &VmmDir) -> VmConfig {
-        let mut config = VmConfig::with_kernel(kernel.to_owned());
+    fn vm_config(&self, spec: &SessionSpec, image: &GuestImage, dir: &VmmDir) -> VmConfig {
+        let mut config = VmConfig::with_kernel(image.kernel.clone());
         config.cpus = CpusConfig {
             boot_vcpus: self.config.vcpus,
             max_vcpus: self.config.vcpus,
@@ -123,10 +140,15 @@ impl MicrovmRuntime {
             size: self.config.memory_mib << 20,
             ..MemoryConfig::default()
         };
-        config.payload.cmdline = Some(format!(
+        let mut cmdline = format!(
             "console=ttyS0 reboot=k panic=1 agentvm.session={}",
             spec.session_uid
-        ));
+        );
+        if !image.cmdline.is_empty() {
+            cmdline.push(' ');
+            cmdline.push_str(&image.cmdline);
+        }
+        config.payload.cmdline = Some(cmdline);
         config.serial = SerialConfig {
             mode: ConsoleOutputMode::File,
             file: Some(dir.serial()),
@@ -332,7 +354,7 @@ impl Runtime for MicrovmRuntime {
         if let Some(inc) = self.running(session).await {
             return Ok(inc);
         }
-        let kernel = self
+        let image = self
             .image(&spec.harness)
             .ok_or_else(|| {
                 failed(
@@ -346,13 +368,15 @@ impl Runtime for MicrovmRuntime {
             })?
             .to_owned();
         self.start(session, |dir| {
-            let config = self.vm_config(spec, &kernel, &dir);
+            let config = self.vm_config(spec, &image, &dir);
             async move {
                 let client = dir.client();
                 client
                     .create(&config)
                     .await
                     .map_err(|e| format!("vm.create: {e}"))?;
+                std::fs::write(dir.harness_file(), &spec.harness)
+                    .map_err(|e| format!("{}: {e}", dir.harness_file().display()))?;
                 client.boot().await.map_err(|e| format!("vm.boot: {e}"))?;
                 GuestConn::ready(&dir.vsock(), self.config.ready_timeout, &|| dir.vmm_alive())
                     .await
@@ -373,6 +397,14 @@ impl Runtime for MicrovmRuntime {
             });
         }
         let dir = self.vmm_dir(session);
+        if !self.keeps_memory(&dir) {
+            // Nothing in its RAM is needed: it resumes by replay into a fresh VM.
+            vmm_process::stop(&dir, &self.exits).await;
+            return Ok(SnapshotRef {
+                local: session.clone(),
+                ..Default::default()
+            });
+        }
         let client = dir.client();
         client
             .pause_idempotent()
@@ -408,6 +440,10 @@ impl Runtime for MicrovmRuntime {
     }
 
     async fn fork(&self, snapshot: &SnapshotRef, opts: &ForkOpts) -> Result<Option<Incarnation>> {
+        if !snapshot.memory {
+            // A replay fork: the child's first turn boots its own VM and is replayed into.
+            return Ok(None);
+        }
         self.restore_as(snapshot, &opts.child_session_uid, RestoredKind::Forked)
             .await
             .map(Some)

@@ -46,6 +46,10 @@ impl VmmDir {
     pub fn pid_file(&self) -> PathBuf {
         self.dir.join("vmm.pid")
     }
+    /// The harness the guest serves, as the VM was created for.
+    pub fn harness_file(&self) -> PathBuf {
+        self.dir.join("harness")
+    }
     /// Where a restore prepares what it restores from, when the VMM needs that.
     pub fn restore_scratch(&self) -> PathBuf {
         self.dir.join("restore")
