@@ -11,6 +11,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tokio::sync::Semaphore;
+
 use agentvm_harnesses::sdk::{Execution, Harness, HarnessFailure, Sink};
 use agentvm_proto::v1::sessions_client::SessionsClient;
 use agentvm_proto::v1::{
@@ -44,6 +46,48 @@ struct MemoryRuntime {
     snapshots: Mutex<HashMap<String, u64>>,
     next: AtomicU64,
     calls: Mutex<Vec<String>>,
+    pause: Arc<PausePoint>,
+}
+
+/// Where a test holds the next runtime operation or harness run once armed, so other calls
+/// can be made to overlap it.
+struct PausePoint {
+    armed: Mutex<bool>,
+    entered: Semaphore,
+    release: Semaphore,
+}
+
+impl Default for PausePoint {
+    fn default() -> Self {
+        PausePoint {
+            armed: Mutex::new(false),
+            entered: Semaphore::new(0),
+            release: Semaphore::new(0),
+        }
+    }
+}
+
+impl PausePoint {
+    fn arm(&self) {
+        *self.armed.lock().unwrap() = true;
+    }
+    async fn pass(&self) {
+        let armed = std::mem::take(&mut *self.armed.lock().unwrap());
+        if armed {
+            self.entered.add_permits(1);
+            self.release.acquire().await.unwrap().forget();
+        }
+    }
+    async fn entered(&self) {
+        tokio::time::timeout(Duration::from_secs(10), self.entered.acquire())
+            .await
+            .expect("the paused operation never started")
+            .unwrap()
+            .forget();
+    }
+    fn release(&self) {
+        self.release.add_permits(1);
+    }
 }
 
 impl MemoryRuntime {
@@ -87,6 +131,7 @@ impl Runtime for MemoryRuntime {
     }
     async fn create(&self, spec: &SessionSpec) -> agentvmd::runtime::Result<Incarnation> {
         self.log("create");
+        self.pause.pass().await;
         self.live
             .lock()
             .unwrap()
@@ -101,6 +146,7 @@ impl Runtime for MemoryRuntime {
     ) -> agentvmd::runtime::Result<SnapshotRef> {
         assert_eq!(kind, SnapshotKind::External);
         self.log("snapshot");
+        self.pause.pass().await;
         let cell = self
             .live
             .lock()
@@ -129,6 +175,7 @@ impl Runtime for MemoryRuntime {
         spec: &SessionSpec,
     ) -> agentvmd::runtime::Result<Incarnation> {
         self.log("restore");
+        self.pause.pass().await;
         let v = self.snapshot_value(r)?;
         self.live
             .lock()
@@ -176,10 +223,11 @@ impl Runtime for MemoryRuntime {
                 session: inc.id.clone(),
                 reason: "not running".into(),
             })?;
-        let harness: Arc<dyn Harness> = if inc.address == "testguest" {
-            Arc::new(GatedMemoryHarness)
-        } else {
-            Arc::new(CellCounter { cell })
+        let pause = self.pause.clone();
+        let harness: Arc<dyn Harness> = match inc.address.as_str() {
+            "testguest" => Arc::new(GatedMemoryHarness),
+            "echo" => Arc::new(PausingEcho { pause }),
+            _ => Arc::new(CellCounter { cell, pause }),
         };
         Ok(Arc::new(InProcessEndpoint::new(harness)))
     }
@@ -195,6 +243,7 @@ fn memory_caps() -> Option<Capabilities> {
 /// Counter whose integer lives in the runtime's cell: only memory carries it.
 struct CellCounter {
     cell: Arc<AtomicU64>,
+    pause: Arc<PausePoint>,
 }
 
 #[async_trait::async_trait]
@@ -208,6 +257,7 @@ impl Harness for CellCounter {
         }
     }
     async fn run(&self, _exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure> {
+        self.pause.pass().await;
         let n = self.cell.fetch_add(1, Ordering::SeqCst) + 1;
         sink.output(Message {
             role: "assistant".into(),
@@ -219,6 +269,22 @@ impl Harness for CellCounter {
         })
         .await?;
         Ok(())
+    }
+}
+
+/// The echo harness (STATELESS_REPLAY) on this runtime, pausable like the rest.
+struct PausingEcho {
+    pause: Arc<PausePoint>,
+}
+
+#[async_trait::async_trait]
+impl Harness for PausingEcho {
+    fn descriptor(&self) -> HarnessDescriptor {
+        agentvm_harnesses::echo::Echo.descriptor()
+    }
+    async fn run(&self, exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure> {
+        self.pause.pass().await;
+        agentvm_harnesses::echo::Echo.run(exec, sink).await
     }
 }
 
@@ -270,7 +336,7 @@ async fn start() -> Node {
         None,
     ));
     let runtime = Arc::new(MemoryRuntime::default());
-    let runtimes: HashMap<String, Arc<dyn Runtime>> = ["counter", "testguest"]
+    let runtimes: HashMap<String, Arc<dyn Runtime>> = ["counter", "echo", "testguest"]
         .into_iter()
         .map(|n| (n.to_owned(), runtime.clone() as Arc<dyn Runtime>))
         .collect();
@@ -394,6 +460,29 @@ impl Node {
             .into_inner()
     }
 
+    /// Exec (one turn), Suspend or Resume, reduced to its outcome.
+    async fn op(&self, op: Op, uid: &str) -> Result<(), Code> {
+        let mut c = self.client.clone();
+        match op {
+            Op::Exec => self.turn(uid).await.map(drop),
+            Op::Suspend => c
+                .suspend(SuspendRequest {
+                    session: uid.into(),
+                })
+                .await
+                .map(drop)
+                .map_err(|s| s.code()),
+            Op::Resume => c
+                .resume(ResumeRequest {
+                    session: uid.into(),
+                    boot: false,
+                })
+                .await
+                .map(drop)
+                .map_err(|s| s.code()),
+        }
+    }
+
     fn calls(&self) -> Vec<String> {
         self.runtime.calls.lock().unwrap().clone()
     }
@@ -413,7 +502,59 @@ fn kinds(records: &[LogRecord]) -> Vec<EventKind> {
         .collect()
 }
 
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Op {
+    Exec,
+    Suspend,
+    Resume,
+}
+
 // ---------- scenarios ----------
+
+#[tokio::test]
+async fn scenario_54_overlap_matrix() {
+    let n = Arc::new(start().await);
+    let independent = n.create("counter").await;
+    for harness in ["counter", "echo"] {
+        for outer in [Op::Exec, Op::Suspend, Op::Resume] {
+            let case = format!("{harness} under {outer:?}");
+            let uid = n.create(harness).await;
+            n.turn(&uid).await.unwrap();
+            if outer == Op::Resume {
+                n.suspend(&uid).await;
+            }
+            n.runtime.pause.arm();
+            let running = {
+                let (n, uid) = (n.clone(), uid.clone());
+                tokio::spawn(async move { n.op(outer, &uid).await })
+            };
+            n.runtime.pause.entered().await;
+            let (records, calls) = (n.replay(&uid).await, n.calls().len());
+            for overlap in [Op::Exec, Op::Suspend, Op::Resume] {
+                // [VAR] Suspend preempts a turn or a resume instead (scenario 69).
+                if overlap == Op::Suspend && outer != Op::Suspend {
+                    continue;
+                }
+                assert_eq!(
+                    n.op(overlap, &uid).await,
+                    Err(Code::Aborted),
+                    "{case}: {overlap:?}"
+                );
+            }
+            assert_eq!(n.replay(&uid).await, records, "{case}: journal unchanged");
+            assert_eq!(n.calls().len(), calls, "{case}: the actor is untouched");
+            n.turn(&independent)
+                .await
+                .unwrap_or_else(|c| panic!("{case}: an independent session is refused: {c:?}"));
+            n.runtime.pause.release();
+            assert_eq!(running.await.unwrap(), Ok(()), "{case}");
+            for retry in [Op::Exec, Op::Suspend, Op::Resume] {
+                assert_eq!(n.op(retry, &uid).await, Ok(()), "{case}: {retry:?} after");
+            }
+            verify_chain(&n.replay(&uid).await).unwrap();
+        }
+    }
+}
 
 #[tokio::test]
 async fn scenario_55_suspend_resume_keeps_the_snapshot_ref() {

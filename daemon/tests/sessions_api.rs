@@ -10,13 +10,14 @@ use agentvm_harnesses::sdk::{Execution, Harness, HarnessFailure, Sink};
 use agentvm_harnesses::server::GrpcHarness;
 use agentvm_proto::v1::sessions_client::SessionsClient;
 use agentvm_proto::v1::{
-    ApproveRequest, CancelRequest, Capabilities, ComputeState, CreateSessionRequest,
+    ApprovalRef, ApproveRequest, CancelRequest, Capabilities, ComputeState, CreateSessionRequest,
     DeleteSessionRequest, EventKind, ExecRequest, ExecState, ExecUpdate, ForkRequest,
     GetSessionRequest, HarnessDescriptor, HarnessSpec, IdentityRef, ListSessionsRequest, LogRecord,
     Mediation, Message, ModelCall, Origin, Part, RemotePlacement, ReplayRequest, ResourceMetadata,
     Resumability, ResumeRequest, Session, SuspendRequest, TextPart, ToolCall, event::Body,
     exec_update::Update, harness_spec::Placement, part,
 };
+use agentvmd::journal::Journal;
 use agentvmd::journal::verify::verify_chain;
 use tokio::sync::Semaphore;
 use tonic::transport::Channel;
@@ -854,6 +855,101 @@ async fn scenario_81_approval_park_decide_resume() {
     // The receipt unlocks new input.
     let next = exec(&mut c, exec_req(&id, "again")).await;
     assert_eq!(next.code(), Code::Ok, "{:?}", next.end);
+}
+
+fn approval_of(session: &str, pending: &ApprovalRef, approved: bool) -> ApproveRequest {
+    ApproveRequest {
+        session: session.into(),
+        execution_id: pending.execution_id.clone(),
+        tool_call_id: pending.tool_call_id.clone(),
+        request_seq: pending.request_seq,
+        approved: Some(approved),
+        reason: "reviewed".into(),
+        identity: Some(IdentityRef {
+            principal: "human".into(),
+            ..Default::default()
+        }),
+    }
+}
+
+#[tokio::test]
+async fn scenario_53_approve_idempotency() {
+    // Denials: an approval would need a tool executor (scenario 67).
+    const DENY: bool = false;
+    let n = start().await;
+    n.register("approver", Arc::new(Approver));
+    let mut c = n.c();
+    let id = uid(&n.create("approver").await);
+    let fence = || n.node.journal.get_session(&id).unwrap().unwrap().fence;
+    let r = exec(&mut c, exec_req(&id, "deploy")).await;
+    let first = r.sessions().pop().unwrap().pending_approval.unwrap();
+    let decided = c
+        .approve(approval_of(&id, &first, DENY))
+        .await
+        .unwrap()
+        .into_inner();
+    let (head, fenced) = (n.get(&id).await.last_seq, fence());
+    // An identical retry returns the original record and fences nobody.
+    let retry = c
+        .approve(approval_of(&id, &first, DENY))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(retry.decision, decided.decision);
+    assert_eq!((n.get(&id).await.last_seq, fence()), (head, fenced));
+    // The turn completes; the old decision stays retryable, a changed one does not.
+    c.resume(ResumeRequest {
+        session: id.clone(),
+        boot: false,
+    })
+    .await
+    .unwrap();
+    assert_eq!(outputs(&n.replay(&id).await), ["refused"]);
+    let head = n.get(&id).await.last_seq;
+    let later = c
+        .approve(approval_of(&id, &first, DENY))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(later.decision, decided.decision);
+    assert_eq!(n.get(&id).await.last_seq, head);
+    let flipped = c
+        .approve(approval_of(&id, &first, !DENY))
+        .await
+        .unwrap_err();
+    assert_eq!(flipped.code(), Code::FailedPrecondition, "{flipped:?}");
+    // A request superseded without a decision (its execution canceled) cannot be decided.
+    let r = exec(&mut c, exec_req(&id, "deploy again")).await;
+    let second = r.sessions().pop().unwrap().pending_approval.unwrap();
+    assert_ne!(second.execution_id, first.execution_id);
+    c.cancel(CancelRequest {
+        session: id.clone(),
+        execution_id: second.execution_id.clone(),
+        reason: "changed my mind".into(),
+    })
+    .await
+    .unwrap();
+    let head = n.get(&id).await.last_seq;
+    let superseded = c
+        .approve(approval_of(&id, &second, true))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        superseded.code(),
+        Code::FailedPrecondition,
+        "{superseded:?}"
+    );
+    assert!(
+        superseded.message().contains("superseded"),
+        "{superseded:?}"
+    );
+    // Naming a request of an execution that is not the latest is refused as superseded too.
+    let mut foreign = approval_of(&id, &second, true);
+    foreign.execution_id = first.execution_id.clone();
+    let err = c.approve(foreign).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert_eq!(n.get(&id).await.last_seq, head, "nothing written");
+    verify_chain(&n.replay(&id).await).unwrap();
 }
 
 #[tokio::test]

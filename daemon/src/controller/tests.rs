@@ -1698,27 +1698,7 @@ async fn scenario_04_and_28_fork_equivalence_and_shape() {
     c.exec(&f.turn(echo()), inputs(&["hi"])).await.unwrap();
     let parent = f.records();
     let child = "sess-000000000000000000000002";
-    f.journal
-        .create_session(&SessionRow {
-            uid: child.into(),
-            project: "default".into(),
-            parent_uid: f.uid.clone(),
-            fork_seq: 5,
-            ..Default::default()
-        })
-        .unwrap();
-    let fence = f.journal.new_fence(child).unwrap();
-    f.journal.copy_prefix(&f.uid, child, 5, fence).unwrap();
-    let fork = stamp(
-        "",
-        EventKind::EventLifecycle,
-        Body::Lifecycle(agentvm_proto::v1::Lifecycle {
-            kind: agentvm_proto::v1::lifecycle::Kind::LifecycleFork as i32,
-            detail: "parent@5".into(),
-            ..Default::default()
-        }),
-    );
-    f.journal.append(child, 5, fence, &[fork]).unwrap();
+    fork_child(&f, child, 5);
     let records = f.journal.read(child, 1, 0).unwrap();
     assert_eq!(records.len(), 6);
     assert_eq!(
@@ -1849,4 +1829,584 @@ async fn scenario_71_legacy_logs() {
         matches!(err, ControllerError::InvalidExecutionLog(_)),
         "{err}"
     );
+}
+
+// ---------- scenarios adapted to a Connect-only host ----------
+
+/// Fails the calls whose 1-based numbers are listed, answers the others like echo.
+struct ScriptedProvider {
+    fail_on: Vec<u64>,
+    calls: AtomicU64,
+}
+
+impl ScriptedProvider {
+    fn failing(fail_on: &[u64]) -> Arc<Self> {
+        Arc::new(ScriptedProvider {
+            fail_on: fail_on.to_vec(),
+            calls: AtomicU64::new(0),
+        })
+    }
+    fn calls(&self) -> u64 {
+        self.calls.load(Ordering::SeqCst)
+    }
+}
+
+#[async_trait::async_trait]
+impl ModelProvider for ScriptedProvider {
+    fn name(&self) -> &'static str {
+        "scripted"
+    }
+    async fn complete(
+        &self,
+        call: &ModelCall,
+        stream: Option<mpsc::Sender<Chunk>>,
+    ) -> Result<Completion, ProviderError> {
+        let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        if self.fail_on.contains(&n) {
+            return Err(ProviderError::Unavailable {
+                provider: "scripted",
+                reason: format!("call {n} fails"),
+            });
+        }
+        EchoProvider.complete(call, stream).await
+    }
+}
+
+/// Each MODEL_CALL's completions: how many OUTPUTs follow it before the next call or END.
+fn completions_per_call(records: &[LogRecord]) -> Vec<usize> {
+    let mut per_call = Vec::new();
+    for k in kinds(records) {
+        match k {
+            EventKind::EventModelCall => per_call.push(0),
+            EventKind::EventOutput => *per_call.last_mut().unwrap() += 1,
+            _ => {}
+        }
+    }
+    per_call
+}
+
+#[tokio::test]
+async fn scenario_33_retry_after_failed_redrive() {
+    // Upstream's in-process harness retries inside Run when its model call fails. Over
+    // Harness.Connect a model call has no error reply: a failed call ends the stream with
+    // ERROR, so the retry is the next Resume. What must hold is the same: the re-driven call
+    // gets exactly one completion, no call has two, and replay calls nobody.
+    let f = Fixture::new();
+    // Call 1 answers, call 2 (the turn's second) fails, so does its first re-drive (call 3).
+    let provider = ScriptedProvider::failing(&[2, 3]);
+    let c = controller(f.journal.clone(), provider.clone());
+    let two = || Arc::new(TwoCalls { short: false });
+    c.exec(&f.turn(two()), inputs(&["x"])).await.unwrap_err();
+    let err = c.resume(&f.turn(two())).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Internal, "{err}");
+    c.resume(&f.turn(two())).await.unwrap().unwrap();
+    assert_eq!(provider.calls(), 4);
+    let records = f.records();
+    assert_eq!(
+        completions_per_call(&records),
+        [1, 1],
+        "two calls, one completion each: {:?}",
+        kinds(&records)
+    );
+    assert_eq!(
+        kinds(&records)
+            .iter()
+            .filter(|k| **k == EventKind::EventError)
+            .count(),
+        2,
+        "each failure stays as audit"
+    );
+    assert_eq!(*kinds(&records).last().unwrap(), EventKind::EventEnd);
+    controller(f.reopen(), provider.clone())
+        .replay(&f.turn(two()))
+        .await
+        .unwrap();
+    assert_eq!(provider.calls(), 4, "replay makes no call");
+    verify_chain(&records).unwrap();
+}
+
+/// A model call, then a USAGE report of its own.
+struct ModelThenUsage;
+
+#[async_trait::async_trait]
+impl Harness for ModelThenUsage {
+    fn descriptor(&self) -> HarnessDescriptor {
+        agentvm_harnesses::echo::Echo.descriptor()
+    }
+    async fn run(&self, _exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure> {
+        sink.model(ModelCall {
+            model: "echo".into(),
+            messages: vec![text("user", "count me")],
+            ..Default::default()
+        })
+        .await?;
+        sink.usage(agentvm_proto::v1::Usage::default()).await?;
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn scenario_35_non_trailing_model_call_is_never_invoked() {
+    // START, INPUT, MODEL_CALL, USAGE: the call has no completion but is not the crash point
+    // (something came after it), so its effect may have happened; re-invoking it is refused.
+    let f = Fixture::new();
+    let provider = Arc::new(Nondeterministic::default());
+    let c = controller(f.journal.clone(), provider.clone());
+    c.exec(&f.turn(Arc::new(ModelThenUsage)), inputs(&["go"]))
+        .await
+        .unwrap();
+    let live = f.records();
+    let execution_id = live[0].event.as_ref().unwrap().execution_id.clone();
+    f.cut_after(seq_of(&live, EventKind::EventModelCall));
+    let fence = f.journal.new_fence(&f.uid).unwrap();
+    f.journal
+        .append(
+            &f.uid,
+            3,
+            fence,
+            &[stamp(
+                &execution_id,
+                EventKind::EventUsage,
+                Body::Usage(agentvm_proto::v1::Usage::default()),
+            )],
+        )
+        .unwrap();
+    let err = c
+        .resume(&f.turn(Arc::new(ModelThenUsage)))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("has no completion"), "{err}");
+    assert_eq!(
+        provider.calls.load(Ordering::SeqCst),
+        1,
+        "only the live turn called the model"
+    );
+    // Connect has no error reply for a model call, so the harness cannot carry on to END as
+    // upstream's in-process one does: the turn fails, audited, and nothing else is invented.
+    assert_eq!(
+        kinds(&f.records())[3..],
+        [EventKind::EventUsage, EventKind::EventError]
+    );
+    verify_chain(&f.records()).unwrap();
+}
+
+fn number_args(json: &str) -> Option<Struct> {
+    let v: serde_json::Value = serde_json::from_str(json).unwrap();
+    Some(Struct {
+        fields: v
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| {
+                let n = v.as_f64().expect("a number");
+                (
+                    k.clone(),
+                    Value {
+                        kind: Some(Kind::NumberValue(n)),
+                    },
+                )
+            })
+            .collect(),
+    })
+}
+
+#[tokio::test]
+async fn scenario_44_normalized_numeric_forms_match() {
+    let f = Fixture::new();
+    let exec = Arc::new(CountingExecutor::default());
+    let c = controller_with_tools(f.journal.clone(), exec.clone());
+    let with_x = |json: &str| {
+        let mut call = tool_call(Mediation::ControllerMediated, "k");
+        call.args = number_args(json);
+        Arc::new(ToolUser::new(call))
+    };
+    c.exec(&f.turn(with_x(r#"{"x":2}"#)), inputs(&["go"]))
+        .await
+        .unwrap();
+    let records = f.records();
+    let recorded = records
+        .iter()
+        .find_map(|r| match &r.event.as_ref().unwrap().body {
+            Some(Body::Result(res)) => Some(res.clone()),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(
+        recorded.id, "call-1",
+        "the executor's own result id is not what the log keeps"
+    );
+    let int64 = format!(r#"{{"x":{}}}"#, 2_i64);
+    for form in [
+        r#"{"x":2.0}"#,
+        r#"{"x":2e0}"#,
+        r#"{"x":0.2e1}"#,
+        r#"{"x":20E-1}"#,
+        int64.as_str(),
+    ] {
+        let h = with_x(form);
+        c.replay(&f.turn(h.clone())).await.unwrap();
+        let seen = h.seen.lock().unwrap()[0].result.clone();
+        assert_eq!(seen.id, "call-1", "{form}");
+        assert_eq!(seen.output, recorded.output, "{form}");
+    }
+    // Resume after the result committed serves it to a call written 2.0.
+    f.cut_after(seq_of(&records, EventKind::EventToolResult));
+    c.resume(&f.turn(with_x(r#"{"x":2.0}"#)))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(exec.calls.load(Ordering::SeqCst), 1, "no live effect");
+    assert_eq!(exec.effects.load(Ordering::SeqCst), 1);
+    assert_eq!(*f.kinds().last().unwrap(), EventKind::EventEnd);
+}
+
+#[tokio::test]
+async fn scenario_45_malformed_tool_evidence_diverges() {
+    let call = tool_call(Mediation::ControllerMediated, "k");
+    let result = |id: &str| ToolResult {
+        id: id.into(),
+        output: args(&[("sum", 4.0)]),
+        ..Default::default()
+    };
+    let cases: Vec<(&str, Vec<(EventKind, Option<Body>)>)> = vec![
+        (
+            "result without call",
+            vec![(
+                EventKind::EventToolResult,
+                Some(Body::Result(result("call-1"))),
+            )],
+        ),
+        (
+            "call without payload",
+            vec![
+                (EventKind::EventToolCall, None),
+                (
+                    EventKind::EventToolResult,
+                    Some(Body::Result(result("call-1"))),
+                ),
+            ],
+        ),
+        (
+            "result without payload",
+            vec![
+                (EventKind::EventToolCall, Some(Body::Tool(call.clone()))),
+                (EventKind::EventToolResult, None),
+            ],
+        ),
+        (
+            "wrong result id",
+            vec![
+                (EventKind::EventToolCall, Some(Body::Tool(call.clone()))),
+                (
+                    EventKind::EventToolResult,
+                    Some(Body::Result(result("call-9"))),
+                ),
+            ],
+        ),
+    ];
+    for (case, evidence) in cases {
+        let f = Fixture::new();
+        let exec = Arc::new(CountingExecutor::default());
+        let c = controller_with_tools(f.journal.clone(), exec.clone());
+        c.exec(&f.turn(echo()), inputs(&["go"])).await.unwrap();
+        let execution_id = f.records()[0].event.as_ref().unwrap().execution_id.clone();
+        f.cut_after(2);
+        let mut events: Vec<agentvm_proto::v1::Event> = evidence
+            .into_iter()
+            .map(|(kind, body)| {
+                let mut e = stamp(&execution_id, kind, Body::Message(text("assistant", "")));
+                e.body = body;
+                e
+            })
+            .collect();
+        events.push(stamp(
+            &execution_id,
+            EventKind::EventOutput,
+            Body::Message(text("assistant", "ok")),
+        ));
+        events.push(stamp(
+            &execution_id,
+            EventKind::EventEnd,
+            Body::End(agentvm_proto::v1::HarnessEnd {
+                state: "COMPLETED".into(),
+                error: None,
+            }),
+        ));
+        let fence = f.journal.new_fence(&f.uid).unwrap();
+        f.journal.append(&f.uid, 2, fence, &events).unwrap();
+        let h = Arc::new(ToolUser::new(call.clone()));
+        let err = c.replay(&f.turn(h.clone())).await.unwrap_err();
+        assert!(
+            matches!(err, ControllerError::ReplayDiverged(_)),
+            "{case}: {err}"
+        );
+        assert!(h.seen.lock().unwrap().is_empty(), "{case}: nothing served");
+        // The same evidence in an interrupted execution is no better.
+        let head = f.records().len() as i64;
+        f.cut_after(head - 1);
+        let before = f.records();
+        let err = c
+            .resume(&f.turn(Arc::new(ToolUser::new(call.clone()))))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, ControllerError::ReplayDiverged(_)),
+            "{case} on resume: {err}"
+        );
+        assert_eq!(exec.calls.load(Ordering::SeqCst), 0, "{case}");
+        assert!(
+            f.records()[..before.len()] == before[..],
+            "{case}: the evidence stays"
+        );
+    }
+}
+
+/// Records each Start, then makes two model calls (a turn can be cut between them).
+#[derive(Default)]
+struct RecordingTwoCalls {
+    starts: Mutex<Vec<(String, agentvm_proto::v1::Start)>>,
+}
+
+impl RecordingTwoCalls {
+    fn starts(&self) -> Vec<(String, agentvm_proto::v1::Start)> {
+        self.starts.lock().unwrap().clone()
+    }
+}
+
+#[async_trait::async_trait]
+impl Harness for RecordingTwoCalls {
+    fn descriptor(&self) -> HarnessDescriptor {
+        agentvm_harnesses::echo::Echo.descriptor()
+    }
+    async fn run(&self, exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure> {
+        self.starts
+            .lock()
+            .unwrap()
+            .push((exec.execution_id.clone(), exec.start.clone()));
+        TwoCalls { short: false }.run(exec, sink).await
+    }
+}
+
+/// A child of the fixture's session forked at `at`: prefix copied, FORK appended.
+fn fork_child(f: &Fixture, child: &str, at: i64) {
+    f.journal
+        .create_session(&SessionRow {
+            uid: child.into(),
+            project: "default".into(),
+            parent_uid: f.uid.clone(),
+            fork_seq: at,
+            ..Default::default()
+        })
+        .unwrap();
+    let fence = f.journal.new_fence(child).unwrap();
+    f.journal.copy_prefix(&f.uid, child, at, fence).unwrap();
+    let fork = stamp(
+        "",
+        EventKind::EventLifecycle,
+        Body::Lifecycle(agentvm_proto::v1::Lifecycle {
+            kind: agentvm_proto::v1::lifecycle::Kind::LifecycleFork as i32,
+            detail: format!("parent@{at}"),
+            ..Default::default()
+        }),
+    );
+    f.journal.append(child, at, fence, &[fork]).unwrap();
+}
+
+#[tokio::test]
+async fn scenario_22_execution_start_fidelity() {
+    let f = Fixture::new();
+    let provider = Arc::new(Nondeterministic::default());
+    let c = controller(f.journal.clone(), provider.clone());
+    let live = Arc::new(RecordingTwoCalls::default());
+    let configs: [&[u8]; 2] = [b"\x00\xff\x01binary one", b"\xfe\x00\x80two\x00"];
+    for (i, config) in configs.iter().enumerate() {
+        c.exec(
+            &f.turn(live.clone()),
+            NewExecution {
+                inputs: vec![text("user", &format!("turn {i}"))],
+                config: config.to_vec(),
+                resume_from_seq: 40 + i as i64,
+                expected_last_seq: None,
+            },
+        )
+        .await
+        .unwrap();
+    }
+    let live_starts = live.starts();
+    for (i, (_, start)) in live_starts.iter().enumerate() {
+        assert_eq!(start.config, configs[i]);
+        assert_eq!(start.resume_from_seq, 40 + i as i64);
+    }
+    // START INPUT MC OUTPUT MC OUTPUT END per turn; the second loses its END (seq 14).
+    let full = f.records();
+    assert_eq!(full.len(), 14);
+    f.cut_after(13);
+    let fresh = controller(f.reopen(), provider.clone());
+    let resumed = Arc::new(RecordingTwoCalls::default());
+    fresh
+        .resume(&f.turn(resumed.clone()))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        resumed.starts(),
+        live_starts[1..],
+        "the recorded Start, not the caller's"
+    );
+    assert_eq!(
+        provider.calls.load(Ordering::SeqCst),
+        4,
+        "both completions served"
+    );
+    let records = f.records();
+    assert_eq!(records.len(), 14);
+    assert_eq!(records[..13], full[..13]);
+
+    let replayer = Arc::new(RecordingTwoCalls::default());
+    fresh.replay(&f.turn(replayer.clone())).await.unwrap();
+    assert_eq!(replayer.starts(), live_starts);
+    assert_eq!(outputs(&records).len(), 4);
+    assert_eq!(f.records(), records, "replay writes nothing");
+    verify_chain(&records).unwrap();
+
+    // Children forked after turn one and at the head replay the Starts they inherited.
+    for (child, at, inherited) in [
+        ("sess-000000000000000000000007", 7, 1),
+        ("sess-000000000000000000000014", 14, 2),
+    ] {
+        fork_child(&f, child, at);
+        let r = Arc::new(RecordingTwoCalls::default());
+        let mut t = turn_with(child, f.journal.new_fence(child).unwrap(), r.clone());
+        t.fork_seq = at;
+        fresh.replay(&t).await.unwrap();
+        assert_eq!(r.starts(), live_starts[..inherited], "child at {at}");
+        verify_chain(&f.journal.read(child, 1, 0).unwrap()).unwrap();
+    }
+    assert_eq!(provider.calls.load(Ordering::SeqCst), 4);
+}
+
+type SeenFrames = Arc<Mutex<Vec<agentvm_proto::v1::controller_frame::Frame>>>;
+
+/// A raw peer that asks for approval of `gated()`: acknowledges a park with PARKED and
+/// closes without END; after a decision takes the approval and its receipt, says "done".
+fn approval_peer(seen: SeenFrames) -> RawEndpoint {
+    use agentvm_proto::v1::controller_frame::Frame;
+    RawEndpoint {
+        script: Arc::new(move |mut frames, events| {
+            let seen = seen.clone();
+            Box::pin(async move {
+                let start = frames.recv().await.unwrap();
+                let eid = start.execution_id.clone();
+                let _ = events
+                    .send(Ok(raw_event(
+                        &eid,
+                        EventKind::EventToolCall,
+                        Body::Tool(gated()),
+                    )))
+                    .await;
+                match frames.recv().await.and_then(|f| f.frame) {
+                    Some(Frame::Park(p)) => {
+                        seen.lock().unwrap().push(Frame::Park(p.clone()));
+                        let _ = events
+                            .send(Ok(raw_event(&eid, EventKind::EventParked, Body::Parked(p))))
+                            .await;
+                    }
+                    Some(Frame::Approval(a)) => {
+                        seen.lock().unwrap().push(Frame::Approval(a));
+                        if let Some(receipt) = frames.recv().await.and_then(|f| f.frame) {
+                            seen.lock().unwrap().push(receipt);
+                        }
+                        for (kind, body) in [
+                            (
+                                EventKind::EventOutput,
+                                Body::Message(text("assistant", "done")),
+                            ),
+                            (
+                                EventKind::EventEnd,
+                                Body::End(agentvm_proto::v1::HarnessEnd {
+                                    state: "COMPLETED".into(),
+                                    error: None,
+                                }),
+                            ),
+                        ] {
+                            let _ = events.send(Ok(raw_event(&eid, kind, body))).await;
+                        }
+                    }
+                    other => panic!("unexpected host frame {other:?}"),
+                }
+            })
+        }),
+    }
+}
+
+#[tokio::test]
+async fn scenario_20_park_decision_receipt_replay_over_the_wire() {
+    use agentvm_proto::v1::controller_frame::Frame;
+    for (approved, executor_fails) in [(true, false), (false, false), (true, true)] {
+        let case = format!("approved={approved} executor_fails={executor_fails}");
+        let f = Fixture::new();
+        let exec = Arc::new(CountingExecutor {
+            fail_with: executor_fails.then(|| "quota exceeded".to_owned()),
+            ..Default::default()
+        });
+        let c = controller_with_tools(f.journal.clone(), exec.clone());
+        let seen = SeenFrames::default();
+        let outcome = c
+            .exec(&raw_turn(&f, approval_peer(seen.clone())), inputs(&["go"]))
+            .await
+            .unwrap();
+        let records = f.records();
+        let request_seq = seq_of(&records, EventKind::EventApprovalRequest);
+        let Frame::Park(park) = seen.lock().unwrap()[0].clone() else {
+            panic!("{case}: no park frame")
+        };
+        assert_eq!(park.request_seq, request_seq, "{case}");
+        assert_eq!(park.tool_call_id, "call-1");
+        assert!(matches!(outcome, TurnOutcome::Parked { park: ref p, .. } if *p == park));
+        let k = kinds(&records);
+        for absent in [
+            EventKind::EventParked,
+            EventKind::EventEnd,
+            EventKind::EventError,
+            EventKind::EventToolResult,
+        ] {
+            assert!(!k.contains(&absent), "{case}: {absent:?} journaled");
+        }
+        assert_eq!(exec.calls.load(Ordering::SeqCst), 0);
+
+        let decision_seq = decide(&f, &park, approved);
+        let seen = SeenFrames::default();
+        controller_with_tools(f.reopen(), exec.clone())
+            .resume(&raw_turn(&f, approval_peer(seen.clone())))
+            .await
+            .unwrap()
+            .unwrap();
+        let pair = seen.lock().unwrap().clone();
+        let [Frame::Approval(a), Frame::Tool(receipt)] = &pair[..] else {
+            panic!("{case}: {pair:?}")
+        };
+        assert_eq!((a.approved, a.request_seq), (approved, request_seq));
+        assert_eq!(receipt.id, "call-1");
+        assert_eq!(receipt.approval_request_seq, request_seq, "{case}");
+        assert_eq!(receipt.approval_decision_seq, decision_seq, "{case}");
+        assert_eq!(receipt.is_error, !approved || executor_fails, "{case}");
+        assert_eq!(
+            exec.effects.load(Ordering::SeqCst),
+            u64::from(approved && !executor_fails),
+            "{case}"
+        );
+        assert_eq!(exec.calls.load(Ordering::SeqCst), u64::from(approved));
+        let finished = f.records();
+        assert_eq!(*kinds(&finished).last().unwrap(), EventKind::EventEnd);
+
+        // Replay re-sends the same pair and writes nothing.
+        let again = SeenFrames::default();
+        c.replay(&raw_turn(&f, approval_peer(again.clone())))
+            .await
+            .unwrap();
+        assert_eq!(*again.lock().unwrap(), pair, "{case}");
+        assert_eq!(f.records(), finished);
+        assert_eq!(exec.calls.load(Ordering::SeqCst), u64::from(approved));
+        verify_chain(&finished).unwrap();
+    }
 }

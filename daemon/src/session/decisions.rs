@@ -62,6 +62,12 @@ impl SessionHost {
                 req.execution_id
             )));
         };
+        if let Some((_, end)) = &x.end {
+            return Err(Status::failed_precondition(format!(
+                "execution {:?} ended {}; its approval request {} is superseded",
+                req.execution_id, end.state, req.request_seq
+            )));
+        }
         match gate_state(x) {
             GateState::Pending(p)
                 if p.tool_call_id == req.tool_call_id && p.request_seq == req.request_seq =>

@@ -1,4 +1,5 @@
-//! Every hash vector of shared/spec/wire.md §3 and semantics.md §1.3.
+//! Every hash vector of shared/spec/wire.md §3 and semantics.md §1.3. The golden vectors A–D
+//! are semantics.md scenario 6: a non-Go implementation reproduces every upstream content hash.
 
 use super::*;
 use crate::v1::{
@@ -41,7 +42,7 @@ fn completed() -> Body {
 }
 
 #[test]
-fn vector_a_golden_output_with_ts_and_actor() {
+fn scenario_06_vector_a_golden_output_with_ts_and_actor() {
     let ev = Event {
         execution_id: "exec-1".into(),
         schema_version: 1,
@@ -78,7 +79,7 @@ fn assert_chain(start_seq: i64, mut prev: String, events: &[Event], hashes: &[&s
 }
 
 #[test]
-fn vector_b_legacy_v0_1_2_journal() {
+fn scenario_06_vector_b_legacy_v0_1_2_journal() {
     let events = [
         event(
             "",
@@ -118,7 +119,7 @@ fn vector_b_legacy_v0_1_2_journal() {
 }
 
 #[test]
-fn vector_c_current_writer_turn_with_execution_start() {
+fn scenario_06_vector_c_current_writer_turn_with_execution_start() {
     let x = "721cca6eababd5be";
     let events = [
         event(
@@ -168,7 +169,7 @@ fn vector_c_current_writer_turn_with_execution_start() {
 }
 
 #[test]
-fn vector_d_approval_era_records() {
+fn scenario_06_vector_d_approval_era_records() {
     let receipt = event(
         "",
         EventKind::EventToolResult,
