@@ -10,6 +10,7 @@ use anyhow::Context;
 
 use crate::config;
 use crate::controller::Controller;
+use crate::controller::tools::ToolExecutor;
 use crate::journal::sqlite::{Durability, SqliteJournal};
 use crate::model::openai::{OpenAiConfig, OpenAiProvider};
 use crate::model::provider::{ModelProvider, RoutedProvider};
@@ -21,6 +22,7 @@ use crate::runtime::microvm::{GuestImage, MicrovmConfig, MicrovmRuntime};
 use crate::runtime::placement::can_place;
 use crate::runtime::process::ProcessRuntime;
 use crate::session::SessionHost;
+use crate::tool_webhook::{WebhookConfig, WebhookExecutor};
 
 /// The built-in harnesses the `process` runtime runs (`agentvm harness serve NAME`).
 pub const PROCESS_HARNESSES: [&str; 3] = ["chat", "counter", "echo"];
@@ -40,6 +42,9 @@ pub struct NodeConfig {
     pub vmm_flavour: VmmFlavour,
     /// Where guest RAM files live (a tmpfs, so a fork can link instead of copy).
     pub ram_dir: PathBuf,
+    /// The HTTP endpoint that executes host-mediated tool calls; without one such calls fail
+    /// with MissingToolExecutor.
+    pub tool_executor: Option<WebhookConfig>,
 }
 
 impl NodeConfig {
@@ -52,6 +57,7 @@ impl NodeConfig {
             vmm_binary: Some(sibling_binary("agentvm-vmm")),
             vmm_flavour: VmmFlavour::Agentvm,
             ram_dir: PathBuf::from("/dev/shm"),
+            tool_executor: None,
         }
     }
 }
@@ -198,6 +204,10 @@ impl Node {
                 format!("opening harness registry in {}", journal_path.display())
             })?,
         ));
+        let tool_executor = match &cfg.tool_executor {
+            Some(c) => Some(Arc::new(WebhookExecutor::new(c.clone())?) as Arc<dyn ToolExecutor>),
+            None => None,
+        };
         let controller = Arc::new(Controller::new(
             journal.clone(),
             Arc::new(RoutedProvider {
@@ -206,7 +216,7 @@ impl Node {
                     .clone()
                     .map(|c| Box::new(OpenAiProvider::new(c)) as Box<dyn ModelProvider>),
             }),
-            None,
+            tool_executor,
         ));
         let host = Arc::new(SessionHost::new(
             journal.clone(),

@@ -952,6 +952,234 @@ async fn scenario_53_approve_idempotency() {
     verify_chain(&n.replay(&id).await).unwrap();
 }
 
+/// Calls one CONTROLLER_MEDIATED tool and says what came back.
+struct ToolCaller {
+    tool: &'static str,
+    key: &'static str,
+}
+
+#[async_trait::async_trait]
+impl Harness for ToolCaller {
+    fn descriptor(&self) -> HarnessDescriptor {
+        agentvm_harnesses::echo::Echo.descriptor()
+    }
+    async fn run(&self, _exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure> {
+        let mut args = prost_types::Struct::default();
+        args.fields.insert(
+            "x".into(),
+            prost_types::Value {
+                kind: Some(prost_types::value::Kind::NumberValue(2.0)),
+            },
+        );
+        let answer = sink
+            .tool_call(ToolCall {
+                id: "call-1".into(),
+                tool: self.tool.into(),
+                args: Some(args),
+                mediation: Mediation::ControllerMediated as i32,
+                idempotency_key: self.key.into(),
+            })
+            .await?;
+        let r = answer.result;
+        let said = if r.is_error {
+            format!("error:{}", r.error)
+        } else {
+            let sum = r.output.as_ref().and_then(|o| o.fields.get("sum"));
+            match sum.and_then(|v| v.kind.clone()) {
+                Some(prost_types::value::Kind::NumberValue(n)) => format!("ok:{n}"),
+                other => format!("ok:{other:?}"),
+            }
+        };
+        sink.output(text("assistant", &said)).await?;
+        Ok(())
+    }
+}
+
+/// What the tool endpoint saw of one call.
+#[derive(Debug, Clone)]
+struct ToolRequest {
+    body: serde_json::Value,
+    idempotency_key: String,
+    /// Whether the session's log already ended in this call's TOOL_CALL when it arrived.
+    intent_durable: bool,
+}
+
+/// An operator's tool endpoint: `add` answers x+2, `fail` answers HTTP 500.
+async fn tool_endpoint(
+    listener: tokio::net::TcpListener,
+    journal: Arc<agentvmd::journal::sqlite::SqliteJournal>,
+    seen: Arc<std::sync::Mutex<Vec<ToolRequest>>>,
+) {
+    use http_body_util::{BodyExt, Full};
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            return;
+        };
+        let (journal, seen) = (journal.clone(), seen.clone());
+        let service = hyper::service::service_fn(
+            move |req: hyper::Request<hyper::body::Incoming>| {
+                let (journal, seen) = (journal.clone(), seen.clone());
+                async move {
+                    let idempotency_key = req
+                        .headers()
+                        .get("idempotency-key")
+                        .map(|v| v.to_str().unwrap().to_owned())
+                        .unwrap_or_default();
+                    let bytes = req.into_body().collect().await.unwrap().to_bytes();
+                    let body: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+                    let uid = body["session_uid"].as_str().unwrap();
+                    let last = journal.read(uid, 1, 0).unwrap().pop().unwrap();
+                    let intent_durable = matches!(
+                        &last.event.as_ref().unwrap().body,
+                        Some(Body::Tool(c)) if c.idempotency_key == body["call"]["idempotency_key"]
+                    );
+                    seen.lock().unwrap().push(ToolRequest {
+                        body: body.clone(),
+                        idempotency_key,
+                        intent_durable,
+                    });
+                    let (status, answer) = match body["call"]["tool"].as_str() {
+                        Some("add") => (
+                            200,
+                            serde_json::json!({
+                                "output": {"sum": body["call"]["args"]["x"].as_f64().unwrap() + 2.0},
+                                "content": "added",
+                            }),
+                        ),
+                        _ => (500, serde_json::json!({"message": "the ledger is locked"})),
+                    };
+                    Ok::<_, std::convert::Infallible>(
+                        hyper::Response::builder()
+                            .status(status)
+                            .body(Full::new(bytes::Bytes::from(answer.to_string())))
+                            .unwrap(),
+                    )
+                }
+            },
+        );
+        tokio::spawn(
+            hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service),
+        );
+    }
+}
+
+#[tokio::test]
+async fn scenario_67_host_tool_executor() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/tools", listener.local_addr().unwrap());
+    let n = support::start_with(|cfg| {
+        cfg.tool_executor = Some(agentvmd::tool_webhook::WebhookConfig {
+            url,
+            timeout: Duration::from_secs(10),
+        })
+    })
+    .await;
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    tokio::spawn(tool_endpoint(
+        listener,
+        n.node.journal.clone(),
+        seen.clone(),
+    ));
+    n.register(
+        "adder",
+        Arc::new(ToolCaller {
+            tool: "add",
+            key: "k-add",
+        }),
+    );
+    n.register(
+        "failer",
+        Arc::new(ToolCaller {
+            tool: "fail",
+            key: "k-fail",
+        }),
+    );
+    n.register(
+        "keyless",
+        Arc::new(ToolCaller {
+            tool: "add",
+            key: "",
+        }),
+    );
+    let mut c = n.c();
+
+    // The executor sees the durable intent first, scoped to the session.
+    let id = uid(&n.create("adder").await);
+    let r = exec(&mut c, exec_req(&id, "add")).await;
+    assert_eq!(r.code(), Code::Ok, "{:?}", r.end);
+    let records = n.replay(&id).await;
+    assert_eq!(outputs(&records), ["ok:4"]);
+    let call = seen.lock().unwrap()[0].clone();
+    assert!(call.intent_durable, "{call:?}");
+    assert_eq!(call.body["session_uid"], id.as_str());
+    assert_eq!(call.body["call"]["idempotency_key"], "k-add");
+    assert_eq!(
+        call.body["call"]["mediation"],
+        "MEDIATION_CONTROLLER_MEDIATED"
+    );
+    assert_eq!(call.idempotency_key, format!("{id}/k-add"));
+    let result = records
+        .iter()
+        .find_map(|r| match &r.event.as_ref().unwrap().body {
+            Some(Body::Result(res)) => Some(res.clone()),
+            _ => None,
+        })
+        .expect("a TOOL_RESULT");
+    assert_eq!(result.id, "call-1");
+    assert_eq!(seen.lock().unwrap().len(), 1, "one call, one request");
+
+    // An executor error reaches the harness and nothing records it.
+    let id = uid(&n.create("failer").await);
+    let r = exec(&mut c, exec_req(&id, "fail")).await;
+    assert_eq!(r.code(), Code::Ok, "{:?}", r.end);
+    let records = n.replay(&id).await;
+    let said = outputs(&records).pop().unwrap();
+    assert!(
+        said.starts_with("error:")
+            && said.contains("HTTP 500")
+            && said.contains("ledger is locked"),
+        "{said}"
+    );
+    assert!(!kinds(&records).contains(&EventKind::EventToolResult));
+    assert_eq!(seen.lock().unwrap().len(), 2);
+
+    // A call without a key is refused before its intent, and the executor never hears of it.
+    let id = uid(&n.create("keyless").await);
+    let r = exec(&mut c, exec_req(&id, "add")).await;
+    assert_eq!(r.code(), Code::Internal, "{:?}", r.end);
+    assert!(
+        r.end
+            .as_ref()
+            .unwrap()
+            .message()
+            .contains("MissingIdempotencyKey")
+    );
+    assert!(!kinds(&n.replay(&id).await).contains(&EventKind::EventToolCall));
+    assert_eq!(seen.lock().unwrap().len(), 2);
+
+    // A node without an executor refuses host-mediated calls before any intent.
+    let bare = start().await;
+    bare.register(
+        "adder",
+        Arc::new(ToolCaller {
+            tool: "add",
+            key: "k-add",
+        }),
+    );
+    let id = uid(&bare.create("adder").await);
+    let r = exec(&mut bare.c(), exec_req(&id, "add")).await;
+    assert_eq!(r.code(), Code::FailedPrecondition, "{:?}", r.end);
+    assert!(
+        r.end
+            .as_ref()
+            .unwrap()
+            .message()
+            .contains("MissingToolExecutor")
+    );
+    assert!(!kinds(&bare.replay(&id).await).contains(&EventKind::EventToolCall));
+}
+
 #[tokio::test]
 async fn list_sessions_pages_newest_first() {
     let n = start().await;

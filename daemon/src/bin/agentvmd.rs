@@ -7,6 +7,7 @@ use agentvmd::model::openai::{OpenAiConfig, load_api_key};
 use agentvmd::node::{Node, NodeConfig, find_in_path};
 use agentvmd::runtime::microvm::flavour::VmmFlavour;
 use agentvmd::server;
+use agentvmd::tool_webhook::WebhookConfig;
 use anyhow::Context;
 use clap::Parser;
 use tracing::info;
@@ -53,6 +54,13 @@ struct Args {
     /// Per-request timeout of model calls, in seconds.
     #[arg(long, default_value_t = 600)]
     openai_timeout_secs: u64,
+    /// HTTP endpoint that executes host-mediated tool calls (JSON POST, deduplicated by its
+    /// Idempotency-Key header); without it such calls fail with MissingToolExecutor.
+    #[arg(long)]
+    tool_executor_url: Option<String>,
+    /// Per-call timeout of the tool executor, in seconds.
+    #[arg(long, default_value_t = 60)]
+    tool_executor_timeout_secs: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -76,6 +84,10 @@ fn main() -> anyhow::Result<()> {
         (None, flavour) => find_in_path(flavour.default_binary()),
     };
     node_config.ram_dir = args.ram_dir.clone();
+    node_config.tool_executor = args.tool_executor_url.clone().map(|url| WebhookConfig {
+        url,
+        timeout: std::time::Duration::from_secs(args.tool_executor_timeout_secs),
+    });
     if let Some(base_url) = &args.openai_base_url {
         let api_key = load_api_key(
             Some(&args.openai_api_key_env),

@@ -2068,7 +2068,8 @@ async fn scenario_45_malformed_tool_evidence_diverges() {
         output: args(&[("sum", 4.0)]),
         ..Default::default()
     };
-    let cases: Vec<(&str, Vec<(EventKind, Option<Body>)>)> = vec![
+    type Evidence = Vec<(EventKind, Option<Body>)>;
+    let cases: Vec<(&str, Evidence)> = vec![
         (
             "result without call",
             vec![(

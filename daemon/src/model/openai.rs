@@ -15,11 +15,12 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use prost_types::{Struct, Value as PValue, value::Kind};
+use prost_types::Struct;
 use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 
 use super::provider::{Chunk, Completion, ModelProvider, ProviderError};
+use crate::json::{json_to_value, struct_to_json};
 
 const NAME: &str = "openai";
 /// Error bodies are quoted back to the harness only this far.
@@ -284,48 +285,6 @@ fn chat_messages(m: &Message) -> Result<Vec<Value>, ProviderError> {
     }
     out.extend(results);
     Ok(out)
-}
-
-fn struct_to_json(s: &Struct) -> Value {
-    Value::Object(
-        s.fields
-            .iter()
-            .map(|(k, v)| (k.clone(), value_to_json(v)))
-            .collect(),
-    )
-}
-
-fn value_to_json(v: &PValue) -> Value {
-    match &v.kind {
-        None | Some(Kind::NullValue(_)) => Value::Null,
-        Some(Kind::NumberValue(n)) => {
-            serde_json::Number::from_f64(*n).map_or(Value::Null, Value::Number)
-        }
-        Some(Kind::StringValue(s)) => json!(s),
-        Some(Kind::BoolValue(b)) => json!(b),
-        Some(Kind::StructValue(s)) => struct_to_json(s),
-        Some(Kind::ListValue(l)) => Value::Array(l.values.iter().map(value_to_json).collect()),
-    }
-}
-
-fn json_to_value(v: &Value) -> PValue {
-    PValue {
-        kind: Some(match v {
-            Value::Null => Kind::NullValue(0),
-            Value::Bool(b) => Kind::BoolValue(*b),
-            Value::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or(0.0)),
-            Value::String(s) => Kind::StringValue(s.clone()),
-            Value::Array(a) => Kind::ListValue(prost_types::ListValue {
-                values: a.iter().map(json_to_value).collect(),
-            }),
-            Value::Object(o) => Kind::StructValue(Struct {
-                fields: o
-                    .iter()
-                    .map(|(k, v)| (k.clone(), json_to_value(v)))
-                    .collect(),
-            }),
-        }),
-    }
 }
 
 fn tool_call_part(id: &str, name: &str, arguments: &str) -> Result<Part, ProviderError> {

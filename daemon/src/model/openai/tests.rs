@@ -2,6 +2,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use agentvm_proto::v1::{ToolChoice, ToolDefinition};
+use prost_types::value::Kind;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::*;

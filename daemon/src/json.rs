@@ -1,0 +1,47 @@
+//! protobuf Struct/Value <-> JSON, for the HTTP peers (model providers, tool executors) that
+//! speak JSON where the journal speaks protobuf.
+
+use prost_types::{Struct, Value as PValue, value::Kind};
+use serde_json::{Value, json};
+
+pub fn struct_to_json(s: &Struct) -> Value {
+    Value::Object(
+        s.fields
+            .iter()
+            .map(|(k, v)| (k.clone(), value_to_json(v)))
+            .collect(),
+    )
+}
+
+fn value_to_json(v: &PValue) -> Value {
+    match &v.kind {
+        None | Some(Kind::NullValue(_)) => Value::Null,
+        Some(Kind::NumberValue(n)) => {
+            serde_json::Number::from_f64(*n).map_or(Value::Null, Value::Number)
+        }
+        Some(Kind::StringValue(s)) => json!(s),
+        Some(Kind::BoolValue(b)) => json!(b),
+        Some(Kind::StructValue(s)) => struct_to_json(s),
+        Some(Kind::ListValue(l)) => Value::Array(l.values.iter().map(value_to_json).collect()),
+    }
+}
+
+pub fn json_to_value(v: &Value) -> PValue {
+    PValue {
+        kind: Some(match v {
+            Value::Null => Kind::NullValue(0),
+            Value::Bool(b) => Kind::BoolValue(*b),
+            Value::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or(0.0)),
+            Value::String(s) => Kind::StringValue(s.clone()),
+            Value::Array(a) => Kind::ListValue(prost_types::ListValue {
+                values: a.iter().map(json_to_value).collect(),
+            }),
+            Value::Object(o) => Kind::StructValue(Struct {
+                fields: o
+                    .iter()
+                    .map(|(k, v)| (k.clone(), json_to_value(v)))
+                    .collect(),
+            }),
+        }),
+    }
+}
