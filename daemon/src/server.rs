@@ -97,6 +97,7 @@ pub async fn serve(
         }
     };
     let router = Server::builder()
+        .layer(crate::api::request_id::RequestIdLayer)
         .layer(tower::util::MapResponseLayer::new(
             crate::api::status_limit::limit_status,
         ))

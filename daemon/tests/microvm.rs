@@ -10,8 +10,8 @@ use std::time::Duration;
 use agentvm_proto::v1::sessions_client::SessionsClient;
 use agentvm_proto::v1::{
     ComputeState, CreateSessionRequest, ExecRequest, ExecUpdate, ForkRequest, GetSessionRequest,
-    LogRecord, Message, Part, ReplayRequest, Session, SuspendRequest, TextPart, event::Body,
-    exec_update::Update, lifecycle::Kind as LifecycleKind, part,
+    LogRecord, Message, Part, ReplayRequest, ResumeRequest, Session, SuspendRequest, TextPart,
+    event::Body, exec_update::Update, lifecycle::Kind as LifecycleKind, part,
 };
 use agentvmd::journal::verify::verify_chain;
 use support::{TestNode, start_with};
@@ -764,7 +764,7 @@ async fn say(c: &mut SessionsClient<Channel>, session: &str, text: &str) -> Stri
 /// anywhere, resume and a fork at an earlier point start fresh VMs that the host brings up to
 /// date by replay, and a lost VM is simply replaced.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stateless_sessions_run_on_microvms_and_resume_by_replay() {
+async fn scenario_73_and_74_stateless_sessions_on_microvms_replay_suspend_and_resume() {
     require_kvm!();
     let node = microvm_node().await;
     let mut c = node.c();
@@ -807,7 +807,33 @@ async fn stateless_sessions_run_on_microvms_and_resume_by_replay() {
     };
     assert!(!suspend.snapshot_memory);
 
+    // An explicit Resume boots a fresh VM; the log it continues is byte-identical.
+    let suspended = replay(&mut c, &s).await;
+    c.resume(ResumeRequest {
+        session: s.clone(),
+        boot: false,
+    })
+    .await
+    .unwrap();
+    assert_eq!(compute(&mut c, &s).await, ComputeState::ComputeLive);
+    assert!(vm_dir(&node, &s).exists(), "Resume boots a fresh VM");
+    let resumed = replay(&mut c, &s).await;
+    assert_eq!(resumed[..suspended.len()], suspended[..]);
+    let Some(Body::Lifecycle(resume)) = resumed.last().and_then(|r| r.event.clone()?.body) else {
+        panic!("no RESUME record");
+    };
+    assert_eq!(resume.kind, LifecycleKind::LifecycleResume as i32);
     assert_eq!(say(&mut c, &s, "three").await, "echo:three");
+
+    // Suspended again, Exec alone brings a fresh VM (no Resume needed).
+    c.suspend(SuspendRequest { session: s.clone() })
+        .await
+        .unwrap();
+    assert!(!vm_dir(&node, &s).exists());
+    assert_eq!(
+        say(&mut c, &s, "three and a half").await,
+        "echo:three and a half"
+    );
     assert!(
         vm_dir(&node, &s).exists(),
         "a fresh VM serves the next turn"

@@ -1180,6 +1180,148 @@ async fn scenario_67_host_tool_executor() {
     assert!(!kinds(&bare.replay(&id).await).contains(&EventKind::EventToolCall));
 }
 
+/// Says which principal its Start named and whether it may mint tokens.
+struct IdentityEcho;
+
+#[async_trait::async_trait]
+impl Harness for IdentityEcho {
+    fn descriptor(&self) -> HarnessDescriptor {
+        agentvm_harnesses::echo::Echo.descriptor()
+    }
+    async fn run(&self, exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure> {
+        let said = match &exec.start.identity {
+            None => "no identity".to_owned(),
+            Some(i) => format!(
+                "principal={} can_mint_tokens={}",
+                i.principal.as_ref().map_or("", |p| p.principal.as_str()),
+                i.can_mint_tokens
+            ),
+        };
+        sink.output(text("assistant", &said)).await?;
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn scenario_23_credential_vending_variant() {
+    // [VAR] The wire has no credential channel (no CREDENTIAL_REQUEST kind, no token frame;
+    // wire.md §6.2), so this host vends nothing: Start names the session's principal and
+    // says can_mint_tokens=false — the refusal a harness sees — and no token can reach the log.
+    let n = start().await;
+    n.register("whoami", Arc::new(IdentityEcho));
+    let mut c = n.c();
+    let created = c
+        .create_session(CreateSessionRequest {
+            session: Some(Session {
+                harness: "whoami".into(),
+                identity: Some(IdentityRef {
+                    principal: "alice@example.com".into(),
+                    issuer: "https://idp.example.com".into(),
+                    subject: "u-1".into(),
+                }),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let id = uid(&created);
+    let r = exec(&mut c, exec_req(&id, "who am I")).await;
+    assert_eq!(r.code(), Code::Ok, "{:?}", r.end);
+    let records = n.replay(&id).await;
+    assert_eq!(
+        outputs(&records),
+        ["principal=alice@example.com can_mint_tokens=false"]
+    );
+    // A session without an identity gets none: nothing is invented for it.
+    let anonymous = uid(&n.create("whoami").await);
+    exec(&mut c, exec_req(&anonymous, "who am I")).await;
+    assert_eq!(outputs(&n.replay(&anonymous).await), ["no identity"]);
+}
+
+/// Asks a model the node sends upstream (anything but `echo`).
+struct AsksUpstream;
+
+#[async_trait::async_trait]
+impl Harness for AsksUpstream {
+    fn descriptor(&self) -> HarnessDescriptor {
+        agentvm_harnesses::echo::Echo.descriptor()
+    }
+    async fn run(&self, _exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure> {
+        sink.model(ModelCall {
+            model: "upstream-model".into(),
+            messages: vec![text("user", "think hard")],
+            ..Default::default()
+        })
+        .await?;
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn scenario_79_suspend_under_an_idle_stream() {
+    // A model endpoint that takes the request and never answers: the turn's stream is idle.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base_url = format!("http://{}/v1", listener.local_addr().unwrap());
+    let asked = Arc::new(Semaphore::new(0));
+    {
+        let asked = asked.clone();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((conn, _)) = listener.accept().await {
+                held.push(conn);
+                asked.add_permits(1);
+            }
+        });
+    }
+    let n = support::start_with(|cfg| {
+        cfg.openai = Some(agentvmd::model::openai::OpenAiConfig {
+            base_url,
+            api_key: None,
+            timeout: Duration::from_secs(600),
+        })
+    })
+    .await;
+    n.register("thinker", Arc::new(AsksUpstream));
+    let id = uid(&n.create("thinker").await);
+    let turn = {
+        let mut c = n.c();
+        let id = id.clone();
+        tokio::spawn(async move { exec(&mut c, exec_req(&id, "go")).await })
+    };
+    tokio::time::timeout(Duration::from_secs(10), asked.acquire())
+        .await
+        .expect("the model call never went out")
+        .unwrap()
+        .forget();
+    // Suspend does not wait for the model: it closes the turn's stream and checkpoints.
+    let suspended = tokio::time::timeout(
+        Duration::from_secs(20),
+        n.c().suspend(SuspendRequest {
+            session: id.clone(),
+        }),
+    )
+    .await
+    .expect("Suspend waited for the idle model call")
+    .unwrap()
+    .into_inner();
+    assert_eq!(suspended.compute_state, ComputeState::ComputeCold as i32);
+    let r = turn.await.unwrap();
+    assert_eq!(r.code(), Code::Aborted, "{:?}", r.end);
+    let records = n.replay(&id).await;
+    assert_eq!(
+        kinds(&records),
+        [
+            EventKind::EventExecutionStart,
+            EventKind::EventInput,
+            EventKind::EventModelCall,
+            EventKind::EventLifecycle
+        ],
+        "the interrupted call stays the crash point; no ERROR"
+    );
+    verify_chain(&records).unwrap();
+}
+
 #[tokio::test]
 async fn list_sessions_pages_newest_first() {
     let n = start().await;

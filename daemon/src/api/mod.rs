@@ -4,6 +4,7 @@
 
 pub mod page_token;
 pub mod registry_service;
+pub mod request_id;
 pub mod session_view;
 pub mod sessions_service;
 pub mod status;

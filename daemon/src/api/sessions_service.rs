@@ -16,8 +16,9 @@ use tokio::sync::mpsc;
 use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
-use super::page_token;
+use super::{page_token, request_id};
 use crate::session::{NewSession, SessionHost};
 
 /// Fork fan-out bound (upstream's MaxForkChildren).
@@ -171,11 +172,20 @@ impl Sessions for SessionsService {
         }
         let (tx, rx) = mpsc::channel(EXEC_BUFFER);
         let host = Arc::clone(&self.host);
-        tokio::spawn(async move {
-            if let Err(status) = host.exec(req, &tx).await {
-                let _ = tx.send(Err(status)).await;
+        // The turn outlives this call; it stays in the RPC's span (its request id).
+        tokio::spawn(
+            async move {
+                if let Err(status) = host.exec(req, &tx).await {
+                    if request_id::caused_by_caller(status.code()) {
+                        tracing::info!(code = ?status.code(), "exec refused");
+                    } else {
+                        tracing::warn!(code = ?status.code(), error = %status.message(), "exec failed");
+                    }
+                    let _ = tx.send(Err(status)).await;
+                }
             }
-        });
+            .in_current_span(),
+        );
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 

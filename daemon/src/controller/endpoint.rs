@@ -6,6 +6,7 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
+use tracing::Instrument;
 
 use agentvm_harnesses::sdk::{Harness, drive};
 use agentvm_proto::v1::harness_client::HarnessClient;
@@ -99,7 +100,7 @@ impl HarnessEndpoint for InProcessEndpoint {
             ReceiverStream::new(frame_rx),
             Ok::<_, Status>,
         ));
-        tokio::spawn(drive(self.harness.clone(), frames, event_tx));
+        tokio::spawn(drive(self.harness.clone(), frames, event_tx).in_current_span());
         Ok(HarnessStream {
             frames: frame_tx,
             events: Box::pin(ReceiverStream::new(event_rx)),

@@ -404,13 +404,46 @@ impl Controller {
         })
     }
 
-    async fn run(
+    async fn run(&self, turn: &Turn, sink: EffectSink<'_>, start: Start) -> Result<TurnOutcome> {
+        let execution_id = start_execution_id(&sink);
+        tracing::info!(
+            session = %turn.session,
+            execution_id = %execution_id,
+            harness = %turn.harness,
+            inputs = start.inputs.len(),
+            "execution started"
+        );
+        let result = self.run_to_end(turn, sink, start, &execution_id).await;
+        match &result {
+            Ok(TurnOutcome::Completed { .. }) => {
+                tracing::info!(session = %turn.session, execution_id = %execution_id, "execution completed")
+            }
+            Ok(TurnOutcome::Parked { park, .. }) => tracing::info!(
+                session = %turn.session,
+                execution_id = %execution_id,
+                tool_call_id = %park.tool_call_id,
+                request_seq = park.request_seq,
+                "execution parked for approval"
+            ),
+            Err(e) => tracing::info!(
+                session = %turn.session,
+                execution_id = %execution_id,
+                code = ?e.code(),
+                error = %e,
+                "execution did not complete"
+            ),
+        }
+        result
+    }
+
+    async fn run_to_end(
         &self,
         turn: &Turn,
         mut sink: EffectSink<'_>,
         start: Start,
+        execution_id: &str,
     ) -> Result<TurnOutcome> {
-        let execution_id = start_execution_id(&sink);
+        let execution_id = execution_id.to_owned();
         let outcome = self
             .run_interruptible(turn, &mut sink, &execution_id, start)
             .await;

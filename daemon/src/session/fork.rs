@@ -6,6 +6,7 @@ use agentvm_proto::v1::{ForkRequest, Session, SnapshotRef, lifecycle::Kind as Li
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tonic::Status;
+use tracing::Instrument;
 
 use super::guard::Hold;
 use super::{SessionHost, busy, new_session_uid, resume_point, runtime_status};
@@ -175,10 +176,13 @@ impl SessionHost {
             let runtime = placement.runtime.clone();
             let source = source.clone();
             let permits = permits.clone();
-            set.spawn(async move {
-                let _permit = permits.acquire_owned().await;
-                (index, child, runtime.fork(&source, &opts).await)
-            });
+            set.spawn(
+                async move {
+                    let _permit = permits.acquire_owned().await;
+                    (index, child, runtime.fork(&source, &opts).await)
+                }
+                .in_current_span(),
+            );
         }
         let mut slots: Vec<Option<(String, Option<Incarnation>)>> = vec![None; count];
         let mut failure = None;

@@ -6,6 +6,7 @@ use agentvm_proto::v1::{
 };
 use tokio::sync::mpsc;
 use tonic::Status;
+use tracing::Instrument;
 
 use super::guard::{Held, Hold};
 use super::{NewSession, Placement, SessionHost, busy, resume_point, runtime_status, view_of};
@@ -43,6 +44,13 @@ impl SessionHost {
             self.active_row(&req.session)?
         };
         let uid = row.uid.clone();
+        let started = std::time::Instant::now();
+        tracing::info!(
+            session = %uid,
+            inputs = req.inputs.len(),
+            expected_last_seq = ?req.expected_last_seq,
+            "exec"
+        );
         let mut harness = row.harness.clone();
         if !req.harness.is_empty() && req.harness != row.harness {
             let over = self.place(&req.harness)?;
@@ -152,7 +160,14 @@ impl SessionHost {
             Some(TurnOutcome::Completed { .. }) | None => {}
         }
         drop(held);
-        let _ = updates.send(session_frame(self.view(&uid)?)).await;
+        let view = self.view(&uid)?;
+        tracing::info!(
+            session = %uid,
+            last_seq = view.last_seq,
+            ms = started.elapsed().as_millis() as u64,
+            "exec finished"
+        );
+        let _ = updates.send(session_frame(view)).await;
         Ok(())
     }
 
@@ -173,7 +188,16 @@ impl SessionHost {
             &runtime.capabilities(),
         )
         .map_err(|e| Status::failed_precondition(e.to_string()))?;
-        let incarnation = self.provision(row, placement).await?;
+        let started = std::time::Instant::now();
+        let (incarnation, how) = self.provision(row, placement).await?;
+        tracing::info!(
+            session = %row.uid,
+            harness = %placement.harness,
+            runtime = %runtime.name(),
+            compute = %how,
+            ms = started.elapsed().as_millis() as u64,
+            "compute ready"
+        );
         let (endpoint, descriptor) = match self.describe(placement, &incarnation).await {
             Ok(d) => d,
             Err(s) => {
@@ -199,15 +223,19 @@ impl SessionHost {
         let (observer, forward) = match updates {
             Some(updates) => {
                 let (tx, mut rx) = mpsc::channel::<ExecUpdate>(64);
-                let task = tokio::spawn(async move {
-                    while let Some(u) = rx.recv().await {
-                        if updates.send(Ok(u)).await.is_err() {
-                            // The caller stopped reading; keep draining so the turn never blocks.
-                            while rx.recv().await.is_some() {}
-                            return;
+                let task = tokio::spawn(
+                    async move {
+                        while let Some(u) = rx.recv().await {
+                            if updates.send(Ok(u)).await.is_err() {
+                                // The caller stopped reading; keep draining so the turn never
+                                // blocks.
+                                while rx.recv().await.is_some() {}
+                                return;
+                            }
                         }
                     }
-                });
+                    .in_current_span(),
+                );
                 (Some(tx), task)
             }
             None => (None, tokio::spawn(async {})),
@@ -235,9 +263,9 @@ impl SessionHost {
         &self,
         row: &SessionRow,
         placement: &Placement,
-    ) -> Result<Incarnation, Status> {
+    ) -> Result<(Incarnation, &'static str), Status> {
         if let Some((inc, _)) = self.live_get(&row.uid) {
-            return Ok(inc);
+            return Ok((inc, "attached"));
         }
         if let Some(inc) = placement
             .runtime
@@ -245,9 +273,8 @@ impl SessionHost {
             .await
             .map_err(|e| runtime_status(&e))?
         {
-            tracing::info!(session = %row.uid, "re-adopted running compute");
             self.live_put(&row.uid, inc.clone(), placement.runtime.clone());
-            return Ok(inc);
+            return Ok((inc, "re-adopted"));
         }
         let spec = SessionSpec {
             session_uid: row.uid.clone(),
@@ -270,13 +297,13 @@ impl SessionHost {
         } else {
             None
         };
-        let inc = match snapshot {
-            Some(r) => placement.runtime.restore(&r, &spec).await,
-            None => placement.runtime.create(&spec).await,
-        }
-        .map_err(|e| runtime_status(&e))?;
+        let (inc, how) = match snapshot {
+            Some(r) => (placement.runtime.restore(&r, &spec).await, "restored"),
+            None => (placement.runtime.create(&spec).await, "created"),
+        };
+        let inc = inc.map_err(|e| runtime_status(&e))?;
         self.live_put(&row.uid, inc.clone(), placement.runtime.clone());
-        Ok(inc)
+        Ok((inc, how))
     }
 
     /// After a park: close the harness, take the external snapshot and append SUSPEND at the

@@ -8,6 +8,7 @@
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+use tracing::Instrument;
 
 use agentvm_proto::guest::framing::{FrameDecoder, frame_bytes};
 use agentvm_proto::guest::v1::envelope::Body;
@@ -265,7 +266,7 @@ impl HarnessEndpoint for GuestEndpoint {
             .map_err(to_status)?;
         let (frames_tx, frames_rx) = mpsc::channel::<ControllerFrame>(16);
         let (events_tx, events_rx) = mpsc::channel(64);
-        tokio::spawn(pump(conn, frames_rx, events_tx));
+        tokio::spawn(pump(conn, frames_rx, events_tx).in_current_span());
         Ok(HarnessStream {
             frames: frames_tx,
             events: Box::pin(ReceiverStream::new(events_rx)),
