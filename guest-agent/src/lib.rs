@@ -1,1 +1,51 @@
-//! In-guest agent (PID 1): frame protocol and harness supervisor. Filled in by its own issue; this crate reserves its place in the workspace.
+//! `agentvm-guest`: the agent inside every Linux guest. As PID 1 it sets the guest up, runs
+//! the image's harness under a supervisor, and serves `agentvm.guest.v1` to the host on vsock
+//! port 1024 — Hello/Ready, health, restore notices (entropy, clock, identity), shutdown —
+//! bridging each harness stream to the harness's own `agentsessions.v1.Harness` gRPC server
+//! on a local unix socket, so existing harnesses run unchanged.
+//!
+//! Outside a VM the same agent runs as an ordinary process listening on a unix socket.
+
+pub mod agent;
+pub mod bridge;
+pub mod image;
+pub mod init;
+pub mod reaper;
+pub mod supervisor;
+pub mod system;
+pub mod transport;
+
+use std::sync::Arc;
+
+/// Accepts connections until the listener fails, each served on its own task.
+pub async fn serve(agent: Arc<agent::Agent>, listener: transport::Listener) -> std::io::Result<()> {
+    loop {
+        let conn = match listener.accept().await {
+            Ok(conn) => conn,
+            // A connection that failed while being accepted is that connection's problem.
+            Err(e) if is_transient(&e) => {
+                tracing::warn!(error = %e, "accept");
+                // Out of descriptors or memory: give the harness a moment to release some.
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        tokio::spawn(agent.clone().serve_connection(conn));
+    }
+}
+
+fn is_transient(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(
+            libc::ECONNABORTED
+                | libc::EINTR
+                | libc::EPROTO
+                | libc::EMFILE
+                | libc::ENFILE
+                | libc::ENOBUFS
+                | libc::ENOMEM
+        )
+    )
+}

@@ -1,0 +1,304 @@
+//! `image.toml`: what a guest image runs and how. The image builder validates it and puts it
+//! in the initramfs at [`IMAGE_CONFIG_PATH`]; the agent reads it there at boot.
+//!
+//! ```toml
+//! [harness]
+//! command = ["/opt/harness/agentvm-harness", "serve", "echo", "--listen", "unix:{socket}"]
+//! env = { RUST_LOG = "info" }
+//! workdir = "/opt/harness"
+//! resumability = "STATELESS_REPLAY"       # or REQUIRES_MEMORY_SNAPSHOT
+//! restart = "on-failure"                 # always | on-failure | never
+//! max_restarts = 5
+//!
+//! [vm]
+//! vcpus = 1
+//! memory_mib = 256
+//! cmdline = "console=ttyS0"
+//! ```
+//!
+//! `{socket}` in an argument or an environment value becomes the unix socket the agent
+//! expects the harness's `agentsessions.v1.Harness` server on; it is also in
+//! `$AGENTVM_HARNESS_SOCKET`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// Where the image builder puts the configuration inside the guest.
+pub const IMAGE_CONFIG_PATH: &str = "/etc/agentvm/image.toml";
+/// The placeholder for the harness socket in `command` and `env`.
+pub const SOCKET_PLACEHOLDER: &str = "{socket}";
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImageConfig {
+    pub harness: HarnessConfig,
+    #[serde(default)]
+    pub vm: VmConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HarnessConfig {
+    /// Program and arguments; the program is an absolute path inside the guest.
+    pub command: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default = "default_workdir")]
+    pub workdir: PathBuf,
+    pub resumability: Resumability,
+    #[serde(default)]
+    pub restart: RestartPolicy,
+    /// Restarts allowed before the harness is left down (its error reported to the host).
+    #[serde(default = "default_max_restarts")]
+    pub max_restarts: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum Resumability {
+    StatelessReplay,
+    RequiresMemorySnapshot,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RestartPolicy {
+    Always,
+    #[default]
+    OnFailure,
+    Never,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmConfig {
+    #[serde(default = "default_vcpus")]
+    pub vcpus: u8,
+    #[serde(default = "default_memory_mib")]
+    pub memory_mib: u32,
+    /// Appended to the kernel command line the host builds.
+    #[serde(default)]
+    pub cmdline: String,
+}
+
+impl Default for VmConfig {
+    fn default() -> Self {
+        Self {
+            vcpus: default_vcpus(),
+            memory_mib: default_memory_mib(),
+            cmdline: String::new(),
+        }
+    }
+}
+
+fn default_workdir() -> PathBuf {
+    PathBuf::from("/")
+}
+fn default_max_restarts() -> u32 {
+    5
+}
+fn default_vcpus() -> u8 {
+    1
+}
+fn default_memory_mib() -> u32 {
+    256
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ImageConfigError {
+    #[error("{path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("{path}: {field}: {why}")]
+    Invalid {
+        path: String,
+        field: &'static str,
+        why: String,
+    },
+}
+
+impl ImageConfig {
+    pub fn load(path: &Path) -> Result<Self, ImageConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ImageConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses and validates; `origin` names the text in errors.
+    pub fn parse(text: &str, origin: &str) -> Result<Self, ImageConfigError> {
+        let config: ImageConfig = serde_path_to_error::deserialize(toml::Deserializer::new(text))
+            .map_err(|e| {
+            let at = e.path().to_string();
+            let inner = e.into_inner();
+            let message = inner.message().to_owned();
+            ImageConfigError::Parse {
+                path: origin.to_owned(),
+                message: if at == "." {
+                    message
+                } else {
+                    format!("{at}: {message}")
+                },
+            }
+        })?;
+        config.validate(origin)?;
+        Ok(config)
+    }
+
+    fn validate(&self, origin: &str) -> Result<(), ImageConfigError> {
+        let invalid = |field, why: &str| ImageConfigError::Invalid {
+            path: origin.to_owned(),
+            field,
+            why: why.to_owned(),
+        };
+        let Some(program) = self.harness.command.first() else {
+            return Err(invalid("harness.command", "is empty"));
+        };
+        if !program.starts_with('/') {
+            return Err(invalid(
+                "harness.command",
+                "the program must be an absolute path inside the guest",
+            ));
+        }
+        if self.harness.command.iter().any(|a| a.contains('\0'))
+            || self
+                .harness
+                .env
+                .iter()
+                .any(|(k, v)| k.contains('\0') || v.contains('\0'))
+        {
+            return Err(invalid("harness", "may not contain NUL bytes"));
+        }
+        if self
+            .harness
+            .env
+            .keys()
+            .any(|k| k.is_empty() || k.contains('='))
+        {
+            return Err(invalid(
+                "harness.env",
+                "variable names may not be empty or contain '='",
+            ));
+        }
+        if !self.harness.workdir.is_absolute() {
+            return Err(invalid("harness.workdir", "must be absolute"));
+        }
+        if self.vm.vcpus == 0 {
+            return Err(invalid("vm.vcpus", "must be at least 1"));
+        }
+        if self.vm.memory_mib < 32 {
+            return Err(invalid("vm.memory_mib", "must be at least 32"));
+        }
+        Ok(())
+    }
+
+    /// The command with `{socket}` replaced.
+    pub fn command_for(&self, socket: &Path) -> Vec<String> {
+        let s = socket.display().to_string();
+        self.harness
+            .command
+            .iter()
+            .map(|a| a.replace(SOCKET_PLACEHOLDER, &s))
+            .collect()
+    }
+
+    /// The environment with `{socket}` replaced, plus `AGENTVM_HARNESS_SOCKET`.
+    pub fn env_for(&self, socket: &Path) -> BTreeMap<String, String> {
+        let s = socket.display().to_string();
+        let mut env: BTreeMap<String, String> = self
+            .harness
+            .env
+            .iter()
+            .map(|(k, v)| (k.clone(), v.replace(SOCKET_PLACEHOLDER, &s)))
+            .collect();
+        env.insert("AGENTVM_HARNESS_SOCKET".into(), s);
+        env
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+        [harness]
+        command = ["/opt/harness/echo", "--listen", "unix:{socket}"]
+        env = { MODE = "fast", SOCK = "{socket}" }
+        resumability = "STATELESS_REPLAY"
+        restart = "always"
+
+        [vm]
+        memory_mib = 128
+    "#;
+
+    #[test]
+    fn a_good_config_parses_with_defaults() {
+        let c = ImageConfig::parse(GOOD, "image.toml").unwrap();
+        assert_eq!(c.harness.restart, RestartPolicy::Always);
+        assert_eq!(c.harness.max_restarts, 5);
+        assert_eq!(c.harness.workdir, PathBuf::from("/"));
+        assert_eq!(c.vm.vcpus, 1);
+        assert_eq!(c.vm.memory_mib, 128);
+        let socket = Path::new("/run/h.sock");
+        assert_eq!(c.command_for(socket)[2], "unix:/run/h.sock");
+        let env = c.env_for(socket);
+        assert_eq!(env["SOCK"], "/run/h.sock");
+        assert_eq!(env["AGENTVM_HARNESS_SOCKET"], "/run/h.sock");
+    }
+
+    #[test]
+    fn bad_configs_name_the_field() {
+        for (text, field) in [
+            (
+                "[harness]\ncommand = []\nresumability = \"STATELESS_REPLAY\"",
+                "harness.command",
+            ),
+            (
+                "[harness]\ncommand = [\"echo\"]\nresumability = \"STATELESS_REPLAY\"",
+                "harness.command",
+            ),
+            (
+                "[harness]\ncommand = [\"/e\"]\nresumability = \"SOMETIMES\"",
+                "resumability",
+            ),
+            (
+                "[harness]\ncommand = [\"/e\"]\nresumability = \"STATELESS_REPLAY\"\nrestart = \"maybe\"",
+                "restart",
+            ),
+            (
+                "[harness]\ncommand = [\"/e\"]\nresumability = \"STATELESS_REPLAY\"\ncolour = 1",
+                "colour",
+            ),
+            ("[harness]\ncommand = [\"/e\"]", "resumability"),
+            (
+                "[harness]\ncommand = [\"/e\"]\nresumability = \"STATELESS_REPLAY\"\nworkdir = \"rel\"",
+                "harness.workdir",
+            ),
+            (
+                "[harness]\ncommand = [\"/e\"]\nresumability = \"STATELESS_REPLAY\"\nenv = { \"A=B\" = \"x\" }",
+                "harness.env",
+            ),
+            (
+                "[harness]\ncommand = [\"/e\"]\nresumability = \"STATELESS_REPLAY\"\n[vm]\nvcpus = 0",
+                "vm.vcpus",
+            ),
+            (
+                "[harness]\ncommand = [\"/e\"]\nresumability = \"STATELESS_REPLAY\"\n[vm]\nmemory_mib = 4",
+                "vm.memory_mib",
+            ),
+            ("not toml at all [", "image.toml"),
+        ] {
+            let err = ImageConfig::parse(text, "image.toml")
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(field), "{text:?}: {err}");
+        }
+    }
+}

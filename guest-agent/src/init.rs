@@ -1,0 +1,153 @@
+//! PID 1 duties: the filesystems a Linux userland expects, limits, the hostname, and what the
+//! host put on the kernel command line for us.
+
+use std::ffi::CString;
+
+use agentvm_proto::guest::v1::Identity;
+
+/// Mounts the API filesystems; each failure is logged and the rest go on (a guest without
+/// /sys still runs a harness).
+pub fn mount_filesystems() {
+    for (source, target, fstype, flags, data) in [
+        (
+            "proc",
+            "/proc",
+            "proc",
+            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+            "",
+        ),
+        (
+            "sysfs",
+            "/sys",
+            "sysfs",
+            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+            "",
+        ),
+        ("devtmpfs", "/dev", "devtmpfs", libc::MS_NOSUID, "mode=0755"),
+        (
+            "devpts",
+            "/dev/pts",
+            "devpts",
+            libc::MS_NOSUID | libc::MS_NOEXEC,
+            "gid=5,mode=0620,ptmxmode=0666",
+        ),
+        (
+            "tmpfs",
+            "/dev/shm",
+            "tmpfs",
+            libc::MS_NOSUID | libc::MS_NODEV,
+            "mode=1777",
+        ),
+        (
+            "tmpfs",
+            "/tmp",
+            "tmpfs",
+            libc::MS_NOSUID | libc::MS_NODEV,
+            "mode=1777",
+        ),
+        (
+            "tmpfs",
+            "/run",
+            "tmpfs",
+            libc::MS_NOSUID | libc::MS_NODEV,
+            "mode=0755",
+        ),
+    ] {
+        if let Err(e) = mount(source, target, fstype, flags, data) {
+            tracing::warn!(target, error = %e, "mount failed");
+        }
+    }
+}
+
+fn mount(
+    source: &str,
+    target: &str,
+    fstype: &str,
+    flags: libc::c_ulong,
+    data: &str,
+) -> std::io::Result<()> {
+    std::fs::create_dir_all(target)?;
+    let c = |s: &str| CString::new(s).map_err(|_| std::io::ErrorKind::InvalidInput);
+    let (source, target_c, fstype, data) = (c(source)?, c(target)?, c(fstype)?, c(data)?);
+    // SAFETY: all four are NUL-terminated strings that live across the call.
+    let rc = unsafe {
+        libc::mount(
+            source.as_ptr(),
+            target_c.as_ptr(),
+            fstype.as_ptr(),
+            flags,
+            data.as_ptr().cast(),
+        )
+    };
+    if rc != 0 {
+        let e = std::io::Error::last_os_error();
+        // Already mounted (the kernel's devtmpfs automount) is fine.
+        if e.raw_os_error() != Some(libc::EBUSY) {
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+/// Raises the open-files limit harnesses (language runtimes, many sockets) need.
+pub fn raise_limits() {
+    let limit = libc::rlimit {
+        rlim_cur: 65_536,
+        rlim_max: 65_536,
+    };
+    // SAFETY: setrlimit reads the struct we pass.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } != 0 {
+        tracing::warn!(error = %std::io::Error::last_os_error(), "raising RLIMIT_NOFILE");
+    }
+}
+
+/// What the host says about this VM on the kernel command line (`agentvm.session=…`,
+/// `agentvm.hostname=…`, `agentvm.vm_id=…`, `agentvm.cid=…`, `agentvm.boot_generation=…`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BootParams {
+    pub identity: Identity,
+    pub boot_generation: u64,
+}
+
+pub fn boot_params(cmdline: &str) -> BootParams {
+    let mut p = BootParams {
+        boot_generation: 1,
+        ..Default::default()
+    };
+    for word in cmdline.split_whitespace() {
+        let Some((key, value)) = word.split_once('=') else {
+            continue;
+        };
+        match key {
+            "agentvm.session" => p.identity.session_uid = value.to_owned(),
+            "agentvm.hostname" => p.identity.hostname = value.to_owned(),
+            "agentvm.vm_id" => p.identity.vm_id = value.to_owned(),
+            "agentvm.cid" => p.identity.vsock_cid = value.parse().unwrap_or(0),
+            "agentvm.boot_generation" => p.boot_generation = value.parse().unwrap_or(1),
+            _ => {}
+        }
+    }
+    p
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn boot_params_come_from_the_command_line() {
+        let p = boot_params(
+            "console=ttyS0 agentvm.session=sess-1 agentvm.hostname=h1 agentvm.cid=7 \
+             agentvm.vm_id=vm-9 agentvm.boot_generation=3 agentvm.cid=x=y quiet",
+        );
+        assert_eq!(p.identity.session_uid, "sess-1");
+        assert_eq!(p.identity.hostname, "h1");
+        assert_eq!(p.identity.vm_id, "vm-9");
+        assert_eq!(
+            p.identity.vsock_cid, 0,
+            "a malformed later value resets, never panics"
+        );
+        assert_eq!(p.boot_generation, 3);
+        assert_eq!(boot_params("").boot_generation, 1);
+    }
+}
