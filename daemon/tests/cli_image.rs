@@ -50,3 +50,195 @@ fn reports_an_unwritable_destination() {
         "{stderr}"
     );
 }
+
+// ---------- agentvm image build ----------
+
+struct ImageDir {
+    dir: tempfile::TempDir,
+}
+
+impl ImageDir {
+    /// A kernel and an "agent" (any static ELF: the test guest stands in), a harness
+    /// directory with a runtime-like layout, and an image.toml using them.
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path();
+        std::fs::write(p.join("vmlinux"), agentvm_testguest::TESTGUEST_ELF).unwrap();
+        std::fs::write(p.join("agent"), agentvm_testguest::TESTGUEST_ELF).unwrap();
+        std::fs::create_dir_all(p.join("harness/bin")).unwrap();
+        std::fs::create_dir_all(p.join("harness/lib/site")).unwrap();
+        std::fs::write(p.join("harness/bin/python3.11"), b"\x7fELF pretend runtime").unwrap();
+        std::fs::set_permissions(
+            p.join("harness/bin/python3.11"),
+            std::fs::Permissions::from_mode(0o755),
+        )
+        .unwrap();
+        std::os::unix::fs::symlink("python3.11", p.join("harness/bin/python3")).unwrap();
+        std::fs::write(p.join("harness/lib/site/agent.py"), b"print('hi')\n").unwrap();
+        let me = ImageDir { dir };
+        me.config(
+            r#"command = ["/opt/harness/bin/python3", "/opt/harness/lib/site/agent.py", "--listen", "unix:{socket}"]"#,
+            r#"harness_dir = "harness""#,
+        );
+        me
+    }
+
+    fn config(&self, command: &str, harness: &str) {
+        std::fs::write(
+            self.dir.path().join("image.toml"),
+            format!(
+                "[harness]\n{command}\nresumability = \"STATELESS_REPLAY\"\n\n\
+                 [vm]\nmemory_mib = 128\ncmdline = \"quiet\"\n\n\
+                 [build]\nkernel = \"vmlinux\"\nagent = \"agent\"\n{harness}\n"
+            ),
+        )
+        .unwrap();
+    }
+
+    fn build(&self, out: &str) -> std::process::Output {
+        Command::new(env!("CARGO_BIN_EXE_agentvm"))
+            .args(["image", "build", "--config"])
+            .arg(self.dir.path().join("image.toml"))
+            .arg("-o")
+            .arg(self.dir.path().join(out))
+            .output()
+            .unwrap()
+    }
+
+    fn read(&self, out: &str, file: &str) -> Vec<u8> {
+        std::fs::read(self.dir.path().join(out).join(file)).unwrap()
+    }
+}
+
+/// The (path, mode) of every entry of a newc archive, and the trailer's presence.
+fn cpio_entries(archive: &[u8]) -> Vec<(String, u32, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    let field = |b: &[u8], i: usize| {
+        u32::from_str_radix(std::str::from_utf8(&b[6 + i * 8..14 + i * 8]).unwrap(), 16).unwrap()
+    };
+    loop {
+        let h = &archive[at..at + 110];
+        assert_eq!(&h[..6], b"070701");
+        let (mode, size, namesize) = (field(h, 1), field(h, 6) as usize, field(h, 11) as usize);
+        assert_eq!(field(h, 5), 0, "mtime is 0");
+        let name = String::from_utf8(archive[at + 110..at + 110 + namesize - 1].to_vec()).unwrap();
+        let data_at = (at + 110 + namesize).div_ceil(4) * 4;
+        if name == "TRAILER!!!" {
+            return out;
+        }
+        out.push((name, mode, archive[data_at..data_at + size].to_vec()));
+        at = (data_at + size).div_ceil(4) * 4;
+    }
+}
+
+#[test]
+fn image_build_writes_a_reproducible_bundle() {
+    let img = ImageDir::new();
+    let out = img.build("a");
+    assert!(out.status.success(), "{out:?}");
+    let listing = String::from_utf8_lossy(&out.stdout);
+    assert!(listing.contains("initramfs.cpio"), "{listing}");
+    let again = img.build("b");
+    assert!(again.status.success(), "{again:?}");
+    for file in ["vmlinux", "initramfs.cpio", "image.toml", "manifest.json"] {
+        assert_eq!(
+            img.read("a", file),
+            img.read("b", file),
+            "{file} differs between builds"
+        );
+    }
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&img.read("a", "manifest.json")).unwrap();
+    assert_eq!(manifest["format"], 1);
+    let initramfs = img.read("a", "initramfs.cpio");
+    assert_eq!(
+        manifest["files"]["initramfs.cpio"]["size"],
+        initramfs.len() as u64
+    );
+    use sha2::Digest;
+    assert_eq!(
+        manifest["files"]["initramfs.cpio"]["sha256"],
+        hex::encode(sha2::Sha256::digest(&initramfs))
+    );
+    let entries = cpio_entries(&initramfs);
+    let find = |p: &str| {
+        entries
+            .iter()
+            .find(|e| e.0 == p)
+            .unwrap_or_else(|| panic!("{p} missing"))
+    };
+    assert_eq!(find("init").1, 0o100755);
+    assert_eq!(find("init").2, agentvm_testguest::TESTGUEST_ELF);
+    assert_eq!(
+        find("dev/console").1 & 0o170000,
+        0o020000,
+        "a character device"
+    );
+    assert_eq!(
+        find("opt/harness/bin/python3").1 & 0o170000,
+        0o120000,
+        "a symlink"
+    );
+    assert_eq!(find("opt/harness/bin/python3").2, b"python3.11");
+    assert_eq!(find("opt/harness/lib/site/agent.py").2, b"print('hi')\n");
+    // The guest's copy of the configuration has no [build] section; the bundle's neither.
+    let guest_config = String::from_utf8(find("etc/agentvm/image.toml").2.clone()).unwrap();
+    assert!(!guest_config.contains("[build]"), "{guest_config}");
+    assert_eq!(guest_config.as_bytes(), img.read("a", "image.toml"));
+    let paths: Vec<&String> = entries.iter().map(|e| &e.0).collect();
+    let mut sorted = paths.clone();
+    sorted.sort();
+    assert_eq!(paths, sorted, "entries in path order");
+}
+
+#[test]
+fn image_build_refuses_what_cannot_run() {
+    let img = ImageDir::new();
+    let refused = |img: &ImageDir, want: &str| {
+        let out = img.build("x");
+        assert_eq!(out.status.code(), Some(2), "{want}: {out:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(want), "{want}: {stderr}");
+    };
+    // The harness program is not in the image.
+    img.config(
+        r#"command = ["/opt/harness/bin/node"]"#,
+        r#"harness_dir = "harness""#,
+    );
+    refused(&img, "/opt/harness/bin/node is not in the image");
+    // It is there but not executable.
+    img.config(
+        r#"command = ["/opt/harness/lib/site/agent.py"]"#,
+        r#"harness_dir = "harness""#,
+    );
+    refused(&img, "not executable");
+    // No harness at all, or a missing directory.
+    img.config(r#"command = ["/opt/harness/h"]"#, "");
+    refused(&img, "no harness");
+    img.config(
+        r#"command = ["/opt/harness/h"]"#,
+        r#"harness_dir = "nowhere""#,
+    );
+    refused(&img, "nowhere");
+    // A dynamically linked harness binary.
+    img.config(
+        r#"command = ["/opt/harness/agentvm"]"#,
+        &format!("harness_binary = {:?}", env!("CARGO_BIN_EXE_agentvm")),
+    );
+    refused(&img, "dynamically linked");
+    // An invalid image.toml names the field.
+    std::fs::write(
+        img.dir.path().join("image.toml"),
+        "[harness]\ncommand = [\"/x\"]\nresumability = \"OFTEN\"\n",
+    )
+    .unwrap();
+    refused(&img, "harness.resumability");
+    // A kernel that is not one.
+    img.config(
+        r#"command = ["/opt/harness/bin/python3"]"#,
+        r#"harness_dir = "harness""#,
+    );
+    std::fs::write(img.dir.path().join("vmlinux"), b"#!/bin/sh\n").unwrap();
+    refused(&img, "neither a vmlinux ELF nor a bzImage");
+}

@@ -14,6 +14,10 @@
 //! vcpus = 1
 //! memory_mib = 256
 //! cmdline = "console=ttyS0"
+//!
+//! [build]                                 # for `agentvm image build` only
+//! kernel = "vmlinux"
+//! harness_binary = "target/release/agentvm-harness"   # or harness_dir = "dir"
 //! ```
 //!
 //! `{socket}` in an argument or an environment value becomes the unix socket the agent
@@ -36,6 +40,23 @@ pub struct ImageConfig {
     pub harness: HarnessConfig,
     #[serde(default)]
     pub vm: VmConfig,
+    /// Where the image builder takes the image's parts from (host paths, relative to the
+    /// configuration file). Not part of the image: the copy inside the guest has none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub build: Option<BuildConfig>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BuildConfig {
+    /// The guest kernel (`vmlinux` ELF or `bzImage`).
+    pub kernel: Option<PathBuf>,
+    /// The static `agentvm-guest` binary to install as `/init`.
+    pub agent: Option<PathBuf>,
+    /// A directory copied to `/opt/harness` (a harness with its runtime and files)…
+    pub harness_dir: Option<PathBuf>,
+    /// …or one static binary installed as `/opt/harness/<its file name>`.
+    pub harness_binary: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

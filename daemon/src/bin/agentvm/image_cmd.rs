@@ -1,4 +1,5 @@
-//! `agentvm image testguest -o FILE`: writes the test guest ELF embedded in this binary.
+//! `agentvm image testguest -o FILE` writes the test guest ELF embedded in this binary;
+//! `agentvm image build --config image.toml -o DIR` builds a Linux guest image bundle.
 
 use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
@@ -20,5 +21,29 @@ pub fn write_testguest(output: &Path) -> anyhow::Result<()> {
     // The umask may have narrowed the mode at creation, and an existing file keeps its own.
     file.set_permissions(std::fs::Permissions::from_mode(0o644))
         .with_context(|| format!("setting the mode of {}", output.display()))?;
+    Ok(())
+}
+
+pub fn build(
+    config: &Path,
+    output: &Path,
+    kernel: Option<std::path::PathBuf>,
+    agent: Option<std::path::PathBuf>,
+) -> anyhow::Result<()> {
+    let agent = agent.or_else(|| {
+        let sibling = std::env::current_exe()
+            .ok()?
+            .with_file_name("agentvm-guest");
+        sibling.exists().then_some(sibling)
+    });
+    let manifest = agentvmd::image::build(
+        config,
+        output,
+        &agentvmd::image::BuildInputs { kernel, agent },
+    )
+    .with_context(|| format!("building the image of {}", config.display()))?;
+    for (name, d) in &manifest.files {
+        println!("{name:16} {:>10} bytes  sha256:{}", d.size, d.sha256);
+    }
     Ok(())
 }

@@ -63,6 +63,22 @@ enum ImageCommand {
         #[arg(short, long)]
         output: PathBuf,
     },
+    /// Build a Linux guest image bundle (vmlinux, initramfs.cpio, image.toml, manifest.json).
+    Build {
+        /// The image configuration (see agentvm_guest::image).
+        #[arg(long)]
+        config: PathBuf,
+        /// The bundle directory.
+        #[arg(short, long)]
+        output: PathBuf,
+        /// The kernel, where the configuration's [build] names none.
+        #[arg(long)]
+        kernel: Option<PathBuf>,
+        /// The static agentvm-guest binary, where [build] names none (default: beside this
+        /// binary).
+        #[arg(long)]
+        agent: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -105,6 +121,15 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Harness(HarnessCommand::Serve { name, listen }) => {
             harness_cmd::serve(name, listen)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Image(ImageCommand::Build {
+            config,
+            output,
+            kernel,
+            agent,
+        }) => {
+            image_cmd::build(config, output, kernel.clone(), agent.clone())?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Image(ImageCommand::Testguest { output }) => {

@@ -1,0 +1,374 @@
+//! Guest image bundles (`agentvm image build`): a directory holding the kernel (`vmlinux`),
+//! an initramfs (`initramfs.cpio`: the agent as `/init`, the image configuration, the
+//! harness under `/opt/harness`), `image.toml` (how the host boots it) and `manifest.json`
+//! (sha256 and size of each). The same inputs give byte-identical bundles.
+
+pub mod cpio;
+pub mod elf;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use agentvm_guest::image::{IMAGE_CONFIG_PATH, ImageConfig, ImageConfigError};
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+use cpio::{Entry, Kind};
+
+/// Bumped when the bundle layout changes.
+pub const BUNDLE_FORMAT: u32 = 1;
+pub const KERNEL_FILE: &str = "vmlinux";
+pub const INITRAMFS_FILE: &str = "initramfs.cpio";
+pub const CONFIG_FILE: &str = "image.toml";
+pub const MANIFEST_FILE: &str = "manifest.json";
+const HARNESS_ROOT: &str = "opt/harness";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    #[error(transparent)]
+    Config(#[from] ImageConfigError),
+    #[error("{field}: {why}")]
+    Invalid { field: &'static str, why: String },
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+}
+
+fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> ImageError + '_ {
+    move |source| ImageError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+fn invalid(field: &'static str, why: impl Into<String>) -> ImageError {
+    ImageError::Invalid {
+        field,
+        why: why.into(),
+    }
+}
+
+/// Parts given on the command line, used where `[build]` names none.
+#[derive(Debug, Clone, Default)]
+pub struct BuildInputs {
+    pub kernel: Option<PathBuf>,
+    pub agent: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FileDigest {
+    pub sha256: String,
+    pub size: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Manifest {
+    pub format: u32,
+    pub files: BTreeMap<String, FileDigest>,
+}
+
+fn digest(bytes: &[u8]) -> FileDigest {
+    FileDigest {
+        sha256: hex::encode(Sha256::digest(bytes)),
+        size: bytes.len() as u64,
+    }
+}
+
+/// Builds the bundle for `config_path` into `output` (created if needed; the four files are
+/// replaced).
+pub fn build(
+    config_path: &Path,
+    output: &Path,
+    inputs: &BuildInputs,
+) -> Result<Manifest, ImageError> {
+    let config = ImageConfig::load(config_path)?;
+    let base = config_path.parent().unwrap_or(Path::new("."));
+    let build = config.build.clone().unwrap_or_default();
+    let resolve = |p: &PathBuf| {
+        if p.is_absolute() {
+            p.clone()
+        } else {
+            base.join(p)
+        }
+    };
+
+    let kernel_path = build
+        .kernel
+        .as_ref()
+        .map(resolve)
+        .or_else(|| inputs.kernel.clone())
+        .ok_or_else(|| {
+            invalid(
+                "build.kernel",
+                "no kernel given (set it, or pass --kernel; scripts/build-kernel.sh builds one)",
+            )
+        })?;
+    let kernel = std::fs::read(&kernel_path).map_err(io_error(&kernel_path))?;
+    elf::check_kernel(&kernel)
+        .map_err(|why| invalid("build.kernel", format!("{}: {why}", kernel_path.display())))?;
+
+    let agent_path = build
+        .agent
+        .as_ref()
+        .map(resolve)
+        .or_else(|| inputs.agent.clone())
+        .ok_or_else(|| {
+            invalid(
+                "build.agent",
+                "no agentvm-guest binary given (set it, or pass --agent)",
+            )
+        })?;
+    let agent = std::fs::read(&agent_path).map_err(io_error(&agent_path))?;
+    elf::check_static(&agent)
+        .map_err(|why| invalid("build.agent", format!("{}: {why}", agent_path.display())))?;
+
+    let mut entries = base_entries();
+    entries.push(Entry {
+        path: "init".into(),
+        mode: 0o755,
+        kind: Kind::File(agent),
+    });
+    let mut guest_config = config.clone();
+    guest_config.build = None;
+    let guest_toml = toml::to_string(&guest_config)
+        .map_err(|e| invalid("image.toml", format!("cannot be written back: {e}")))?;
+    entries.push(Entry {
+        path: IMAGE_CONFIG_PATH.trim_start_matches('/').into(),
+        mode: 0o644,
+        kind: Kind::File(guest_toml.clone().into_bytes()),
+    });
+    match (&build.harness_dir, &build.harness_binary) {
+        (Some(_), Some(_)) => {
+            return Err(invalid(
+                "build",
+                "harness_dir and harness_binary are alternatives; give one",
+            ));
+        }
+        (None, None) => {
+            return Err(invalid(
+                "build",
+                "no harness: give harness_dir (a directory) or harness_binary (a static binary)",
+            ));
+        }
+        (Some(dir), None) => {
+            let dir = resolve(dir);
+            entries.push(Entry {
+                path: HARNESS_ROOT.into(),
+                mode: 0o755,
+                kind: Kind::Dir,
+            });
+            collect_dir(&dir, HARNESS_ROOT, &mut entries)?;
+        }
+        (None, Some(bin)) => {
+            let bin = resolve(bin);
+            let bytes = std::fs::read(&bin).map_err(io_error(&bin))?;
+            elf::check_static(&bytes).map_err(|why| {
+                invalid(
+                    "build.harness_binary",
+                    format!(
+                        "{}: {why} (use harness_dir to ship a runtime with it)",
+                        bin.display()
+                    ),
+                )
+            })?;
+            let name = bin
+                .file_name()
+                .and_then(|n| n.to_str())
+                .ok_or_else(|| invalid("build.harness_binary", "has no file name"))?;
+            entries.push(Entry {
+                path: HARNESS_ROOT.into(),
+                mode: 0o755,
+                kind: Kind::Dir,
+            });
+            entries.push(Entry {
+                path: format!("{HARNESS_ROOT}/{name}"),
+                mode: 0o755,
+                kind: Kind::File(bytes),
+            });
+        }
+    }
+    entries.sort_by(|a, b| a.path.cmp(&b.path));
+    check_program(&config, &entries)?;
+
+    let mut initramfs = Vec::new();
+    let mut w = cpio::Writer::new(&mut initramfs);
+    for e in &entries {
+        w.entry(e).map_err(io_error(Path::new(INITRAMFS_FILE)))?;
+    }
+    w.finish().map_err(io_error(Path::new(INITRAMFS_FILE)))?;
+
+    std::fs::create_dir_all(output).map_err(io_error(output))?;
+    let mut files = BTreeMap::new();
+    for (name, bytes) in [
+        (KERNEL_FILE, kernel.as_slice()),
+        (INITRAMFS_FILE, initramfs.as_slice()),
+        (CONFIG_FILE, guest_toml.as_bytes()),
+    ] {
+        let path = output.join(name);
+        std::fs::write(&path, bytes).map_err(io_error(&path))?;
+        files.insert(name.to_owned(), digest(bytes));
+    }
+    let manifest = Manifest {
+        format: BUNDLE_FORMAT,
+        files,
+    };
+    let path = output.join(MANIFEST_FILE);
+    let mut text = serde_json::to_string_pretty(&manifest).expect("plain data");
+    text.push('\n');
+    std::fs::write(&path, text).map_err(io_error(&path))?;
+    Ok(manifest)
+}
+
+/// The directories a Linux userland expects, and the device nodes the kernel needs before
+/// devtmpfs is mounted (the console `/init` writes to, /dev/null).
+fn base_entries() -> Vec<Entry> {
+    let dir = |p: &str, mode| Entry {
+        path: p.into(),
+        mode,
+        kind: Kind::Dir,
+    };
+    vec![
+        dir("dev", 0o755),
+        Entry {
+            path: "dev/console".into(),
+            mode: 0o600,
+            kind: Kind::CharDevice(5, 1),
+        },
+        Entry {
+            path: "dev/null".into(),
+            mode: 0o666,
+            kind: Kind::CharDevice(1, 3),
+        },
+        dir("etc", 0o755),
+        dir("etc/agentvm", 0o755),
+        dir("opt", 0o755),
+        dir("proc", 0o555),
+        dir("run", 0o755),
+        dir("sys", 0o555),
+        dir("tmp", 0o1777),
+    ]
+}
+
+/// Adds `dir`'s tree under `at`: directories, regular files and symlinks, sorted, with their
+/// permission bits. Anything else (devices, sockets, fifos) is refused.
+fn collect_dir(dir: &Path, at: &str, entries: &mut Vec<Entry>) -> Result<(), ImageError> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut children: Vec<_> = std::fs::read_dir(dir)
+        .map_err(io_error(dir))?
+        .collect::<Result<_, _>>()
+        .map_err(io_error(dir))?;
+    children.sort_by_key(|e| e.file_name());
+    for child in children {
+        let path = child.path();
+        let name = child.file_name();
+        let name = name.to_str().ok_or_else(|| {
+            invalid(
+                "build.harness_dir",
+                format!("{}: not a UTF-8 name", path.display()),
+            )
+        })?;
+        let inside = format!("{at}/{name}");
+        let meta = std::fs::symlink_metadata(&path).map_err(io_error(&path))?;
+        let mode = meta.permissions().mode();
+        let kind = if meta.file_type().is_symlink() {
+            let target = std::fs::read_link(&path).map_err(io_error(&path))?;
+            Kind::Symlink(target.to_string_lossy().into_owned())
+        } else if meta.is_dir() {
+            entries.push(Entry {
+                path: inside.clone(),
+                mode,
+                kind: Kind::Dir,
+            });
+            collect_dir(&path, &inside, entries)?;
+            continue;
+        } else if meta.is_file() {
+            Kind::File(std::fs::read(&path).map_err(io_error(&path))?)
+        } else {
+            return Err(invalid(
+                "build.harness_dir",
+                format!(
+                    "{}: only files, directories and symlinks can go in an image",
+                    path.display()
+                ),
+            ));
+        };
+        entries.push(Entry {
+            path: inside,
+            mode,
+            kind,
+        });
+    }
+    Ok(())
+}
+
+/// The harness program must be in the image and executable.
+fn check_program(config: &ImageConfig, entries: &[Entry]) -> Result<(), ImageError> {
+    let program = config.harness.command[0].trim_start_matches('/');
+    let mut path = program.to_owned();
+    // Follow symlinks inside the image (a runtime's `bin/python3 -> python3.11`).
+    for _ in 0..8 {
+        match entries.iter().find(|e| e.path == path) {
+            Some(Entry {
+                kind: Kind::File(_),
+                mode,
+                ..
+            }) if mode & 0o111 != 0 => return Ok(()),
+            Some(Entry {
+                kind: Kind::File(_),
+                ..
+            }) => {
+                return Err(invalid(
+                    "harness.command",
+                    format!("/{path} is in the image but not executable"),
+                ));
+            }
+            Some(Entry {
+                kind: Kind::Symlink(target),
+                ..
+            }) => {
+                path = if let Some(abs) = target.strip_prefix('/') {
+                    abs.to_owned()
+                } else {
+                    let parent = Path::new(&path).parent().unwrap_or(Path::new(""));
+                    normalize(&parent.join(target))
+                };
+            }
+            _ => break,
+        }
+    }
+    let shipped: Vec<String> = entries
+        .iter()
+        .filter(|e| e.path.starts_with(HARNESS_ROOT) && matches!(e.kind, Kind::File(_)))
+        .map(|e| format!("/{}", e.path))
+        .take(10)
+        .collect();
+    Err(invalid(
+        "harness.command",
+        format!(
+            "{} is not in the image (files under /{HARNESS_ROOT}: {})",
+            config.harness.command[0],
+            if shipped.is_empty() {
+                "none".to_owned()
+            } else {
+                shipped.join(", ")
+            }
+        ),
+    ))
+}
+
+/// `a/b/../c` → `a/c`, without touching the file system.
+fn normalize(p: &Path) -> String {
+    let mut parts: Vec<&str> = Vec::new();
+    for c in p.components() {
+        match c {
+            std::path::Component::ParentDir => {
+                parts.pop();
+            }
+            std::path::Component::Normal(s) => parts.push(s.to_str().unwrap_or("")),
+            _ => {}
+        }
+    }
+    parts.join("/")
+}
