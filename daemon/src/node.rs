@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use agentvm_proto::v1::Capabilities;
+use agentvm_proto::v1::{Capabilities, Resumability};
 use anyhow::Context;
 
 use crate::config;
@@ -15,10 +15,10 @@ use crate::journal::sqlite::{Durability, SqliteJournal};
 use crate::model::openai::{OpenAiConfig, OpenAiProvider};
 use crate::model::provider::{ModelProvider, RoutedProvider};
 use crate::registry::store::RegistryStore;
-use crate::registry::{Registry, builtin_harnesses};
+use crate::registry::{Registry, StaticHarness, builtin_harnesses};
 use crate::runtime::Runtime;
 use crate::runtime::microvm::flavour::VmmFlavour;
-use crate::runtime::microvm::{GuestImage, MicrovmConfig, MicrovmRuntime};
+use crate::runtime::microvm::{GuestImage, MicrovmConfig, MicrovmRuntime, bundles};
 use crate::runtime::placement::can_place;
 use crate::runtime::process::ProcessRuntime;
 use crate::session::SessionHost;
@@ -42,6 +42,10 @@ pub struct NodeConfig {
     pub vmm_flavour: VmmFlavour,
     /// Where guest RAM files live (a tmpfs, so a fork can link instead of copy).
     pub ram_dir: PathBuf,
+    /// Guest image bundles (`agentvm image build` output), one directory each: each is served
+    /// on the microvm runtime as a harness named after its directory. Default
+    /// `<state_dir>/images`.
+    pub image_dir: Option<PathBuf>,
     /// The HTTP endpoint that executes host-mediated tool calls; without one such calls fail
     /// with MissingToolExecutor.
     pub tool_executor: Option<WebhookConfig>,
@@ -57,6 +61,7 @@ impl NodeConfig {
             vmm_binary: Some(sibling_binary("agentvm-vmm")),
             vmm_flavour: VmmFlavour::Agentvm,
             ram_dir: PathBuf::from("/dev/shm"),
+            image_dir: None,
             tool_executor: None,
         }
     }
@@ -112,12 +117,14 @@ fn microvm_runtime(cfg: &NodeConfig) -> Result<MicrovmRuntime, String> {
             kernel: testguest.clone(),
             cmdline: String::new(),
             memory_snapshot: true,
+            ..Default::default()
         });
         guest_images.push(GuestImage {
             harness: "testguest-echo".into(),
             kernel: testguest,
             cmdline: "testguest.echo".into(),
             memory_snapshot: false,
+            ..Default::default()
         });
     } else {
         tracing::warn!(
@@ -126,6 +133,17 @@ fn microvm_runtime(cfg: &NodeConfig) -> Result<MicrovmRuntime, String> {
              testguest and testguest-echo sessions will be refused"
         );
     }
+    let image_dir = cfg.image_dir.clone().unwrap_or(images);
+    let reserved: Vec<&str> = PROCESS_HARNESSES
+        .iter()
+        .chain(MICROVM_HARNESSES.iter())
+        .copied()
+        .collect();
+    let (bundles, skipped) = bundles::load(&image_dir, &reserved);
+    for s in &skipped {
+        tracing::warn!(dir = %s.dir.display(), why = %s.why, "guest image not served");
+    }
+    guest_images.extend(bundles);
     MicrovmRuntime::new(MicrovmConfig {
         vmm_binary: binary,
         flavour: cfg.vmm_flavour,
@@ -171,15 +189,27 @@ impl Node {
             .iter()
             .map(|name| ((*name).to_owned(), Arc::clone(&process)))
             .collect();
+        let mut image_harnesses: Vec<(String, bool)> = Vec::new();
         let microvm_missing = match microvm_runtime(&cfg) {
             Ok(runtime) => {
+                image_harnesses = runtime
+                    .images()
+                    .iter()
+                    .filter(|i| !MICROVM_HARNESSES.contains(&i.harness.as_str()))
+                    .map(|i| (i.harness.clone(), i.memory_snapshot))
+                    .collect();
                 let runtime: Arc<dyn Runtime> = Arc::new(runtime);
+                let served: Vec<&str> = MICROVM_HARNESSES
+                    .iter()
+                    .copied()
+                    .chain(image_harnesses.iter().map(|(n, _)| n.as_str()))
+                    .collect();
                 tracing::info!(
                     vmm = %cfg.vmm_binary.as_deref().unwrap_or(std::path::Path::new("")).display(),
-                    harnesses = ?MICROVM_HARNESSES,
+                    harnesses = ?served,
                     "microvm runtime ready"
                 );
-                for name in MICROVM_HARNESSES {
+                for name in served {
                     builtin_runtimes.insert(name.to_owned(), Arc::clone(&runtime));
                 }
                 None
@@ -198,8 +228,25 @@ impl Node {
                 microvm_missing.as_deref().unwrap_or("not configured")
             )),
         };
+        let mut statics = builtin_harnesses(unservable);
+        statics.extend(image_harnesses.iter().map(|(name, memory)| {
+            let resumability = if *memory {
+                Resumability::RequiresMemorySnapshot
+            } else {
+                Resumability::StatelessReplay
+            };
+            StaticHarness {
+                name: name.clone(),
+                capabilities: Capabilities {
+                    resumability: resumability as i32,
+                    fork_safe: !memory,
+                    ..Default::default()
+                },
+                unservable_reason: String::new(),
+            }
+        }));
         let registry = Arc::new(Registry::new(
-            builtin_harnesses(unservable),
+            statics,
             RegistryStore::open(&journal_path).with_context(|| {
                 format!("opening harness registry in {}", journal_path.display())
             })?,

@@ -467,6 +467,7 @@ async fn a_guest_that_never_becomes_ready_fails_create_and_leaves_nothing() {
             kernel: image,
             cmdline: String::new(),
             memory_snapshot: true,
+            ..Default::default()
         }],
         vcpus: 1,
         memory_mib: 64,
@@ -663,6 +664,7 @@ async fn a_new_runtime_watches_surviving_vmms_and_reports_dead_ones() {
             kernel: image,
             cmdline: String::new(),
             memory_snapshot: true,
+            ..Default::default()
         }],
         vcpus: 1,
         memory_mib: 64,
@@ -869,4 +871,185 @@ async fn scenario_73_and_74_stateless_sessions_on_microvms_replay_suspend_and_re
     for session in [&s, &child] {
         verify_chain(&replay(&mut c, session).await).unwrap();
     }
+}
+
+/// Builds a bundle into `images/<name>` whose "kernel" is the test guest (it ignores the
+/// initramfs and boots into its counter) — the whole bundle path of a Linux image, runnable
+/// on this host.
+fn testguest_bundle(images: &std::path::Path, name: &str) -> std::path::PathBuf {
+    let src = tempfile::tempdir().unwrap();
+    let p = src.path();
+    std::fs::write(p.join("vmlinux"), agentvm_testguest::TESTGUEST_ELF).unwrap();
+    std::fs::write(p.join("agent"), agentvm_testguest::TESTGUEST_ELF).unwrap();
+    std::fs::create_dir_all(p.join("harness")).unwrap();
+    std::fs::write(p.join("harness/h"), agentvm_testguest::TESTGUEST_ELF).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(p.join("harness/h"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::write(
+        p.join("image.toml"),
+        "[harness]\ncommand = [\"/opt/harness/h\"]\nresumability = \"REQUIRES_MEMORY_SNAPSHOT\"\n\
+         [vm]\nmemory_mib = 96\n\
+         [build]\nkernel = \"vmlinux\"\nagent = \"agent\"\nharness_dir = \"harness\"\n",
+    )
+    .unwrap();
+    let out = images.join(name);
+    agentvmd::image::build(&p.join("image.toml"), &out, &Default::default()).unwrap();
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn image_bundles_in_the_image_dir_are_served_as_harnesses() {
+    require_kvm!();
+    let dir = tempfile::tempdir().unwrap();
+    let images = dir.path().join("images");
+    testguest_bundle(&images, "tg-bundle");
+    let tampered = testguest_bundle(&images, "tg-tampered");
+    std::fs::write(
+        tampered.join("initramfs.cpio"),
+        b"not what the manifest says",
+    )
+    .unwrap();
+    let binary = vmm_binary();
+    let node = start_with(move |cfg| {
+        cfg.vmm_binary = Some(binary);
+        cfg.image_dir = Some(images);
+        cfg.ram_dir = std::env::temp_dir();
+    })
+    .await;
+    let mut c = node.c();
+    let create = |harness: &str| CreateSessionRequest {
+        session: Some(Session {
+            harness: harness.into(),
+            ..Default::default()
+        }),
+    };
+    let s = uid(&c
+        .create_session(create("tg-bundle"))
+        .await
+        .unwrap()
+        .into_inner());
+    assert_eq!(turn(&mut c, &s).await, "1");
+    assert_eq!(turn(&mut c, &s).await, "2");
+    // The image's own memory size, and its initramfs, reached the VMM.
+    let info = agentvm_vmm_api::client::VmmClient::new(vm_dir(&node, &s).join("api.sock"))
+        .info()
+        .await
+        .unwrap();
+    assert_eq!(info.config.memory.size, 96 << 20);
+    assert!(
+        info.config
+            .payload
+            .initramfs
+            .unwrap()
+            .ends_with("tg-bundle/initramfs.cpio")
+    );
+    c.suspend(SuspendRequest { session: s.clone() })
+        .await
+        .unwrap();
+    assert_eq!(turn(&mut c, &s).await, "3", "memory tier from image.toml");
+    // A bundle that does not match its manifest is not served.
+    let err = c.create_session(create("tg-tampered")).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+}
+
+// ---------- Linux guests (where KVM can run them) ----------
+
+/// Why a Linux guest cannot boot here, if it cannot.
+fn linux_unavailable() -> Option<String> {
+    if let Some(reason) = kvm_unavailable() {
+        return Some(reason);
+    }
+    let pvm = std::path::Path::new("/sys/module/kvm_pvm").exists();
+    if pvm
+        && std::env::var_os("AGENTVM_TEST_KERNEL").is_none()
+        && std::env::var_os("AGENTVM_TEST_IMAGE").is_none()
+    {
+        return Some(
+            "/dev/kvm is PVM, which boots only a PVM guest kernel (feasibility-pvm.md); set \
+             AGENTVM_TEST_KERNEL to one, or AGENTVM_TEST_IMAGE to a bundle built with it"
+                .into(),
+        );
+    }
+    None
+}
+
+/// The reference echo image as bundle `images/linux-echo`: `$AGENTVM_TEST_IMAGE` copied, or
+/// built from `$AGENTVM_TEST_KERNEL` and the static binaries of `scripts/build-guest.sh`.
+fn linux_echo_bundle(images: &std::path::Path) -> Result<(), String> {
+    let out = images.join("linux-echo");
+    if let Some(bundle) = std::env::var_os("AGENTVM_TEST_IMAGE") {
+        std::fs::create_dir_all(&out).map_err(|e| e.to_string())?;
+        for f in ["vmlinux", "initramfs.cpio", "image.toml", "manifest.json"] {
+            std::fs::copy(std::path::Path::new(&bundle).join(f), out.join(f))
+                .map_err(|e| format!("copying {f} of AGENTVM_TEST_IMAGE: {e}"))?;
+        }
+        return Ok(());
+    }
+    let kernel = std::env::var_os("AGENTVM_TEST_KERNEL").ok_or(
+        "set AGENTVM_TEST_KERNEL=$(scripts/build-kernel.sh) (or AGENTVM_TEST_IMAGE to a bundle)",
+    )?;
+    let bin = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../target/x86_64-unknown-linux-gnu/release");
+    for b in ["agentvm-guest", "agentvm-harness"] {
+        if !bin.join(b).is_file() {
+            return Err(format!("no static {b}: run scripts/build-guest.sh first"));
+        }
+    }
+    let src = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let reference = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../images/echo/image.toml"),
+    )
+    .map_err(|e| e.to_string())?;
+    let config = reference.split("[build]").next().unwrap().to_owned()
+        + &format!(
+            "[build]\nkernel = {:?}\nagent = {:?}\nharness_binary = {:?}\n",
+            kernel.to_string_lossy(),
+            bin.join("agentvm-guest").display().to_string(),
+            bin.join("agentvm-harness").display().to_string()
+        );
+    std::fs::write(src.path().join("image.toml"), config).map_err(|e| e.to_string())?;
+    agentvmd::image::build(&src.path().join("image.toml"), &out, &Default::default())
+        .map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn linux_echo_image_answers_through_the_agent_and_resumes_by_replay() {
+    if let Some(reason) = linux_unavailable() {
+        eprintln!("SKIPPED: {reason}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let images = dir.path().join("images");
+    if let Err(reason) = linux_echo_bundle(&images) {
+        eprintln!("SKIPPED: {reason}");
+        return;
+    }
+    let binary = vmm_binary();
+    let node = start_with(move |cfg| {
+        cfg.vmm_binary = Some(binary);
+        cfg.image_dir = Some(images);
+    })
+    .await;
+    let mut c = node.c();
+    let s = uid(&c
+        .create_session(CreateSessionRequest {
+            session: Some(Session {
+                harness: "linux-echo".into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner());
+    assert_eq!(say(&mut c, &s, "hello linux").await, "echo:hello linux");
+    c.suspend(SuspendRequest { session: s.clone() })
+        .await
+        .unwrap();
+    assert!(
+        !vm_dir(&node, &s).exists(),
+        "a stateless image's VM is stopped"
+    );
+    assert_eq!(say(&mut c, &s, "again").await, "echo:again");
+    verify_chain(&replay(&mut c, &s).await).unwrap();
 }

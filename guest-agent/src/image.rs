@@ -275,6 +275,21 @@ mod tests {
     }
 
     #[test]
+    fn the_reference_images_are_valid() {
+        let images = Path::new(env!("CARGO_MANIFEST_DIR")).join("../images");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&images).unwrap() {
+            let config = entry.unwrap().path().join("image.toml");
+            if config.is_file() {
+                let c = ImageConfig::load(&config).unwrap();
+                assert!(c.command_for(Path::new("/s")).contains(&"unix:/s".to_owned()));
+                seen += 1;
+            }
+        }
+        assert_eq!(seen, 3, "echo, counter and chat");
+    }
+
+    #[test]
     fn bad_configs_name_the_field() {
         for (text, field) in [
             (

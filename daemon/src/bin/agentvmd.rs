@@ -41,6 +41,10 @@ struct Args {
     /// Directory for guest RAM files; a tmpfs lets a fork link RAM instead of copying it.
     #[arg(long, default_value = "/dev/shm")]
     ram_dir: PathBuf,
+    /// Guest image bundles (`agentvm image build -o DIR/NAME`), each served as harness NAME
+    /// on the microvm runtime (default: STATE_DIR/images).
+    #[arg(long)]
+    image_dir: Option<PathBuf>,
     /// OpenAI-compatible endpoint (up to the version path, e.g. https://api.openai.com/v1)
     /// serving every model except the built-in `echo`.
     #[arg(long)]
@@ -78,6 +82,7 @@ fn main() -> anyhow::Result<()> {
             vec![bin.display().to_string(), "harness".into(), "serve".into()];
     }
     node_config.vmm_flavour = args.vmm_flavour;
+    node_config.image_dir = args.image_dir.clone();
     node_config.vmm_binary = match (&args.vmm_binary, args.vmm_flavour) {
         (Some(bin), _) => Some(bin.clone()),
         (None, VmmFlavour::Agentvm) => node_config.vmm_binary.take(),

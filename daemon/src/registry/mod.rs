@@ -17,7 +17,7 @@ use store::{RegistryStore, StoreError, StoredHarness};
 /// A harness this daemon provides without registration.
 #[derive(Debug, Clone)]
 pub struct StaticHarness {
-    pub name: &'static str,
+    pub name: String,
     pub capabilities: Capabilities,
     /// Why this host cannot run it now (empty when it can).
     pub unservable_reason: String,
@@ -45,7 +45,7 @@ pub fn builtin_harnesses(
     ]
     .into_iter()
     .map(|(name, capabilities)| StaticHarness {
-        name,
+        name: name.to_owned(),
         unservable_reason: unservable(name, &capabilities).unwrap_or_default(),
         capabilities,
     })
@@ -150,7 +150,7 @@ pub enum Entry<'a> {
 impl Registry {
     pub fn new(statics: Vec<StaticHarness>, store: RegistryStore) -> Self {
         let mut statics = statics;
-        statics.sort_by(|a, b| a.name.cmp(b.name));
+        statics.sort_by(|a, b| a.name.cmp(&b.name));
         Self { statics, store }
     }
 
@@ -279,7 +279,7 @@ impl Registry {
         let mut out: Vec<Entry<'_>> = self
             .statics
             .iter()
-            .filter(|s| s.name > after)
+            .filter(|s| s.name.as_str() > after)
             .map(Entry::Static)
             .chain(
                 registered
@@ -327,7 +327,7 @@ impl Registry {
 
 pub fn entry_name<'a>(e: &'a Entry<'_>) -> &'a str {
     match e {
-        Entry::Static(s) => s.name,
+        Entry::Static(s) => &s.name,
         Entry::Registered(h) => &h.name,
     }
 }
@@ -335,7 +335,7 @@ pub fn entry_name<'a>(e: &'a Entry<'_>) -> &'a str {
 pub fn static_view(s: &StaticHarness) -> HarnessRegistration {
     HarnessRegistration {
         metadata: Some(ResourceMetadata {
-            name: s.name.to_owned(),
+            name: s.name.clone(),
             ..Default::default()
         }),
         state: HarnessState::Active as i32,

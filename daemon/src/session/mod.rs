@@ -203,7 +203,7 @@ impl SessionHost {
         })?;
         match entry {
             Entry::Static(s) => {
-                let runtime = self.builtin_runtimes.get(s.name).cloned().ok_or_else(|| {
+                let runtime = self.builtin_runtimes.get(&s.name).cloned().ok_or_else(|| {
                     Status::failed_precondition(format!(
                         "harness {name:?} cannot run on this node: {}",
                         s.unservable_reason

@@ -10,6 +10,7 @@
 //!   else reaches it.
 //! - The harness channel is the guest frame protocol ([`guest::GuestEndpoint`]).
 
+pub mod bundles;
 pub mod exit_watch;
 pub mod flavour;
 pub mod guest;
@@ -43,15 +44,19 @@ const NAME: &str = "microvm";
 const GUEST_CID: u32 = 3;
 
 /// A kernel that boots into a guest serving `harness`.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct GuestImage {
     pub harness: String,
     pub kernel: PathBuf,
+    pub initramfs: Option<PathBuf>,
     /// Appended to the kernel command line (how one image serves several harnesses).
     pub cmdline: String,
     /// The harness keeps state in RAM (REQUIRES_MEMORY_SNAPSHOT). A stateless one is
     /// suspended by stopping its VM, and resumed by replay into a fresh one.
     pub memory_snapshot: bool,
+    /// The image's own VM size, where it asks for one (else the runtime's default).
+    pub vcpus: Option<u8>,
+    pub memory_mib: Option<u64>,
 }
 
 /// What the runtime needs from the node.
@@ -107,6 +112,11 @@ impl MicrovmRuntime {
         VmmDir::new(self.config.run_dir.join(session), self.config.flavour)
     }
 
+    /// The images this runtime boots, one per harness.
+    pub fn images(&self) -> &[GuestImage] {
+        &self.config.images
+    }
+
     fn image(&self, harness: &str) -> Option<&GuestImage> {
         self.config.images.iter().find(|i| i.harness == harness)
     }
@@ -132,12 +142,14 @@ impl MicrovmRuntime {
 
     fn vm_config(&self, spec: &SessionSpec, image: &GuestImage, dir: &VmmDir) -> VmConfig {
         let mut config = VmConfig::with_kernel(image.kernel.clone());
+        config.payload.initramfs = image.initramfs.clone();
+        let vcpus = image.vcpus.unwrap_or(self.config.vcpus);
         config.cpus = CpusConfig {
-            boot_vcpus: self.config.vcpus,
-            max_vcpus: self.config.vcpus,
+            boot_vcpus: vcpus,
+            max_vcpus: vcpus,
         };
         config.memory = MemoryConfig {
-            size: self.config.memory_mib << 20,
+            size: image.memory_mib.unwrap_or(self.config.memory_mib) << 20,
             ..MemoryConfig::default()
         };
         let mut cmdline = format!(

@@ -1,0 +1,123 @@
+//! Guest image bundles installed on the node (`agentvm image build` output, one directory per
+//! image under the image directory). Each becomes a built-in harness of the microvm runtime,
+//! named after its directory, with the tier its `image.toml` declares.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use agentvm_guest::image::{ImageConfig, Resumability};
+use sha2::{Digest, Sha256};
+
+use super::GuestImage;
+use crate::image::{CONFIG_FILE, INITRAMFS_FILE, KERNEL_FILE, MANIFEST_FILE};
+
+/// Why a directory under the image directory is not served.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Skipped {
+    pub dir: PathBuf,
+    pub why: String,
+}
+
+/// A harness name an image directory may have: it is what sessions name.
+fn valid_name(name: &str) -> bool {
+    let b = name.as_bytes();
+    !b.is_empty()
+        && b.len() <= 63
+        && b[0].is_ascii_alphanumeric()
+        && b.iter().all(|c| {
+            c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, b'-' | b'_' | b'.')
+        })
+}
+
+/// Every bundle under `dir` (sorted by name), and the directories skipped with the reason.
+/// Names in `reserved` (the built-in harnesses) are never taken by an image.
+pub fn load(dir: &Path, reserved: &[&str]) -> (Vec<GuestImage>, Vec<Skipped>) {
+    let mut images = Vec::new();
+    let mut skipped = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return (images, skipped);
+    };
+    let mut dirs: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.is_dir())
+        .collect();
+    dirs.sort();
+    for path in dirs {
+        match load_one(&path, reserved) {
+            Ok(image) => images.push(image),
+            Err(why) => skipped.push(Skipped { dir: path, why }),
+        }
+    }
+    (images, skipped)
+}
+
+fn load_one(dir: &Path, reserved: &[&str]) -> Result<GuestImage, String> {
+    let name = dir
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or("the directory name is not UTF-8")?;
+    if !valid_name(name) {
+        return Err(format!(
+            "{name:?} is not a harness name (lowercase letters, digits, '-', '_', '.'; 63 at most)"
+        ));
+    }
+    if reserved.contains(&name) {
+        return Err(format!("{name:?} is a built-in harness name"));
+    }
+    let manifest_path = dir.join(MANIFEST_FILE);
+    let manifest: serde_json::Value = std::fs::read(&manifest_path)
+        .map_err(|e| format!("{}: {e}", manifest_path.display()))
+        .and_then(|b| {
+            serde_json::from_slice(&b).map_err(|e| format!("{}: {e}", manifest_path.display()))
+        })?;
+    if manifest["format"] != crate::image::BUNDLE_FORMAT {
+        return Err(format!(
+            "{}: bundle format {} (this node reads {})",
+            manifest_path.display(),
+            manifest["format"],
+            crate::image::BUNDLE_FORMAT
+        ));
+    }
+    let mut digests = BTreeMap::new();
+    for file in [KERNEL_FILE, INITRAMFS_FILE, CONFIG_FILE] {
+        let want = manifest["files"][file]["sha256"]
+            .as_str()
+            .ok_or_else(|| format!("{}: no digest for {file}", manifest_path.display()))?;
+        let path = dir.join(file);
+        let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let got = hex::encode(Sha256::digest(&bytes));
+        if got != want {
+            return Err(format!(
+                "{} does not match the manifest (sha256 {got}, manifest {want})",
+                path.display()
+            ));
+        }
+        digests.insert(file, path);
+    }
+    let config = ImageConfig::load(&digests[CONFIG_FILE]).map_err(|e| e.to_string())?;
+    Ok(GuestImage {
+        harness: name.to_owned(),
+        kernel: digests[KERNEL_FILE].clone(),
+        initramfs: Some(digests[INITRAMFS_FILE].clone()),
+        cmdline: config.vm.cmdline.clone(),
+        memory_snapshot: config.harness.resumability == Resumability::RequiresMemorySnapshot,
+        vcpus: Some(config.vm.vcpus),
+        memory_mib: Some(u64::from(config.vm.memory_mib)),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_checked() {
+        for ok in ["echo-linux", "a", "py3.11_agent"] {
+            assert!(valid_name(ok), "{ok}");
+        }
+        for bad in ["", "-x", "Upper", "with space", &"a".repeat(64)] {
+            assert!(!valid_name(bad), "{bad}");
+        }
+    }
+}
