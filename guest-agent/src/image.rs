@@ -282,7 +282,10 @@ mod tests {
             let config = entry.unwrap().path().join("image.toml");
             if config.is_file() {
                 let c = ImageConfig::load(&config).unwrap();
-                assert!(c.command_for(Path::new("/s")).contains(&"unix:/s".to_owned()));
+                assert!(
+                    c.command_for(Path::new("/s"))
+                        .contains(&"unix:/s".to_owned())
+                );
                 seen += 1;
             }
         }

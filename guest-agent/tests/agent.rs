@@ -196,6 +196,17 @@ async fn harness_frames_round_trip_to_the_reference_harnesses() {
     };
     assert_eq!((a, b), (1, 2));
 
+    // The chat harness asks the (host-mediated) model with the conversation so far.
+    let chat = in_process(serve_harness(dir.path(), "chat").await, system.clone());
+    let mut host = connect(&chat);
+    host.hello().await;
+    let turn = host.execute(5, "0000000000000005", "hello chat").await;
+    assert_eq!(turn.close, (0, String::new()), "{turn:?}");
+    assert!(
+        turn.kinds.contains(&(EventKind::EventModelCall as i32)),
+        "{turn:?}"
+    );
+
     // The counter keeps its integer in the harness process between executions.
     let counter = in_process(serve_harness(dir.path(), "counter").await, system);
     let mut host = connect(&counter);
