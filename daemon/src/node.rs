@@ -5,13 +5,15 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use agentvm_proto::v1::{Capabilities, Resumability};
+use agentvm_proto::v1::{Capabilities, ComputeState, Resumability};
 use anyhow::Context;
 
 use crate::config;
 use crate::controller::Controller;
 use crate::controller::tools::ToolExecutor;
 use crate::journal::sqlite::{Durability, SqliteJournal};
+use crate::metrics::exposition::NodeState;
+use crate::metrics::server::StateFn;
 use crate::model::openai::{OpenAiConfig, OpenAiProvider};
 use crate::model::provider::{ModelProvider, RoutedProvider};
 use crate::registry::store::RegistryStore;
@@ -170,6 +172,7 @@ pub struct Node {
     pub journal: Arc<SqliteJournal>,
     pub registry: Arc<Registry>,
     pub host: Arc<SessionHost>,
+    pub microvm: Option<Arc<MicrovmRuntime>>,
 }
 
 impl Node {
@@ -190,6 +193,7 @@ impl Node {
             .map(|name| ((*name).to_owned(), Arc::clone(&process)))
             .collect();
         let mut image_harnesses: Vec<(String, bool)> = Vec::new();
+        let mut microvm = None;
         let microvm_missing = match microvm_runtime(&cfg) {
             Ok(runtime) => {
                 image_harnesses = runtime
@@ -198,7 +202,9 @@ impl Node {
                     .filter(|i| !MICROVM_HARNESSES.contains(&i.harness.as_str()))
                     .map(|i| (i.harness.clone(), i.memory_snapshot))
                     .collect();
-                let runtime: Arc<dyn Runtime> = Arc::new(runtime);
+                let runtime = Arc::new(runtime);
+                microvm = Some(Arc::clone(&runtime));
+                let runtime: Arc<dyn Runtime> = runtime;
                 let served: Vec<&str> = MICROVM_HARNESSES
                     .iter()
                     .copied()
@@ -275,6 +281,34 @@ impl Node {
             journal,
             registry,
             host,
+            microvm,
         })
+    }
+}
+
+impl Node {
+    /// What the metrics endpoint reports about the node's present state.
+    pub fn state_fn(&self) -> StateFn {
+        let journal = Arc::clone(&self.journal);
+        let microvm = self.microvm.clone();
+        Arc::new(move || NodeState {
+            sessions: journal
+                .count_by_compute_state()
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(state, n)| (compute_state_label(state).to_owned(), n))
+                .collect(),
+            vmms: microvm.as_ref().map(|m| m.vmm_memory()).unwrap_or_default(),
+        })
+    }
+}
+
+fn compute_state_label(state: ComputeState) -> &'static str {
+    match state {
+        ComputeState::ComputeLive => "live",
+        ComputeState::ComputeWarm => "warm",
+        ComputeState::ComputeCold => "cold",
+        ComputeState::ComputeTerminated => "terminated",
+        ComputeState::ComputeNone | ComputeState::Unspecified => "none",
     }
 }

@@ -2,7 +2,7 @@
 //! listener (HarnessRegistry), each on its own socket so the admin surface never shares the
 //! client-facing one.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -88,21 +88,20 @@ pub async fn serve(
     socket_mode: u32,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let signalled = Arc::new(Notify::new());
-    let shutdown = {
-        let signalled = Arc::clone(&signalled);
-        async move {
-            shutdown.await;
-            signalled.notify_one();
-        }
-    };
-    let router = Server::builder()
-        .layer(crate::api::request_id::RequestIdLayer)
-        .layer(tower::util::MapResponseLayer::new(
-            crate::api::status_limit::limit_status,
-        ))
-        .add_routes(routes);
+    serve_bound(bind(addr, socket_mode).await?, routes, shutdown).await
+}
 
+/// A listening socket not yet served (so a daemon can say it is ready once all are bound).
+pub enum Bound {
+    Unix {
+        path: PathBuf,
+        listener: UnixListener,
+    },
+    Tcp(tokio::net::TcpListener),
+}
+
+/// Binds `addr`; a unix socket replaces a stale one and gets `socket_mode`.
+pub async fn bind(addr: &ListenAddr, socket_mode: u32) -> anyhow::Result<Bound> {
     match addr {
         ListenAddr::Unix(path) => {
             if let Some(dir) = path.parent() {
@@ -118,20 +117,52 @@ pub async fn serve(
                 std::os::unix::fs::PermissionsExt::from_mode(socket_mode),
             )
             .with_context(|| format!("restricting {}", path.display()))?;
-            info!(listen = %addr, "serving");
+            Ok(Bound::Unix {
+                path: path.clone(),
+                listener,
+            })
+        }
+        ListenAddr::Tcp(sock) => Ok(Bound::Tcp(
+            tokio::net::TcpListener::bind(sock)
+                .await
+                .with_context(|| format!("binding {sock}"))?,
+        )),
+    }
+}
+
+/// Serves `routes` on a bound socket until `shutdown` resolves.
+pub async fn serve_bound(
+    bound: Bound,
+    routes: Routes,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let signalled = Arc::new(Notify::new());
+    let shutdown = {
+        let signalled = Arc::clone(&signalled);
+        async move {
+            shutdown.await;
+            signalled.notify_one();
+        }
+    };
+    let router = Server::builder()
+        .layer(crate::api::request_id::RequestIdLayer)
+        .layer(tower::util::MapResponseLayer::new(
+            crate::api::status_limit::limit_status,
+        ))
+        .add_routes(routes);
+    match bound {
+        Bound::Unix { path, listener } => {
+            info!(listen = %path.display(), "serving");
             let result = bounded_drain(
                 router.serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown),
                 signalled,
             )
             .await;
-            let _ = std::fs::remove_file(path);
+            let _ = std::fs::remove_file(&path);
             result.context("gRPC server on unix socket")
         }
-        ListenAddr::Tcp(sock) => {
-            let listener = tokio::net::TcpListener::bind(sock)
-                .await
-                .with_context(|| format!("binding {sock}"))?;
-            info!(listen = %addr, "serving");
+        Bound::Tcp(listener) => {
+            info!(listen = ?listener.local_addr().ok(), "serving");
             bounded_drain(
                 router.serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown),
                 signalled,

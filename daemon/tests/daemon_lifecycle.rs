@@ -69,3 +69,93 @@ fn refuses_a_path_that_is_not_a_socket() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("is not a socket"));
     assert_eq!(std::fs::read(&file).unwrap(), b"keep me");
 }
+
+/// The sd_notify protocol against a fake NOTIFY_SOCKET: READY once both sockets accept,
+/// watchdog pings at half of WATCHDOG_USEC, STOPPING on SIGTERM.
+#[test]
+fn notifies_systemd_ready_watchdog_and_stopping() {
+    use std::os::unix::net::UnixDatagram;
+    let dir = tempfile::tempdir().unwrap();
+    let notify = dir.path().join("notify.sock");
+    let systemd = UnixDatagram::bind(&notify).unwrap();
+    systemd
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let sock = dir.path().join("run/agentvmd.sock");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_agentvmd"))
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .arg("--listen")
+        .arg(format!("unix:{}", sock.display()))
+        .env("NOTIFY_SOCKET", &notify)
+        .env("WATCHDOG_USEC", "200000")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let recv = || {
+        let mut buf = [0u8; 512];
+        let n = systemd
+            .recv(&mut buf)
+            .expect("no notification from agentvmd");
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    };
+    let ready = recv();
+    assert!(ready.starts_with("READY=1\n"), "{ready}");
+    assert!(sock.exists(), "READY came before the API socket");
+    assert_eq!(recv(), "WATCHDOG=1");
+    assert_eq!(recv(), "WATCHDOG=1");
+    // SAFETY: kill(2) on our own child's pid with a valid signal number.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let stopping = loop {
+        let m = recv();
+        if m != "WATCHDOG=1" {
+            break m;
+        }
+    };
+    assert_eq!(stopping, "STOPPING=1");
+    assert!(child.wait().unwrap().success());
+}
+
+/// The shipped unit file passes `systemd-analyze verify` (with ExecStart pointed at this
+/// build's binary, which verify requires to exist).
+#[test]
+fn the_unit_file_verifies() {
+    let Ok(analyze) = which("systemd-analyze") else {
+        eprintln!("SKIPPED: systemd-analyze is not installed");
+        return;
+    };
+    let unit = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/agentvmd.service"),
+    )
+    .unwrap();
+    assert!(unit.contains("Type=notify") && unit.contains("WatchdogSec="));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("agentvmd.service");
+    std::fs::write(
+        &path,
+        unit.replace("/usr/local/bin/agentvmd", env!("CARGO_BIN_EXE_agentvmd")),
+    )
+    .unwrap();
+    let out = Command::new(analyze)
+        .arg("verify")
+        .arg(&path)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        !stderr.contains("agentvmd.service"),
+        "verify complained about the unit: {stderr}"
+    );
+}
+
+fn which(name: &str) -> Result<std::path::PathBuf, ()> {
+    std::env::var_os("PATH")
+        .and_then(|p| {
+            std::env::split_paths(&p)
+                .map(|d| d.join(name))
+                .find(|c| c.is_file())
+        })
+        .ok_or(())
+}

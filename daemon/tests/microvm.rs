@@ -936,6 +936,16 @@ async fn image_bundles_in_the_image_dir_are_served_as_harnesses() {
         .await
         .unwrap();
     assert_eq!(info.config.memory.size, 96 << 20);
+    // The metrics see the VM and what it costs.
+    let state = (node.node.state_fn())();
+    assert!(
+        state
+            .vmms
+            .iter()
+            .any(|(session, pss)| session == &s && *pss > 0),
+        "{state:?}"
+    );
+    assert!(agentvmd::metrics::global().vmm_boot.snapshot().2 >= 1);
     assert!(
         info.config
             .payload

@@ -62,6 +62,9 @@ struct Args {
     /// Idempotency-Key header); without it such calls fail with MissingToolExecutor.
     #[arg(long)]
     tool_executor_url: Option<String>,
+    /// Serve Prometheus metrics (families agentvm_*) at http://HOST:PORT/metrics.
+    #[arg(long)]
+    metrics_listen: Option<std::net::SocketAddr>,
     /// Per-call timeout of the tool executor, in seconds.
     #[arg(long, default_value_t = 60)]
     tool_executor_timeout_secs: u64,
@@ -117,24 +120,55 @@ fn main() -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     runtime.block_on(async move {
+        if let Some(addr) = args.metrics_listen {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding --metrics-listen {addr}"))?;
+            info!(%addr, "metrics at /metrics");
+            tokio::spawn(agentvmd::metrics::server::serve(listener, node.state_fn()));
+        }
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
             let _ = rx.wait_for(|stop| *stop).await;
         };
-        let api = server::serve(
-            &listen,
+        let api_bound = server::bind(&listen, 0o660).await?;
+        let admin_bound = server::bind(&admin_listen, 0o600).await?;
+        let api = server::serve_bound(
+            api_bound,
             server::api_routes(node.host.clone()).await?,
-            0o660,
             stopped(stop_rx.clone()),
         );
-        let admin = server::serve(
-            &admin_listen,
+        let admin = server::serve_bound(
+            admin_bound,
             server::admin_routes(node.registry.clone()),
-            0o600,
             stopped(stop_rx),
         );
+        // Both sockets accept connections from here on: tell systemd (Type=notify).
+        let notifier = std::sync::Arc::new(
+            agentvmd::systemd::Notifier::from_env().context("reading NOTIFY_SOCKET")?,
+        );
+        if notifier.enabled() {
+            notifier
+                .notify(&format!("READY=1\nSTATUS=serving on {listen}"))
+                .context("notifying systemd")?;
+            if let Some(period) = agentvmd::systemd::watchdog_interval() {
+                let notifier = notifier.clone();
+                tokio::spawn(async move {
+                    let mut tick = tokio::time::interval(period / 2);
+                    loop {
+                        tick.tick().await;
+                        if let Err(e) = notifier.notify("WATCHDOG=1") {
+                            tracing::warn!(error = %e, "watchdog ping");
+                        }
+                    }
+                });
+            }
+        }
         tokio::spawn(async move {
             shutdown_signal().await;
+            if let Err(e) = notifier.notify("STOPPING=1") {
+                tracing::warn!(error = %e, "notifying systemd of the stop");
+            }
             let _ = stop_tx.send(true);
         });
         tokio::try_join!(api, admin).map(|_| ())

@@ -414,6 +414,11 @@ impl Controller {
             "execution started"
         );
         let result = self.run_to_end(turn, sink, start, &execution_id).await;
+        crate::metrics::global().executions.inc(match &result {
+            Ok(TurnOutcome::Completed { .. }) => "completed",
+            Ok(TurnOutcome::Parked { .. }) => "parked",
+            Err(_) => "failed",
+        });
         match &result {
             Ok(TurnOutcome::Completed { .. }) => {
                 tracing::info!(session = %turn.session, execution_id = %execution_id, "execution completed")

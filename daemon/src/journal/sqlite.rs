@@ -125,6 +125,30 @@ impl SqliteJournal {
     fn reader(&self) -> std::sync::MutexGuard<'_, Connection> {
         self.reader.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// Active sessions by their stored compute state (for metrics).
+    pub fn count_by_compute_state(&self) -> Result<Vec<(ComputeState, u64)>> {
+        let conn = self.reader();
+        conn.prepare_cached(
+            "SELECT compute_state, COUNT(*) FROM sessions WHERE deletion_state = 'ACTIVE'
+             GROUP BY compute_state ORDER BY compute_state",
+        )
+        .and_then(|mut st| {
+            st.query_map([], |r| Ok((r.get::<_, i32>(0)?, r.get::<_, i64>(1)?)))?
+                .collect::<rusqlite::Result<Vec<_>>>()
+        })
+        .map(|rows| {
+            rows.into_iter()
+                .map(|(state, n)| {
+                    (
+                        ComputeState::try_from(state).unwrap_or(ComputeState::ComputeNone),
+                        n as u64,
+                    )
+                })
+                .collect()
+        })
+        .map_err(storage("count sessions by compute state".to_owned()))
+    }
 }
 
 const SESSION_COLUMNS: &str = "session, fence, project, name, harness, model, parent_uid, fork_seq,
@@ -324,80 +348,89 @@ impl Journal for SqliteJournal {
         fence: i64,
         events: &[Event],
     ) -> Result<Vec<LogRecord>> {
-        let mut conn = self.writer();
-        let tx = conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(storage(format!("begin append to {uid}")))?;
-        let head = read_head(&tx, uid)?;
-        // CAS first, then the fence: a stale caller learns it is stale before it learns
-        // it was superseded (semantics.md §1.4).
-        if expected_last_seq != head.last_seq {
-            return Err(JournalError::Conflict {
-                session: uid.to_owned(),
-                expected: expected_last_seq,
-                head: head.last_seq,
-            });
-        }
-        if fence < head.fence {
-            return Err(JournalError::Fenced {
-                session: uid.to_owned(),
-                fence,
-                current: head.fence,
-            });
-        }
-        let mut records = Vec::with_capacity(events.len());
-        let mut prev = head.head_hash;
-        let mut seq = head.last_seq;
-        let mut compute = head.compute_state;
-        {
-            let mut insert = tx
-                .prepare_cached(
-                    "INSERT INTO events (session, seq, prev_hash, hash, fence, event)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-                )
-                .map_err(storage(format!("prepare append to {uid}")))?;
-            for event in events {
-                seq += 1;
-                let hash = canon::content_hash(seq, &prev, event).map_err(|source| {
-                    JournalError::Canon {
-                        session: uid.to_owned(),
-                        source,
-                    }
-                })?;
-                insert
-                    .execute(params![uid, seq, prev, hash, fence, event.encode_to_vec()])
-                    .map_err(|e| match e {
-                        // A primary-key clash means another writer got there first.
-                        rusqlite::Error::SqliteFailure(f, _)
-                            if f.code == rusqlite::ErrorCode::ConstraintViolation =>
-                        {
-                            JournalError::Conflict {
-                                session: uid.to_owned(),
-                                expected: expected_last_seq,
-                                head: seq,
-                            }
-                        }
-                        e => storage(format!("append seq {seq} to {uid}"))(e),
-                    })?;
-                compute = project_compute_state(compute, event);
-                records.push(LogRecord {
-                    seq,
-                    prev_hash: std::mem::replace(&mut prev, hash.clone()),
-                    content_hash: hash,
-                    fence,
-                    event: Some(event.clone()),
+        let started = std::time::Instant::now();
+        let result = (|| -> Result<Vec<LogRecord>> {
+            let mut conn = self.writer();
+            let tx = conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .map_err(storage(format!("begin append to {uid}")))?;
+            let head = read_head(&tx, uid)?;
+            // CAS first, then the fence: a stale caller learns it is stale before it learns
+            // it was superseded (semantics.md §1.4).
+            if expected_last_seq != head.last_seq {
+                return Err(JournalError::Conflict {
+                    session: uid.to_owned(),
+                    expected: expected_last_seq,
+                    head: head.last_seq,
                 });
             }
-        }
-        tx.prepare_cached(
-            "UPDATE sessions SET last_seq = ?2, head_hash = ?3, compute_state = ?4,
+            if fence < head.fence {
+                return Err(JournalError::Fenced {
+                    session: uid.to_owned(),
+                    fence,
+                    current: head.fence,
+                });
+            }
+            let mut records = Vec::with_capacity(events.len());
+            let mut prev = head.head_hash;
+            let mut seq = head.last_seq;
+            let mut compute = head.compute_state;
+            {
+                let mut insert = tx
+                    .prepare_cached(
+                        "INSERT INTO events (session, seq, prev_hash, hash, fence, event)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                    )
+                    .map_err(storage(format!("prepare append to {uid}")))?;
+                for event in events {
+                    seq += 1;
+                    let hash = canon::content_hash(seq, &prev, event).map_err(|source| {
+                        JournalError::Canon {
+                            session: uid.to_owned(),
+                            source,
+                        }
+                    })?;
+                    insert
+                        .execute(params![uid, seq, prev, hash, fence, event.encode_to_vec()])
+                        .map_err(|e| match e {
+                            // A primary-key clash means another writer got there first.
+                            rusqlite::Error::SqliteFailure(f, _)
+                                if f.code == rusqlite::ErrorCode::ConstraintViolation =>
+                            {
+                                JournalError::Conflict {
+                                    session: uid.to_owned(),
+                                    expected: expected_last_seq,
+                                    head: seq,
+                                }
+                            }
+                            e => storage(format!("append seq {seq} to {uid}"))(e),
+                        })?;
+                    compute = project_compute_state(compute, event);
+                    records.push(LogRecord {
+                        seq,
+                        prev_hash: std::mem::replace(&mut prev, hash.clone()),
+                        content_hash: hash,
+                        fence,
+                        event: Some(event.clone()),
+                    });
+                }
+            }
+            tx.prepare_cached(
+                "UPDATE sessions SET last_seq = ?2, head_hash = ?3, compute_state = ?4,
                  updated_at = ?5 WHERE session = ?1",
-        )
-        .and_then(|mut st| st.execute(params![uid, seq, prev, compute as i32, now_nanos()]))
-        .map_err(storage(format!("advance head of {uid}")))?;
-        tx.commit()
-            .map_err(storage(format!("commit append to {uid}")))?;
-        Ok(records)
+            )
+            .and_then(|mut st| st.execute(params![uid, seq, prev, compute as i32, now_nanos()]))
+            .map_err(storage(format!("advance head of {uid}")))?;
+            tx.commit()
+                .map_err(storage(format!("commit append to {uid}")))?;
+            Ok(records)
+        })();
+        if result.is_ok() {
+            crate::metrics::global()
+                .journal_append
+                .observe(started.elapsed());
+        }
+        result
     }
 
     fn read(&self, uid: &str, from_seq: i64, to_seq: i64) -> Result<Vec<LogRecord>> {

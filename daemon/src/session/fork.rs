@@ -28,6 +28,17 @@ const ROLLBACK_STOP_TIMEOUT: std::time::Duration = std::time::Duration::from_sec
 
 impl SessionHost {
     pub async fn fork(&self, req: ForkRequest) -> Result<Vec<Session>, Status> {
+        let started = std::time::Instant::now();
+        let children = self.fork_children(req).await?;
+        let metrics = crate::metrics::global();
+        metrics.fork.observe(started.elapsed());
+        metrics
+            .fork_children
+            .fetch_add(children.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        Ok(children)
+    }
+
+    async fn fork_children(&self, req: ForkRequest) -> Result<Vec<Session>, Status> {
         let parent = self.active_row(&req.session)?;
         let uid = parent.uid.clone();
         let placement = self.place(&parent.harness)?;

@@ -112,6 +112,35 @@ impl MicrovmRuntime {
         VmmDir::new(self.config.run_dir.join(session), self.config.flavour)
     }
 
+    /// Each running VMM's session and proportional set size in bytes (for metrics).
+    pub fn vmm_memory(&self) -> Vec<(String, u64)> {
+        let Ok(entries) = std::fs::read_dir(&self.config.run_dir) else {
+            return Vec::new();
+        };
+        let mut out: Vec<(String, u64)> = entries
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let session = e.file_name().to_str()?.to_owned();
+                let dir = self.vmm_dir(&session);
+                if !dir.vmm_alive() {
+                    return None;
+                }
+                let pid = vmm_process::pid_of(&dir)?;
+                let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+                let kib: u64 = rollup
+                    .lines()
+                    .find_map(|l| l.strip_prefix("Pss:"))?
+                    .split_whitespace()
+                    .next()?
+                    .parse()
+                    .ok()?;
+                Some((session, kib * 1024))
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
     /// The images this runtime boots, one per harness.
     pub fn images(&self) -> &[GuestImage] {
         &self.config.images
@@ -274,6 +303,7 @@ impl MicrovmRuntime {
             .and_then(|n| n.to_str())
             .unwrap_or_default()
             .to_owned();
+        let started = std::time::Instant::now();
         let inc = self
             .start(session, |dir| async move {
                 let request = dir.flavour.restore_request(
@@ -296,6 +326,9 @@ impl MicrovmRuntime {
                 Ok(())
             })
             .await?;
+        crate::metrics::global()
+            .vmm_restore
+            .observe(started.elapsed());
         if !id.is_empty()
             && let Err(e) = self.store.acquire(&id, session)
         {
@@ -379,24 +412,28 @@ impl Runtime for MicrovmRuntime {
                 )
             })?
             .to_owned();
-        self.start(session, |dir| {
-            let config = self.vm_config(spec, &image, &dir);
-            async move {
-                let client = dir.client();
-                client
-                    .create(&config)
-                    .await
-                    .map_err(|e| format!("vm.create: {e}"))?;
-                std::fs::write(dir.harness_file(), &spec.harness)
-                    .map_err(|e| format!("{}: {e}", dir.harness_file().display()))?;
-                client.boot().await.map_err(|e| format!("vm.boot: {e}"))?;
-                GuestConn::ready(&dir.vsock(), self.config.ready_timeout, &|| dir.vmm_alive())
-                    .await
-                    .map(drop)
-                    .map_err(|e| format!("the guest never became ready: {e}"))
-            }
-        })
-        .await
+        let started = std::time::Instant::now();
+        let inc = self
+            .start(session, |dir| {
+                let config = self.vm_config(spec, &image, &dir);
+                async move {
+                    let client = dir.client();
+                    client
+                        .create(&config)
+                        .await
+                        .map_err(|e| format!("vm.create: {e}"))?;
+                    std::fs::write(dir.harness_file(), &spec.harness)
+                        .map_err(|e| format!("{}: {e}", dir.harness_file().display()))?;
+                    client.boot().await.map_err(|e| format!("vm.boot: {e}"))?;
+                    GuestConn::ready(&dir.vsock(), self.config.ready_timeout, &|| dir.vmm_alive())
+                        .await
+                        .map(drop)
+                        .map_err(|e| format!("the guest never became ready: {e}"))
+                }
+            })
+            .await?;
+        crate::metrics::global().vmm_boot.observe(started.elapsed());
+        Ok(inc)
     }
 
     /// EXTERNAL: pause, write the snapshot into the store, stop the VMM (compute freed).
@@ -417,6 +454,7 @@ impl Runtime for MicrovmRuntime {
                 ..Default::default()
             });
         }
+        let started = std::time::Instant::now();
         let client = dir.client();
         client
             .pause_idempotent()
@@ -436,6 +474,9 @@ impl Runtime for MicrovmRuntime {
             let _ = client.resume_idempotent().await;
             return Err(failed(session, format!("vm.snapshot: {e}")));
         }
+        crate::metrics::global()
+            .vmm_snapshot
+            .observe(started.elapsed());
         vmm_process::stop(&dir, &self.exits).await;
         self.release_snapshots(session);
         Ok(SnapshotRef {
