@@ -15,5 +15,6 @@ pub mod registry;
 pub mod runtime;
 pub mod server;
 pub mod session;
+pub mod settings;
 pub mod systemd;
 pub mod tool_webhook;

@@ -159,3 +159,91 @@ fn which(name: &str) -> Result<std::path::PathBuf, ()> {
         })
         .ok_or(())
 }
+
+#[test]
+fn check_config_validates_and_prints_the_effective_settings() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("agentvmd.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "state_dir = {:?}\nlisten = \"unix:/run/agentvm/x.sock\"\nmetrics_listen = \"127.0.0.1:9464\"\n",
+            dir.path().join("state").display().to_string()
+        ),
+    )
+    .unwrap();
+    let run = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_agentvmd"))
+            .arg("--config")
+            .arg(&file)
+            .arg("--check-config")
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let ok = run(&["--listen", "unix:/tmp/flag-wins.sock"]);
+    assert!(ok.status.success(), "{ok:?}");
+    let out = String::from_utf8_lossy(&ok.stdout);
+    assert!(
+        out.contains("listen = \"unix:/tmp/flag-wins.sock\""),
+        "{out}"
+    );
+    assert!(out.contains("metrics_listen = \"127.0.0.1:9464\""), "{out}");
+    assert!(out.contains("configuration is valid"), "{out}");
+    assert!(
+        !dir.path().join("state").exists(),
+        "a check creates nothing"
+    );
+
+    std::fs::write(&file, "listen = \"unix:/x\"\nwatchdog = true\n").unwrap();
+    let bad = run(&[]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("watchdog"),
+        "{bad:?}"
+    );
+
+    std::fs::write(&file, "vmm_binary = \"/nonexistent/agentvm-vmm\"\n").unwrap();
+    let missing = run(&[]);
+    assert_eq!(missing.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&missing.stderr).contains("vmm_binary: /nonexistent/agentvm-vmm"),
+        "{missing:?}"
+    );
+}
+
+#[tokio::test]
+async fn json_logs_are_one_object_per_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("run/agentvmd.sock");
+    let child = Command::new(env!("CARGO_BIN_EXE_agentvmd"))
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .arg("--listen")
+        .arg(format!("unix:{}", sock.display()))
+        .arg("--log-format")
+        .arg("json")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !sock.exists() {
+        assert!(Instant::now() < deadline, "socket never appeared");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // SAFETY: kill(2) on our own child's pid with a valid signal number.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert!(lines.len() >= 2, "{stderr}");
+    for line in lines {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+        assert!(
+            v["level"].is_string() && v["fields"]["message"].is_string(),
+            "{line}"
+        );
+    }
+}

@@ -1,126 +1,143 @@
 //! agentvmd: one per node. Owns the journal and serves the agentsessions API.
 
-use std::path::PathBuf;
-
 use agentvmd::config::{self, ListenAddr};
 use agentvmd::model::openai::{OpenAiConfig, load_api_key};
 use agentvmd::node::{Node, NodeConfig, find_in_path};
 use agentvmd::runtime::microvm::flavour::VmmFlavour;
 use agentvmd::server;
+use agentvmd::settings::{LogFormat, Settings};
 use agentvmd::tool_webhook::WebhookConfig;
 use anyhow::Context;
 use clap::Parser;
 use tracing::info;
 
-#[derive(Parser, Debug)]
-#[command(name = "agentvmd", version, about = "agentvm node daemon")]
-struct Args {
-    /// State directory (journal, snapshots). Default: /var/lib/agentvm as root,
-    /// $XDG_STATE_HOME/agentvm otherwise.
-    #[arg(long)]
-    state_dir: Option<PathBuf>,
-    /// Listener, `unix:PATH` or `HOST:PORT` (loopback). Default: unix:/run/agentvm/agentvmd.sock.
-    #[arg(long)]
-    listen: Option<ListenAddr>,
-    /// Admin listener for the HarnessRegistry API (unix socket or loopback TCP).
-    /// Default: admin.sock beside the API socket.
-    #[arg(long)]
-    admin_listen: Option<ListenAddr>,
-    /// Program that serves a built-in harness for the process runtime, invoked as
-    /// `PROGRAM harness serve NAME --listen unix:PATH`. Default: `agentvm` beside agentvmd.
-    #[arg(long)]
-    harness_bin: Option<PathBuf>,
-    /// The VMM binary the microvm runtime starts, one per session. Default: `agentvm-vmm`
-    /// beside agentvmd, or `cloud-hypervisor` on PATH; the runtime is left out if missing.
-    #[arg(long)]
-    vmm_binary: Option<PathBuf>,
-    /// Which VMM that is: `agentvm` (forks copy-on-write) or `cloud-hypervisor` (v52 or
-    /// later; forks by snapshot and full restore).
-    #[arg(long, default_value = "agentvm")]
-    vmm_flavour: VmmFlavour,
-    /// Directory for guest RAM files; a tmpfs lets a fork link RAM instead of copying it.
-    #[arg(long, default_value = "/dev/shm")]
-    ram_dir: PathBuf,
-    /// Guest image bundles (`agentvm image build -o DIR/NAME`), each served as harness NAME
-    /// on the microvm runtime (default: STATE_DIR/images).
-    #[arg(long)]
-    image_dir: Option<PathBuf>,
-    /// OpenAI-compatible endpoint (up to the version path, e.g. https://api.openai.com/v1)
-    /// serving every model except the built-in `echo`.
-    #[arg(long)]
-    openai_base_url: Option<String>,
-    /// Environment variable holding the endpoint's API key.
-    #[arg(long, default_value = "OPENAI_API_KEY")]
-    openai_api_key_env: String,
-    /// File holding the API key (first line); takes precedence over the variable.
-    #[arg(long)]
-    openai_api_key_file: Option<PathBuf>,
-    /// Per-request timeout of model calls, in seconds.
-    #[arg(long, default_value_t = 600)]
-    openai_timeout_secs: u64,
-    /// HTTP endpoint that executes host-mediated tool calls (JSON POST, deduplicated by its
-    /// Idempotency-Key header); without it such calls fail with MissingToolExecutor.
-    #[arg(long)]
-    tool_executor_url: Option<String>,
-    /// Serve Prometheus metrics (families agentvm_*) at http://HOST:PORT/metrics.
-    #[arg(long)]
-    metrics_listen: Option<std::net::SocketAddr>,
-    /// Per-call timeout of the tool executor, in seconds.
-    #[arg(long, default_value_t = 60)]
-    tool_executor_timeout_secs: u64,
+fn main() -> std::process::ExitCode {
+    let cli = Settings::parse();
+    let settings = match &cli.config {
+        Some(path) => match Settings::from_file(path) {
+            Ok(file) => cli.clone().over(file),
+            Err(e) => {
+                eprintln!("agentvmd: {e}");
+                return std::process::ExitCode::from(2);
+            }
+        },
+        None => cli.clone(),
+    };
+    let json = settings.log_format == Some(LogFormat::Json);
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    if json {
+        tracing_subscriber::fmt()
+            .json()
+            .with_current_span(true)
+            .with_span_list(false)
+            .with_writer(std::io::stderr)
+            .with_env_filter(filter)
+            .init();
+    } else {
+        tracing_subscriber::fmt()
+            .with_writer(std::io::stderr)
+            .with_env_filter(filter)
+            .init();
+    }
+    let result = if cli.check_config {
+        check(settings)
+    } else {
+        run(settings)
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("agentvmd: {e:#}");
+            std::process::ExitCode::from(2)
+        }
+    }
 }
 
-fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
-    let args = Args::parse();
-    let state_dir = args.state_dir.unwrap_or_else(config::default_state_dir);
-    let listen = args.listen.unwrap_or_else(config::default_listen);
-    let mut node_config = NodeConfig::new(state_dir.clone());
-    if let Some(bin) = &args.harness_bin {
+/// The node's configuration from the settings, defaults filled in.
+fn node_config(s: &Settings) -> anyhow::Result<(NodeConfig, ListenAddr, ListenAddr)> {
+    let state_dir = s
+        .state_dir
+        .clone()
+        .unwrap_or_else(config::default_state_dir);
+    let listen = s.listen.clone().unwrap_or_else(config::default_listen);
+    let admin_listen = s
+        .admin_listen
+        .clone()
+        .unwrap_or_else(|| config::default_admin_listen(&listen));
+    let mut node_config = NodeConfig::new(state_dir);
+    if let Some(bin) = &s.harness_bin {
         node_config.harness_command =
             vec![bin.display().to_string(), "harness".into(), "serve".into()];
     }
-    node_config.vmm_flavour = args.vmm_flavour;
-    node_config.image_dir = args.image_dir.clone();
-    node_config.vmm_binary = match (&args.vmm_binary, args.vmm_flavour) {
+    let flavour = s.vmm_flavour.unwrap_or_default();
+    node_config.vmm_flavour = flavour;
+    node_config.image_dir = s.image_dir.clone();
+    node_config.vmm_binary = match (&s.vmm_binary, flavour) {
         (Some(bin), _) => Some(bin.clone()),
         (None, VmmFlavour::Agentvm) => node_config.vmm_binary.take(),
         (None, flavour) => find_in_path(flavour.default_binary()),
     };
-    node_config.ram_dir = args.ram_dir.clone();
-    node_config.tool_executor = args.tool_executor_url.clone().map(|url| WebhookConfig {
+    if let Some(dir) = &s.ram_dir {
+        node_config.ram_dir = dir.clone();
+    }
+    node_config.tool_executor = s.tool_executor_url.clone().map(|url| WebhookConfig {
         url,
-        timeout: std::time::Duration::from_secs(args.tool_executor_timeout_secs),
+        timeout: std::time::Duration::from_secs(s.tool_executor_timeout_secs.unwrap_or(60)),
     });
-    if let Some(base_url) = &args.openai_base_url {
-        let api_key = load_api_key(
-            Some(&args.openai_api_key_env),
-            args.openai_api_key_file.as_deref(),
-        )
-        .context("reading the OpenAI API key file")?;
+    if let Some(base_url) = &s.openai_base_url {
+        let key_env = s.openai_api_key_env.as_deref().unwrap_or("OPENAI_API_KEY");
+        let api_key = load_api_key(Some(key_env), s.openai_api_key_file.as_deref())
+            .context("reading the OpenAI API key file")?;
         info!(base_url = %base_url, key = api_key.is_some(), "OpenAI-compatible provider configured");
         node_config.openai = Some(OpenAiConfig {
             base_url: base_url.clone(),
             api_key,
-            timeout: std::time::Duration::from_secs(args.openai_timeout_secs),
+            timeout: std::time::Duration::from_secs(s.openai_timeout_secs.unwrap_or(600)),
         });
     }
+    Ok((node_config, listen, admin_listen))
+}
+
+/// `--check-config`: everything `run` would check before serving, without serving.
+fn check(s: Settings) -> anyhow::Result<()> {
+    let (node_config, _, _) = node_config(&s)?;
+    if let Some(bin) = &s.vmm_binary
+        && !bin.is_file()
+    {
+        anyhow::bail!("vmm_binary: {} does not exist", bin.display());
+    }
+    if let Some(bin) = &s.harness_bin
+        && !bin.is_file()
+    {
+        anyhow::bail!("harness_bin: {} does not exist", bin.display());
+    }
+    if let Some(dir) = &s.image_dir
+        && !dir.is_dir()
+    {
+        anyhow::bail!("image_dir: {} is not a directory", dir.display());
+    }
+    if let Some(c) = &node_config.tool_executor {
+        agentvmd::tool_webhook::WebhookExecutor::new(c.clone()).context("tool_executor_url")?;
+    }
+    print!("{}", s.effective_toml());
+    println!("# configuration is valid");
+    Ok(())
+}
+
+fn run(s: Settings) -> anyhow::Result<()> {
+    let (node_config, listen, admin_listen) = node_config(&s)?;
+    let state_dir = node_config.state_dir.clone();
     let node = Node::open(node_config)?;
     info!(state_dir = %state_dir.display(), "journal open");
-    let admin_listen = args
-        .admin_listen
-        .unwrap_or_else(|| config::default_admin_listen(&listen));
+    let metrics_listen = s.metrics_listen;
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("starting the async runtime")?;
     runtime.block_on(async move {
-        if let Some(addr) = args.metrics_listen {
+        if let Some(addr) = metrics_listen {
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
                 .with_context(|| format!("binding --metrics-listen {addr}"))?;

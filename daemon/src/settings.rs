@@ -1,0 +1,302 @@
+//! agentvmd's settings: command-line flags over an optional TOML file (`--config FILE`) over
+//! embedded defaults. Every flag has a key of the same name in the file (dashes become
+//! underscores), so one struct describes both:
+//!
+//! ```toml
+//! state_dir = "/var/lib/agentvm"
+//! listen = "unix:/run/agentvm/agentvmd.sock"
+//! metrics_listen = "127.0.0.1:9464"
+//! vmm_binary = "/usr/local/bin/agentvm-vmm"
+//! image_dir = "/var/lib/agentvm/images"
+//! log_format = "json"
+//! ```
+//!
+//! Unknown keys and bad values are errors naming the key.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use serde::{Deserialize, Deserializer, Serialize};
+
+use crate::config::ListenAddr;
+use crate::runtime::microvm::flavour::VmmFlavour;
+
+fn parsed<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
+where
+    D: Deserializer<'de>,
+    T: FromStr,
+    T::Err: std::fmt::Display,
+{
+    let Some(text) = Option::<String>::deserialize(d)? else {
+        return Ok(None);
+    };
+    text.parse().map(Some).map_err(serde::de::Error::custom)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+#[derive(clap::Parser, Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[command(name = "agentvmd", version, about = "agentvm node daemon")]
+pub struct Settings {
+    /// A TOML file with any of these settings (flags given here win).
+    #[arg(long)]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// Validate the settings (flags and file), print the effective ones, and exit.
+    #[arg(long)]
+    #[serde(skip)]
+    pub check_config: bool,
+    /// State directory (journal, snapshots, images). Default: /var/lib/agentvm as root,
+    /// $XDG_STATE_HOME/agentvm otherwise.
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
+    /// Listener, `unix:PATH` or `HOST:PORT` (loopback). Default: unix:/run/agentvm/agentvmd.sock.
+    #[arg(long)]
+    #[serde(default, deserialize_with = "parsed")]
+    pub listen: Option<ListenAddr>,
+    /// Admin listener for the HarnessRegistry API (unix socket or loopback TCP).
+    /// Default: admin.sock beside the API socket.
+    #[arg(long)]
+    #[serde(default, deserialize_with = "parsed")]
+    pub admin_listen: Option<ListenAddr>,
+    /// Serve Prometheus metrics (families agentvm_*) at http://HOST:PORT/metrics.
+    #[arg(long)]
+    #[serde(default, deserialize_with = "parsed")]
+    pub metrics_listen: Option<SocketAddr>,
+    /// Log lines as `text` (default) or `json` (one object per line, span fields included).
+    #[arg(long)]
+    pub log_format: Option<LogFormat>,
+    /// Program that serves a built-in harness for the process runtime, invoked as
+    /// `PROGRAM harness serve NAME --listen unix:PATH`. Default: `agentvm` beside agentvmd.
+    #[arg(long)]
+    pub harness_bin: Option<PathBuf>,
+    /// The VMM binary the microvm runtime starts, one per session. Default: `agentvm-vmm`
+    /// beside agentvmd, or `cloud-hypervisor` on PATH; the runtime is left out if missing.
+    #[arg(long)]
+    pub vmm_binary: Option<PathBuf>,
+    /// Which VMM that is: `agentvm` (forks copy-on-write) or `cloud-hypervisor` (v52 or
+    /// later; forks by snapshot and full restore). Default: agentvm.
+    #[arg(long)]
+    #[serde(default, deserialize_with = "parsed")]
+    pub vmm_flavour: Option<VmmFlavour>,
+    /// Directory for guest RAM files; a tmpfs lets a fork link RAM instead of copying it.
+    /// Default: /dev/shm.
+    #[arg(long)]
+    pub ram_dir: Option<PathBuf>,
+    /// Guest image bundles (`agentvm image build -o DIR/NAME`), each served as harness NAME
+    /// on the microvm runtime. Default: STATE_DIR/images.
+    #[arg(long)]
+    pub image_dir: Option<PathBuf>,
+    /// OpenAI-compatible endpoint (up to the version path, e.g. https://api.openai.com/v1)
+    /// serving every model except the built-in `echo`.
+    #[arg(long)]
+    pub openai_base_url: Option<String>,
+    /// Environment variable holding the endpoint's API key. Default: OPENAI_API_KEY.
+    #[arg(long)]
+    pub openai_api_key_env: Option<String>,
+    /// File holding the API key (first line); takes precedence over the variable.
+    #[arg(long)]
+    pub openai_api_key_file: Option<PathBuf>,
+    /// Per-request timeout of model calls, in seconds. Default: 600.
+    #[arg(long)]
+    pub openai_timeout_secs: Option<u64>,
+    /// HTTP endpoint that executes host-mediated tool calls (JSON POST, deduplicated by its
+    /// Idempotency-Key header); without it such calls fail with MissingToolExecutor.
+    #[arg(long)]
+    pub tool_executor_url: Option<String>,
+    /// Per-call timeout of the tool executor, in seconds. Default: 60.
+    #[arg(long)]
+    pub tool_executor_timeout_secs: Option<u64>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    #[error("{path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: {key}: {message}")]
+    Invalid {
+        path: String,
+        key: String,
+        message: String,
+    },
+}
+
+macro_rules! prefer {
+    ($cli:ident, $file:ident, $($field:ident),*) => {
+        $( if $cli.$field.is_none() { $cli.$field = $file.$field.take(); } )*
+    };
+}
+
+impl Settings {
+    /// Reads `path` as TOML settings.
+    pub fn from_file(path: &Path) -> Result<Settings, SettingsError> {
+        let text = std::fs::read_to_string(path).map_err(|source| SettingsError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        serde_path_to_error::deserialize(toml::Deserializer::new(&text)).map_err(|e| {
+            let key = e.path().to_string();
+            SettingsError::Invalid {
+                path: path.display().to_string(),
+                key,
+                message: e.into_inner().message().to_owned(),
+            }
+        })
+    }
+
+    /// The flags, with what they leave unset taken from `file`.
+    pub fn over(mut self, mut file: Settings) -> Settings {
+        let cli = &mut self;
+        prefer!(
+            cli,
+            file,
+            state_dir,
+            listen,
+            admin_listen,
+            metrics_listen,
+            log_format,
+            harness_bin,
+            vmm_binary,
+            vmm_flavour,
+            ram_dir,
+            image_dir,
+            openai_base_url,
+            openai_api_key_env,
+            openai_api_key_file,
+            openai_timeout_secs,
+            tool_executor_url,
+            tool_executor_timeout_secs
+        );
+        self
+    }
+
+    /// The effective settings as a TOML file would say them (defaults filled in).
+    pub fn effective_toml(&self) -> String {
+        let mut t = toml::map::Map::new();
+        let mut put = |k: &str, v: Option<String>| {
+            if let Some(v) = v {
+                t.insert(k.to_owned(), toml::Value::String(v));
+            }
+        };
+        let path = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
+        put("state_dir", path(&self.state_dir));
+        put("listen", self.listen.as_ref().map(|l| l.to_string()));
+        put(
+            "admin_listen",
+            self.admin_listen.as_ref().map(|l| l.to_string()),
+        );
+        put("metrics_listen", self.metrics_listen.map(|a| a.to_string()));
+        put(
+            "log_format",
+            Some(
+                match self.log_format.unwrap_or_default() {
+                    LogFormat::Text => "text",
+                    LogFormat::Json => "json",
+                }
+                .to_owned(),
+            ),
+        );
+        put("harness_bin", path(&self.harness_bin));
+        put("vmm_binary", path(&self.vmm_binary));
+        put(
+            "vmm_flavour",
+            Some(self.vmm_flavour.unwrap_or_default().name().to_owned()),
+        );
+        put("ram_dir", path(&self.ram_dir));
+        put("image_dir", path(&self.image_dir));
+        put("openai_base_url", self.openai_base_url.clone());
+        put("openai_api_key_env", self.openai_api_key_env.clone());
+        put("openai_api_key_file", path(&self.openai_api_key_file));
+        put("tool_executor_url", self.tool_executor_url.clone());
+        let mut text = toml::to_string(&t).unwrap_or_default();
+        for (k, v) in [
+            ("openai_timeout_secs", self.openai_timeout_secs),
+            (
+                "tool_executor_timeout_secs",
+                self.tool_executor_timeout_secs,
+            ),
+        ] {
+            if let Some(v) = v {
+                text.push_str(&format!("{k} = {v}\n"));
+            }
+        }
+        text
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn file(text: &str) -> Result<Settings, SettingsError> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agentvmd.toml");
+        std::fs::write(&path, text).unwrap();
+        Settings::from_file(&path)
+    }
+
+    #[test]
+    fn flags_win_over_the_file_which_wins_over_defaults() {
+        let f = file(
+            "state_dir = \"/srv/agentvm\"\nlisten = \"unix:/run/a.sock\"\n\
+             metrics_listen = \"127.0.0.1:9464\"\nvmm_flavour = \"cloud-hypervisor\"\n\
+             log_format = \"json\"\nopenai_timeout_secs = 30\n",
+        )
+        .unwrap();
+        let cli = Settings::parse_from(["agentvmd", "--listen", "unix:/tmp/b.sock"]);
+        let s = cli.over(f);
+        assert_eq!(s.listen, Some(ListenAddr::Unix("/tmp/b.sock".into())));
+        assert_eq!(s.state_dir, Some(PathBuf::from("/srv/agentvm")));
+        assert_eq!(s.metrics_listen, Some("127.0.0.1:9464".parse().unwrap()));
+        assert_eq!(s.vmm_flavour, Some(VmmFlavour::CloudHypervisor));
+        assert_eq!(s.log_format, Some(LogFormat::Json));
+        assert_eq!(s.openai_timeout_secs, Some(30));
+        let effective = s.effective_toml();
+        assert!(
+            effective.contains("listen = \"unix:/tmp/b.sock\""),
+            "{effective}"
+        );
+        // What it prints reads back as the same settings.
+        let again = file(&effective).unwrap();
+        assert_eq!(again.listen, s.listen);
+        assert_eq!(again.vmm_flavour, s.vmm_flavour);
+    }
+
+    #[test]
+    fn the_shipped_example_is_valid() {
+        let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/agentvmd.toml");
+        let s = Settings::from_file(&example).unwrap();
+        assert_eq!(s.state_dir, Some(PathBuf::from("/var/lib/agentvm")));
+        assert_eq!(s.vmm_flavour, Some(VmmFlavour::Agentvm));
+    }
+
+    #[test]
+    fn bad_files_name_the_key() {
+        for (text, key) in [
+            ("listen = \"10.0.0.1:80\"\n", "listen"),
+            ("metrics_listen = \"nowhere\"\n", "metrics_listen"),
+            ("vmm_flavour = \"qemu\"\n", "vmm_flavour"),
+            ("log_format = \"xml\"\n", "log_format"),
+            ("openai_timeout_secs = \"soon\"\n", "openai_timeout_secs"),
+            ("colour = \"blue\"\n", "colour"),
+            ("config = \"/etc/x\"\n", "config"),
+        ] {
+            let err = file(text).unwrap_err().to_string();
+            assert!(err.contains(key), "{text:?}: {err}");
+        }
+        let err = Settings::from_file(Path::new("/nonexistent/agentvmd.toml")).unwrap_err();
+        assert!(err.to_string().contains("/nonexistent/agentvmd.toml"));
+    }
+}
