@@ -6,6 +6,7 @@ const PROTOS: &[&str] = &[
     "api/harness.proto",
     "api/harness_registry.proto",
     "api/agentvm/guest/v1/guest.proto",
+    "api/agentvm/node/v1/node.proto",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

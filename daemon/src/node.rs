@@ -8,6 +8,7 @@ use std::sync::Arc;
 use agentvm_proto::v1::{Capabilities, ComputeState, Resumability};
 use anyhow::Context;
 
+use crate::api::node_service::{NodeFacts, NodeService};
 use crate::config;
 use crate::controller::Controller;
 use crate::controller::tools::ToolExecutor;
@@ -173,6 +174,7 @@ pub struct Node {
     pub registry: Arc<Registry>,
     pub host: Arc<SessionHost>,
     pub microvm: Option<Arc<MicrovmRuntime>>,
+    pub facts: NodeFacts,
 }
 
 impl Node {
@@ -225,6 +227,12 @@ impl Node {
                 Some(why)
             }
         };
+        let facts = NodeFacts::probe(
+            cfg.vmm_binary
+                .as_deref()
+                .map(|b| (cfg.vmm_flavour.name(), b)),
+            microvm_missing.as_deref(),
+        );
         let unservable = |name: &str, caps: &Capabilities| match builtin_runtimes.get(name) {
             Some(rt) => can_place(caps, rt.name(), &rt.capabilities())
                 .err()
@@ -282,11 +290,22 @@ impl Node {
             registry,
             host,
             microvm,
+            facts,
         })
     }
 }
 
 impl Node {
+    /// The `agentvm.node.v1.Node` service of this node.
+    pub fn node_service(&self) -> NodeService {
+        NodeService {
+            facts: self.facts.clone(),
+            journal: Arc::clone(&self.journal),
+            registry: Arc::clone(&self.registry),
+            microvm: self.microvm.clone(),
+        }
+    }
+
     /// What the metrics endpoint reports about the node's present state.
     pub fn state_fn(&self) -> StateFn {
         let journal = Arc::clone(&self.journal);

@@ -76,6 +76,14 @@ pub async fn api_routes(host: Arc<SessionHost>) -> anyhow::Result<Routes> {
         .add_service(SessionsService::new(host).into_server()))
 }
 
+/// The Sessions API listener's routes for a whole node: Sessions, health, reflection and
+/// the node status service.
+pub async fn node_routes(node: &crate::node::Node) -> anyhow::Result<Routes> {
+    Ok(api_routes(node.host.clone())
+        .await?
+        .add_service(node.node_service().into_server()))
+}
+
 /// The routes of the admin listener: the harness registry.
 pub fn admin_routes(registry: Arc<Registry>) -> Routes {
     Routes::new(HarnessRegistryServer::new(RegistryService::new(registry)))

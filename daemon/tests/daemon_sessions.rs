@@ -292,3 +292,40 @@ async fn kill_9_during_a_turn_then_exec_without_inputs_completes_it() {
         .into_inner();
     assert_eq!(s.last_seq, 5);
 }
+
+#[test]
+fn node_status_reports_what_a_scheduler_needs() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = start_daemon(dir.path());
+    let (ok, _, err) = cli(&d, &["create", "--harness", "echo"]);
+    assert!(ok, "{err}");
+    let (ok, out, err) = cli(&d, &["--json", "node", "status"]);
+    assert!(ok, "{err}");
+    let s: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(s["agentvmd_version"], env!("CARGO_PKG_VERSION"));
+    assert_eq!(s["sessions"], "1", "uint64 is a string in proto3 JSON: {s}");
+    assert!(s["cpus"].as_u64().unwrap() >= 1);
+    assert!(
+        s["memory_available_bytes"]
+            .as_str()
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+            > 0
+    );
+    let kvm = s["kvm_flavour"].as_str().unwrap();
+    assert!(
+        ["vmx", "svm", "pvm", "none", "unknown"].contains(&kvm),
+        "{kvm}"
+    );
+    let harnesses: Vec<&str> = s["harnesses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h.as_str().unwrap())
+        .collect();
+    assert!(harnesses.contains(&"echo"), "{harnesses:?}");
+    // Human output too.
+    let (ok, out, _) = cli(&d, &["node", "status"]);
+    assert!(ok && out.contains("sessions    1"), "{out}");
+}

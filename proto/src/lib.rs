@@ -20,5 +20,10 @@ pub use generated::{agentsessions, agentvm};
 /// `agentsessions.v1`, generated from `proto/api/*.proto`.
 pub use generated::agentsessions::v1;
 
+/// `agentvm.node.v1`: the node status a fleet scheduler polls.
+pub mod node {
+    pub use crate::generated::agentvm::node::v1;
+}
+
 /// The compiled descriptor set of every .proto in this crate (for reflection and proto3 JSON).
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("descriptor");

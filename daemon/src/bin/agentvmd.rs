@@ -152,7 +152,7 @@ fn run(s: Settings) -> anyhow::Result<()> {
         let admin_bound = server::bind(&admin_listen, 0o600).await?;
         let api = server::serve_bound(
             api_bound,
-            server::api_routes(node.host.clone()).await?,
+            server::node_routes(&node).await?,
             stopped(stop_rx.clone()),
         );
         let admin = server::serve_bound(

@@ -58,9 +58,7 @@ pub async fn start_in(dir: tempfile::TempDir, configure: impl FnOnce(&mut NodeCo
     let node = Node::open(cfg).unwrap();
     let socket = path.join("api.sock");
     let addr = ListenAddr::Unix(socket.clone());
-    let routes = agentvmd::server::api_routes(node.host.clone())
-        .await
-        .unwrap();
+    let routes = agentvmd::server::node_routes(&node).await.unwrap();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     {
         let addr = addr.clone();

@@ -2,6 +2,7 @@
 
 mod harness_cmd;
 mod image_cmd;
+mod node_cmd;
 mod sessions_cmd;
 
 use std::io::Read;
@@ -40,8 +41,17 @@ enum Command {
     /// Write guest images.
     #[command(subcommand)]
     Image(ImageCommand),
+    /// The node agentvmd runs on.
+    #[command(subcommand)]
+    Node(NodeCommand),
     #[command(flatten)]
     Session(sessions_cmd::SessionCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum NodeCommand {
+    /// Capacity, KVM flavour, VMM version, free memory, sessions and harnesses.
+    Status,
 }
 
 #[derive(Subcommand, Debug)]
@@ -117,6 +127,15 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
                 .build()
                 .context("starting the async runtime")?;
             runtime.block_on(sessions_cmd::run(&addr, cli.json, cmd.clone()))?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Node(NodeCommand::Status) => {
+            let addr = cli.addr.clone().unwrap_or_else(config::default_listen);
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .context("starting the async runtime")?;
+            runtime.block_on(node_cmd::status(&addr, cli.json))?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Harness(HarnessCommand::Serve { name, listen }) => {

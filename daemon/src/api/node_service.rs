@@ -1,0 +1,159 @@
+//! `agentvm.node.v1.Node`: the node's capacity and make-up, for a fleet scheduler.
+
+use std::sync::Arc;
+
+use agentvm_proto::node::v1::node_server::{Node as NodeApi, NodeServer};
+use agentvm_proto::node::v1::{GetStatusRequest, NodeStatus};
+use agentvm_proto::v1::ComputeState;
+use tonic::{Request, Response, Status};
+
+use crate::journal::sqlite::SqliteJournal;
+use crate::registry::{Entry, Registry, entry_name};
+use crate::runtime::microvm::MicrovmRuntime;
+
+/// What does not change while the daemon runs.
+#[derive(Debug, Clone, Default)]
+pub struct NodeFacts {
+    pub hostname: String,
+    pub kvm_flavour: String,
+    pub vmm_flavour: String,
+    pub vmm_version: String,
+    pub microvm_unavailable: String,
+    pub cpus: u32,
+}
+
+impl NodeFacts {
+    pub fn probe(vmm: Option<(&str, &std::path::Path)>, microvm_unavailable: Option<&str>) -> Self {
+        let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_owned())
+            .unwrap_or_default();
+        let kvm_flavour = if !std::path::Path::new("/dev/kvm").exists() {
+            "none"
+        } else if std::path::Path::new("/sys/module/kvm_pvm").exists() {
+            "pvm"
+        } else if std::path::Path::new("/sys/module/kvm_intel").exists() {
+            "vmx"
+        } else if std::path::Path::new("/sys/module/kvm_amd").exists() {
+            "svm"
+        } else {
+            "unknown"
+        };
+        let (vmm_flavour, vmm_version) = match (vmm, microvm_unavailable) {
+            (Some((flavour, binary)), None) => (flavour.to_owned(), version_of(binary)),
+            _ => (String::new(), String::new()),
+        };
+        Self {
+            hostname,
+            kvm_flavour: kvm_flavour.to_owned(),
+            vmm_flavour,
+            vmm_version,
+            microvm_unavailable: microvm_unavailable.unwrap_or_default().to_owned(),
+            cpus: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
+        }
+    }
+}
+
+/// The first line of `binary --version` (empty when it has none to give).
+fn version_of(binary: &std::path::Path) -> String {
+    std::process::Command::new(binary)
+        .arg("--version")
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.lines().next().map(str::to_owned))
+        .unwrap_or_default()
+}
+
+/// (MemTotal, MemAvailable) in bytes.
+fn meminfo() -> (u64, u64) {
+    let text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|kib| kib.parse::<u64>().ok())
+            .map_or(0, |kib| kib * 1024)
+    };
+    (field("MemTotal:"), field("MemAvailable:"))
+}
+
+pub struct NodeService {
+    pub facts: NodeFacts,
+    pub journal: Arc<SqliteJournal>,
+    pub registry: Arc<Registry>,
+    pub microvm: Option<Arc<MicrovmRuntime>>,
+}
+
+impl NodeService {
+    pub fn into_server(self) -> NodeServer<Self> {
+        NodeServer::new(self)
+    }
+
+    pub fn status(&self) -> Result<NodeStatus, Status> {
+        let counts = self
+            .journal
+            .count_by_compute_state()
+            .map_err(|e| Status::internal(e.to_string()))?;
+        let sessions = counts.iter().map(|(_, n)| n).sum();
+        let sessions_live = counts
+            .iter()
+            .filter(|(s, _)| *s == ComputeState::ComputeLive)
+            .map(|(_, n)| n)
+            .sum();
+        let vmms = self
+            .microvm
+            .as_ref()
+            .map(|m| m.vmm_memory())
+            .unwrap_or_default();
+        let vmm_memory_bytes: u64 = vmms.iter().map(|(_, pss)| pss).sum();
+        let (memory_total_bytes, memory_available_bytes) = meminfo();
+        let per_vmm = if vmms.is_empty() {
+            1 << 20
+        } else {
+            (vmm_memory_bytes / vmms.len() as u64).max(1)
+        };
+        let capacity_sessions = if self.microvm.is_some() {
+            memory_available_bytes / per_vmm
+        } else {
+            0
+        };
+        let harnesses = self
+            .registry
+            .list("", 10_000, false)
+            .map_err(|e| Status::internal(e.to_string()))?
+            .iter()
+            .filter(|e| !matches!(e, Entry::Static(s) if !s.unservable_reason.is_empty()))
+            .map(|e| entry_name(e).to_owned())
+            .collect();
+        Ok(NodeStatus {
+            agentvmd_version: env!("CARGO_PKG_VERSION").to_owned(),
+            hostname: self.facts.hostname.clone(),
+            kvm_flavour: self.facts.kvm_flavour.clone(),
+            vmm_flavour: self.facts.vmm_flavour.clone(),
+            vmm_version: self.facts.vmm_version.clone(),
+            microvm_unavailable: self.facts.microvm_unavailable.clone(),
+            cpus: self.facts.cpus,
+            memory_total_bytes,
+            memory_available_bytes,
+            sessions,
+            sessions_live,
+            vmms: vmms.len() as u64,
+            vmm_memory_bytes,
+            capacity_sessions,
+            harnesses,
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl NodeApi for NodeService {
+    async fn get_status(
+        &self,
+        _request: Request<GetStatusRequest>,
+    ) -> Result<Response<NodeStatus>, Status> {
+        Ok(Response::new(self.status()?))
+    }
+}

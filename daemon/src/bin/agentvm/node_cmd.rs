@@ -1,0 +1,47 @@
+//! `agentvm node status`: the node's capacity and make-up, as a fleet scheduler sees it.
+
+use agentvm_proto::canon::to_proto_json;
+use agentvm_proto::node::v1::GetStatusRequest;
+use agentvm_proto::node::v1::node_client::NodeClient;
+use agentvmd::config::ListenAddr;
+use anyhow::Context;
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / f64::from(1 << 20))
+}
+
+pub async fn status(addr: &ListenAddr, json: bool) -> anyhow::Result<()> {
+    let channel = agentvmd::client::connect(addr).await?;
+    let s = NodeClient::new(channel)
+        .get_status(GetStatusRequest {})
+        .await?
+        .into_inner();
+    if json {
+        println!("{}", to_proto_json(&s).context("rendering JSON")?);
+        return Ok(());
+    }
+    println!(
+        "node        {} (agentvmd {})",
+        s.hostname, s.agentvmd_version
+    );
+    println!("kvm         {}", s.kvm_flavour);
+    if s.microvm_unavailable.is_empty() {
+        println!("vmm         {} ({})", s.vmm_flavour, s.vmm_version);
+    } else {
+        println!("vmm         none: {}", s.microvm_unavailable);
+    }
+    println!("cpus        {}", s.cpus);
+    println!(
+        "memory      {} available of {}",
+        mib(s.memory_available_bytes),
+        mib(s.memory_total_bytes)
+    );
+    println!("sessions    {} ({} live)", s.sessions, s.sessions_live);
+    println!("vmms        {} holding {}", s.vmms, mib(s.vmm_memory_bytes));
+    println!(
+        "capacity    ~{} more idle microVM sessions",
+        s.capacity_sessions
+    );
+    println!("harnesses   {}", s.harnesses.join(", "));
+    Ok(())
+}
