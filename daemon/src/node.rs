@@ -12,6 +12,7 @@ use crate::api::node_service::{NodeFacts, NodeService};
 use crate::config;
 use crate::controller::Controller;
 use crate::controller::tools::ToolExecutor;
+use crate::journal::Journal;
 use crate::journal::sqlite::{Durability, SqliteJournal};
 use crate::metrics::exposition::NodeState;
 use crate::metrics::server::StateFn;

@@ -42,6 +42,18 @@ pub enum LogFormat {
     Json,
 }
 
+/// What a stopping daemon does with running sessions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum ShutdownPolicy {
+    /// Leave VMMs running; the next agentvmd adopts them (a restart or upgrade).
+    #[default]
+    Leave,
+    /// Suspend every running session first (memory-tier ones to a snapshot), so the node
+    /// can go down (a reboot, a drain).
+    Suspend,
+}
+
 #[derive(clap::Parser, Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[command(name = "agentvmd", version, about = "agentvm node daemon")]
@@ -115,6 +127,13 @@ pub struct Settings {
     /// Per-call timeout of the tool executor, in seconds. Default: 60.
     #[arg(long)]
     pub tool_executor_timeout_secs: Option<u64>,
+    /// On SIGTERM: `leave` running sessions to the next agentvmd (default) or `suspend`
+    /// them all first.
+    #[arg(long)]
+    pub shutdown_policy: Option<ShutdownPolicy>,
+    /// How long a `suspend` shutdown may take, in seconds. Default: 60.
+    #[arg(long)]
+    pub shutdown_timeout_secs: Option<u64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -176,7 +195,9 @@ impl Settings {
             openai_api_key_file,
             openai_timeout_secs,
             tool_executor_url,
-            tool_executor_timeout_secs
+            tool_executor_timeout_secs,
+            shutdown_policy,
+            shutdown_timeout_secs
         );
         self
     }
@@ -219,6 +240,16 @@ impl Settings {
         put("openai_api_key_env", self.openai_api_key_env.clone());
         put("openai_api_key_file", path(&self.openai_api_key_file));
         put("tool_executor_url", self.tool_executor_url.clone());
+        put(
+            "shutdown_policy",
+            Some(
+                match self.shutdown_policy.unwrap_or_default() {
+                    ShutdownPolicy::Leave => "leave",
+                    ShutdownPolicy::Suspend => "suspend",
+                }
+                .to_owned(),
+            ),
+        );
         let mut text = toml::to_string(&t).unwrap_or_default();
         for (k, v) in [
             ("openai_timeout_secs", self.openai_timeout_secs),
@@ -226,6 +257,7 @@ impl Settings {
                 "tool_executor_timeout_secs",
                 self.tool_executor_timeout_secs,
             ),
+            ("shutdown_timeout_secs", self.shutdown_timeout_secs),
         ] {
             if let Some(v) = v {
                 text.push_str(&format!("{k} = {v}\n"));

@@ -33,6 +33,10 @@ impl Drop for Daemon {
 }
 
 fn start_daemon(dir: &Path) -> Daemon {
+    start_daemon_with(dir, &[])
+}
+
+fn start_daemon_with(dir: &Path, extra: &[&str]) -> Daemon {
     let api = dir.join("run/api.sock");
     let admin = dir.join("run/admin.sock");
     let _ = std::fs::remove_file(&api);
@@ -46,6 +50,7 @@ fn start_daemon(dir: &Path) -> Daemon {
         .arg(format!("unix:{}", admin.display()))
         .arg("--harness-bin")
         .arg(env!("CARGO_BIN_EXE_agentvm"))
+        .args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -328,4 +333,28 @@ fn node_status_reports_what_a_scheduler_needs() {
     // Human output too.
     let (ok, out, _) = cli(&d, &["node", "status"]);
     assert!(ok && out.contains("sessions    1"), "{out}");
+}
+
+#[test]
+fn shutdown_policy_suspend_suspends_running_sessions() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut d = start_daemon_with(dir.path(), &["--shutdown-policy", "suspend"]);
+    let (ok, out, err) = cli(&d, &["--json", "create", "--harness", "echo"]);
+    assert!(ok, "{err}");
+    let created: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
+    let uid = created["metadata"]["uid"].as_str().unwrap().to_owned();
+    let (ok, _, err) = cli(&d, &["exec", "--session", &uid, "-i", "hello"]);
+    assert!(ok, "{err}");
+    let (_, out, _) = cli(&d, &["--json", "get", &uid]);
+    assert!(out.contains("COMPUTE_LIVE"), "{out}");
+    // SAFETY: kill(2) on our own child's pid with a valid signal number.
+    assert_eq!(unsafe { libc::kill(d.child.id() as i32, libc::SIGTERM) }, 0);
+    assert!(d.child.wait().unwrap().success());
+    drop(d);
+    let d = start_daemon(dir.path());
+    let (ok, out, err) = cli(&d, &["--json", "get", &uid]);
+    assert!(ok, "{err}");
+    assert!(out.contains("COMPUTE_COLD"), "{out}");
+    let (ok, out, _) = cli(&d, &["exec", "--session", &uid, "-i", "after"]);
+    assert!(ok && out.contains("echo:after"), "{out}");
 }

@@ -7,6 +7,7 @@ use agentvm_proto::node::v1::{GetStatusRequest, NodeStatus};
 use agentvm_proto::v1::ComputeState;
 use tonic::{Request, Response, Status};
 
+use crate::journal::Journal;
 use crate::journal::sqlite::SqliteJournal;
 use crate::registry::{Entry, Registry, entry_name};
 use crate::runtime::microvm::MicrovmRuntime;

@@ -5,7 +5,7 @@ use agentvmd::model::openai::{OpenAiConfig, load_api_key};
 use agentvmd::node::{Node, NodeConfig, find_in_path};
 use agentvmd::runtime::microvm::flavour::VmmFlavour;
 use agentvmd::server;
-use agentvmd::settings::{LogFormat, Settings};
+use agentvmd::settings::{LogFormat, Settings, ShutdownPolicy};
 use agentvmd::tool_webhook::WebhookConfig;
 use anyhow::Context;
 use clap::Parser;
@@ -131,6 +131,8 @@ fn run(s: Settings) -> anyhow::Result<()> {
     let node = Node::open(node_config)?;
     info!(state_dir = %state_dir.display(), "journal open");
     let metrics_listen = s.metrics_listen;
+    let shutdown_policy = s.shutdown_policy.unwrap_or_default();
+    let shutdown_budget = std::time::Duration::from_secs(s.shutdown_timeout_secs.unwrap_or(60));
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -188,7 +190,19 @@ fn run(s: Settings) -> anyhow::Result<()> {
             }
             let _ = stop_tx.send(true);
         });
-        tokio::try_join!(api, admin).map(|_| ())
+        tokio::try_join!(api, admin)?;
+        if shutdown_policy == ShutdownPolicy::Suspend {
+            let (suspended, failed) = node.host.suspend_all(shutdown_budget).await;
+            info!(
+                suspended,
+                failed = failed.len(),
+                "sessions suspended for shutdown"
+            );
+            for (session, why) in failed {
+                tracing::warn!(%session, %why, "not suspended");
+            }
+        }
+        Ok(())
     })
 }
 

@@ -171,6 +171,12 @@ pub trait Journal: Send + Sync {
     fn copy_prefix(&self, parent: &str, child: &str, upto_seq: i64, fence: i64) -> Result<()>;
 
     fn set_deletion(&self, uid: &str, state: DeletionState) -> Result<()>;
+
+    /// Active sessions whose stored compute state is `state`.
+    fn sessions_in_state(&self, state: ComputeState) -> Result<Vec<String>>;
+
+    /// Active sessions by their stored compute state (for metrics and node status).
+    fn count_by_compute_state(&self) -> Result<Vec<(ComputeState, u64)>>;
 }
 
 /// How one event moves the `compute_state` projection (semantics.md §1.5).

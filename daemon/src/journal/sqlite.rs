@@ -125,30 +125,6 @@ impl SqliteJournal {
     fn reader(&self) -> std::sync::MutexGuard<'_, Connection> {
         self.reader.lock().unwrap_or_else(|p| p.into_inner())
     }
-
-    /// Active sessions by their stored compute state (for metrics).
-    pub fn count_by_compute_state(&self) -> Result<Vec<(ComputeState, u64)>> {
-        let conn = self.reader();
-        conn.prepare_cached(
-            "SELECT compute_state, COUNT(*) FROM sessions WHERE deletion_state = 'ACTIVE'
-             GROUP BY compute_state ORDER BY compute_state",
-        )
-        .and_then(|mut st| {
-            st.query_map([], |r| Ok((r.get::<_, i32>(0)?, r.get::<_, i64>(1)?)))?
-                .collect::<rusqlite::Result<Vec<_>>>()
-        })
-        .map(|rows| {
-            rows.into_iter()
-                .map(|(state, n)| {
-                    (
-                        ComputeState::try_from(state).unwrap_or(ComputeState::ComputeNone),
-                        n as u64,
-                    )
-                })
-                .collect()
-        })
-        .map_err(storage("count sessions by compute state".to_owned()))
-    }
 }
 
 const SESSION_COLUMNS: &str = "session, fence, project, name, harness, model, parent_uid, fork_seq,
@@ -248,6 +224,44 @@ fn decode_record(
 }
 
 impl Journal for SqliteJournal {
+    /// Active sessions whose stored compute state is `state`.
+    fn sessions_in_state(&self, state: ComputeState) -> Result<Vec<String>> {
+        let conn = self.reader();
+        conn.prepare_cached(
+            "SELECT session FROM sessions WHERE deletion_state = 'ACTIVE' AND compute_state = ?1
+             ORDER BY session",
+        )
+        .and_then(|mut st| {
+            st.query_map(params![state as i32], |r| r.get(0))?
+                .collect::<rusqlite::Result<Vec<String>>>()
+        })
+        .map_err(storage("list sessions by compute state".to_owned()))
+    }
+
+    /// Active sessions by their stored compute state (for metrics).
+    fn count_by_compute_state(&self) -> Result<Vec<(ComputeState, u64)>> {
+        let conn = self.reader();
+        conn.prepare_cached(
+            "SELECT compute_state, COUNT(*) FROM sessions WHERE deletion_state = 'ACTIVE'
+             GROUP BY compute_state ORDER BY compute_state",
+        )
+        .and_then(|mut st| {
+            st.query_map([], |r| Ok((r.get::<_, i32>(0)?, r.get::<_, i64>(1)?)))?
+                .collect::<rusqlite::Result<Vec<_>>>()
+        })
+        .map(|rows| {
+            rows.into_iter()
+                .map(|(state, n)| {
+                    (
+                        ComputeState::try_from(state).unwrap_or(ComputeState::ComputeNone),
+                        n as u64,
+                    )
+                })
+                .collect()
+        })
+        .map_err(storage("count sessions by compute state".to_owned()))
+    }
+
     fn create_session(&self, row: &SessionRow) -> Result<()> {
         let conn = self.writer();
         let inserted = conn

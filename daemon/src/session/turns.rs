@@ -401,6 +401,27 @@ impl SessionHost {
         self.view(uid)
     }
 
+    /// Suspends every session with running compute, within `budget` (a node shutting down
+    /// with `--shutdown-policy suspend`): memory-tier sessions are snapshotted, stateless ones
+    /// just stopped. Returns how many were suspended and the failures.
+    pub async fn suspend_all(&self, budget: std::time::Duration) -> (usize, Vec<(String, String)>) {
+        let deadline = tokio::time::Instant::now() + budget;
+        let live = match self.journal.sessions_in_state(ComputeState::ComputeLive) {
+            Ok(live) => live,
+            Err(e) => return (0, vec![(String::new(), e.to_string())]),
+        };
+        let mut done = 0;
+        let mut failed = Vec::new();
+        for uid in live {
+            match tokio::time::timeout_at(deadline, self.suspend(&uid)).await {
+                Ok(Ok(_)) => done += 1,
+                Ok(Err(s)) => failed.push((uid, s.message().to_owned())),
+                Err(_) => failed.push((uid, "the shutdown budget ran out".to_owned())),
+            }
+        }
+        (done, failed)
+    }
+
     /// Resume: bring compute back (restoring the session's own snapshot), re-drive an
     /// interrupted execution, append RESUME when the session was cold.
     pub async fn resume(&self, uid: &str) -> Result<Session, Status> {
