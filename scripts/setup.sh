@@ -8,6 +8,8 @@ need=()
 command -v cc >/dev/null 2>&1 || need+=(build-essential)
 command -v git >/dev/null 2>&1 || need+=(git)
 command -v curl >/dev/null 2>&1 || need+=(curl ca-certificates)
+# Tests mint TLS certificates with it.
+command -v openssl >/dev/null 2>&1 || need+=(openssl)
 if [ ${#need[@]} -gt 0 ]; then
     SUDO=""
     [ "$(id -u)" -eq 0 ] || SUDO="sudo"

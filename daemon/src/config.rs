@@ -46,10 +46,20 @@ impl std::str::FromStr for ListenAddr {
                     .ok_or(())
             })
             .map_err(|()| AddrError::Unparseable(s.to_owned()))?;
-        if !addr.ip().is_loopback() {
-            return Err(AddrError::NonLoopbackTcp(addr));
-        }
         Ok(ListenAddr::Tcp(addr))
+    }
+}
+
+impl ListenAddr {
+    /// A listener without TLS: a unix socket (its permissions are its access control) or
+    /// loopback TCP, never the network.
+    pub fn check_plaintext(&self) -> Result<(), AddrError> {
+        match self {
+            ListenAddr::Tcp(addr) if !addr.ip().is_loopback() => {
+                Err(AddrError::NonLoopbackTcp(*addr))
+            }
+            _ => Ok(()),
+        }
     }
 }
 
@@ -147,9 +157,12 @@ mod tests {
             "nonsense".parse::<ListenAddr>(),
             Err(AddrError::Unparseable(_))
         ));
+        let exposed: ListenAddr = "0.0.0.0:7000".parse().unwrap();
         assert!(matches!(
-            "0.0.0.0:7000".parse::<ListenAddr>(),
+            exposed.check_plaintext(),
             Err(AddrError::NonLoopbackTcp(_))
         ));
+        let local: ListenAddr = "127.0.0.1:7000".parse().unwrap();
+        assert_eq!(local.check_plaintext(), Ok(()));
     }
 }

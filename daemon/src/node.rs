@@ -8,6 +8,7 @@ use std::sync::Arc;
 use agentvm_proto::v1::{Capabilities, ComputeState, Resumability};
 use anyhow::Context;
 
+use crate::api::auth::Authenticator;
 use crate::api::node_service::{NodeFacts, NodeService};
 use crate::config;
 use crate::controller::Controller;
@@ -53,6 +54,8 @@ pub struct NodeConfig {
     /// The HTTP endpoint that executes host-mediated tool calls; without one such calls fail
     /// with MissingToolExecutor.
     pub tool_executor: Option<WebhookConfig>,
+    /// Principals and their projects; with it every Sessions call must authenticate.
+    pub auth: Option<Arc<Authenticator>>,
 }
 
 impl NodeConfig {
@@ -67,6 +70,7 @@ impl NodeConfig {
             ram_dir: PathBuf::from("/dev/shm"),
             image_dir: None,
             tool_executor: None,
+            auth: None,
         }
     }
 }
@@ -176,6 +180,7 @@ pub struct Node {
     pub host: Arc<SessionHost>,
     pub microvm: Option<Arc<MicrovmRuntime>>,
     pub facts: NodeFacts,
+    pub auth: Option<Arc<Authenticator>>,
 }
 
 impl Node {
@@ -292,6 +297,7 @@ impl Node {
             host,
             microvm,
             facts,
+            auth: cfg.auth.clone(),
         })
     }
 }

@@ -12,9 +12,12 @@ use tokio::net::UnixListener;
 use tokio::sync::Notify;
 use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
 use tonic::service::Routes;
-use tonic::transport::Server;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Server, ServerTlsConfig};
 use tracing::{info, warn};
 
+use crate::api::auth::Authenticator;
+use crate::api::node_service::NodeService;
 use crate::api::registry_service::RegistryService;
 use crate::api::sessions_service::SessionsService;
 use crate::config::ListenAddr;
@@ -59,8 +62,18 @@ where
     }
 }
 
-/// The routes of the Sessions API listener.
+/// The routes of the Sessions API listener, open to whoever reaches the socket.
 pub async fn api_routes(host: Arc<SessionHost>) -> anyhow::Result<Routes> {
+    api_routes_with(host, None, None).await
+}
+
+/// Sessions (and, given, the node status service), health and reflection. With an
+/// authenticator every Sessions and Node call must carry a credential.
+pub async fn api_routes_with(
+    host: Arc<SessionHost>,
+    node: Option<NodeService>,
+    auth: Option<Arc<Authenticator>>,
+) -> anyhow::Result<Routes> {
     // Serving starts here, so does noticing compute that dies between requests.
     host.watch_compute();
     let (health_reporter, health) = tonic_health::server::health_reporter();
@@ -71,17 +84,35 @@ pub async fn api_routes(host: Arc<SessionHost>) -> anyhow::Result<Routes> {
         .register_encoded_file_descriptor_set(agentvm_proto::FILE_DESCRIPTOR_SET)
         .build_v1()
         .context("building the reflection service")?;
-    Ok(Routes::new(health)
-        .add_service(reflection)
-        .add_service(SessionsService::new(host).into_server()))
+    let check = move |mut req: tonic::Request<()>| {
+        if let Some(auth) = &auth {
+            let principal = auth.authenticate(&req)?;
+            req.extensions_mut().insert(principal);
+        }
+        Ok(req)
+    };
+    let mut routes =
+        Routes::new(health)
+            .add_service(reflection)
+            .add_service(InterceptedService::new(
+                SessionsService::new(host).into_server(),
+                check.clone(),
+            ));
+    if let Some(node) = node {
+        routes = routes.add_service(InterceptedService::new(node.into_server(), check));
+    }
+    Ok(routes)
 }
 
 /// The Sessions API listener's routes for a whole node: Sessions, health, reflection and
 /// the node status service.
 pub async fn node_routes(node: &crate::node::Node) -> anyhow::Result<Routes> {
-    Ok(api_routes(node.host.clone())
-        .await?
-        .add_service(node.node_service().into_server()))
+    api_routes_with(
+        node.host.clone(),
+        Some(node.node_service()),
+        node.auth.clone(),
+    )
+    .await
 }
 
 /// The routes of the admin listener: the harness registry.
@@ -144,6 +175,17 @@ pub async fn serve_bound(
     routes: Routes,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    serve_bound_tls(bound, routes, None, shutdown).await
+}
+
+/// As [`serve_bound`], with TLS on a TCP socket (never on a unix one, whose permissions are
+/// its protection).
+pub async fn serve_bound_tls(
+    bound: Bound,
+    routes: Routes,
+    tls: Option<ServerTlsConfig>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
     let signalled = Arc::new(Notify::new());
     let shutdown = {
         let signalled = Arc::clone(&signalled);
@@ -152,7 +194,11 @@ pub async fn serve_bound(
             signalled.notify_one();
         }
     };
-    let router = Server::builder()
+    let mut builder = Server::builder();
+    if let (Some(tls), Bound::Tcp(_)) = (tls, &bound) {
+        builder = builder.tls_config(tls).context("configuring TLS")?;
+    }
+    let router = builder
         .layer(crate::api::request_id::RequestIdLayer)
         .layer(tower::util::MapResponseLayer::new(
             crate::api::status_limit::limit_status,

@@ -127,6 +127,19 @@ pub struct Settings {
     /// Per-call timeout of the tool executor, in seconds. Default: 60.
     #[arg(long)]
     pub tool_executor_timeout_secs: Option<u64>,
+    /// TLS for a TCP Sessions listener: the server certificate chain and key (PEM). With them
+    /// the listener may be on any address; without, TCP is loopback only.
+    #[arg(long)]
+    pub tls_cert: Option<PathBuf>,
+    #[arg(long)]
+    pub tls_key: Option<PathBuf>,
+    /// Require TLS client certificates signed by this CA (PEM): mutual TLS.
+    #[arg(long)]
+    pub tls_client_ca: Option<PathBuf>,
+    /// Principals, their credentials (bearer token or client certificate digests) and
+    /// projects; with it every Sessions call must authenticate (README: API security).
+    #[arg(long)]
+    pub auth_file: Option<PathBuf>,
     /// On SIGTERM: `leave` running sessions to the next agentvmd (default) or `suspend`
     /// them all first.
     #[arg(long)]
@@ -197,7 +210,11 @@ impl Settings {
             tool_executor_url,
             tool_executor_timeout_secs,
             shutdown_policy,
-            shutdown_timeout_secs
+            shutdown_timeout_secs,
+            tls_cert,
+            tls_key,
+            tls_client_ca,
+            auth_file
         );
         self
     }
@@ -240,6 +257,10 @@ impl Settings {
         put("openai_api_key_env", self.openai_api_key_env.clone());
         put("openai_api_key_file", path(&self.openai_api_key_file));
         put("tool_executor_url", self.tool_executor_url.clone());
+        put("tls_cert", path(&self.tls_cert));
+        put("tls_key", path(&self.tls_key));
+        put("tls_client_ca", path(&self.tls_client_ca));
+        put("auth_file", path(&self.auth_file));
         put(
             "shutdown_policy",
             Some(
@@ -317,7 +338,7 @@ mod tests {
     #[test]
     fn bad_files_name_the_key() {
         for (text, key) in [
-            ("listen = \"10.0.0.1:80\"\n", "listen"),
+            ("listen = \"nonsense\"\n", "listen"),
             ("metrics_listen = \"nowhere\"\n", "metrics_listen"),
             ("vmm_flavour = \"qemu\"\n", "vmm_flavour"),
             ("log_format = \"xml\"\n", "log_format"),

@@ -2,6 +2,7 @@
 //! page tokens and the Session projection. The tonic services themselves live beside these
 //! pieces as the session host lands.
 
+pub mod auth;
 pub mod node_service;
 pub mod page_token;
 pub mod registry_service;

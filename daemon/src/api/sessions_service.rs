@@ -18,6 +18,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
+use super::auth::{self, Principal, principal_of};
 use super::{page_token, request_id};
 use crate::session::{NewSession, SessionHost};
 
@@ -31,6 +32,26 @@ const MESSAGE_ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
 
 pub struct SessionsService {
     host: Arc<SessionHost>,
+}
+
+/// Runs `f` with the principal (if any) as the actor of the events it appends.
+async fn as_actor<F: std::future::Future>(principal: Option<&Principal>, f: F) -> F::Output {
+    match principal {
+        Some(p) => auth::ACTOR.scope(p.actor(), f).await,
+        None => f.await,
+    }
+}
+
+impl SessionsService {
+    /// The session's project must be the principal's (PERMISSION_DENIED otherwise).
+    fn authorize_session(&self, principal: Option<&Principal>, uid: &str) -> Result<(), Status> {
+        if principal.is_none() {
+            return Ok(());
+        }
+        let session = self.host.view(uid)?;
+        let project = session.metadata.map(|m| m.project).unwrap_or_default();
+        auth::authorize(principal, &project)
+    }
 }
 
 impl SessionsService {
@@ -92,8 +113,15 @@ impl Sessions for SessionsService {
         &self,
         request: Request<CreateSessionRequest>,
     ) -> Result<Response<Session>, Status> {
+        let principal = principal_of(&request);
         let s = request.into_inner().session.unwrap_or_default();
         let meta = s.metadata.unwrap_or_default();
+        let project = if meta.project.is_empty() {
+            crate::session::DEFAULT_PROJECT
+        } else {
+            meta.project.as_str()
+        };
+        auth::authorize(principal.as_ref(), project)?;
         if !meta.uid.is_empty() {
             return Err(invalid("session.metadata.uid", "is assigned by the server"));
         }
@@ -102,7 +130,7 @@ impl Sessions for SessionsService {
         }
         check_labels("session.labels", &s.labels)?;
         let created = self.host.create(NewSession {
-            project: meta.project,
+            project: meta.project.clone(),
             name: meta.name,
             harness: s.harness,
             model: s.model,
@@ -118,8 +146,10 @@ impl Sessions for SessionsService {
         &self,
         request: Request<GetSessionRequest>,
     ) -> Result<Response<Session>, Status> {
+        let principal = principal_of(&request);
         let uid = request.into_inner().uid;
         required("uid", &uid)?;
+        self.authorize_session(principal.as_ref(), &uid)?;
         Ok(Response::new(self.host.view(&uid)?))
     }
 
@@ -127,7 +157,17 @@ impl Sessions for SessionsService {
         &self,
         request: Request<ListSessionsRequest>,
     ) -> Result<Response<ListSessionsResponse>, Status> {
+        let principal = principal_of(&request);
         let req = request.into_inner();
+        let project = if req.project.is_empty() {
+            crate::session::DEFAULT_PROJECT
+        } else {
+            req.project.as_str()
+        };
+        // Another project's sessions are not there, as far as this principal can tell.
+        if principal.as_ref().is_some_and(|p| !p.allows(project)) {
+            return Err(Status::not_found(format!("project {project:?} not found")));
+        }
         let page_size = match req.page_size {
             n if n <= 0 => DEFAULT_PAGE_SIZE,
             n => (n as usize).min(MAX_PAGE_SIZE),
@@ -148,9 +188,13 @@ impl Sessions for SessionsService {
         &self,
         request: Request<DeleteSessionRequest>,
     ) -> Result<Response<Session>, Status> {
+        let principal = principal_of(&request);
         let uid = request.into_inner().uid;
         required("uid", &uid)?;
-        Ok(Response::new(self.host.delete(&uid).await?))
+        self.authorize_session(principal.as_ref(), &uid)?;
+        Ok(Response::new(
+            as_actor(principal.as_ref(), self.host.delete(&uid)).await?,
+        ))
     }
 
     type ExecStream = Stream_<ExecUpdate>;
@@ -159,7 +203,13 @@ impl Sessions for SessionsService {
         &self,
         request: Request<ExecRequest>,
     ) -> Result<Response<Self::ExecStream>, Status> {
+        let principal = principal_of(&request);
         let req = request.into_inner();
+        if req.session.is_empty() {
+            auth::authorize(principal.as_ref(), crate::session::DEFAULT_PROJECT)?;
+        } else {
+            self.authorize_session(principal.as_ref(), &req.session)?;
+        }
         check_messages("inputs", &req.inputs)?;
         if req.resume_from_seq < 0 {
             return Err(invalid("resume_from_seq", "may not be negative"));
@@ -173,9 +223,15 @@ impl Sessions for SessionsService {
         let (tx, rx) = mpsc::channel(EXEC_BUFFER);
         let host = Arc::clone(&self.host);
         // The turn outlives this call; it stays in the RPC's span (its request id).
+        let actor = principal.map(|p| p.actor());
         tokio::spawn(
             async move {
-                if let Err(status) = host.exec(req, &tx).await {
+                let run = host.exec(req, &tx);
+                let result = match actor {
+                    Some(actor) => auth::ACTOR.scope(actor, run).await,
+                    None => run.await,
+                };
+                if let Err(status) = result {
                     if request_id::caused_by_caller(status.code()) {
                         tracing::info!(code = ?status.code(), "exec refused");
                     } else {
@@ -195,8 +251,10 @@ impl Sessions for SessionsService {
         &self,
         request: Request<ReplayRequest>,
     ) -> Result<Response<Self::ReplayStream>, Status> {
+        let principal = principal_of(&request);
         let req = request.into_inner();
         required("session", &req.session)?;
+        self.authorize_session(principal.as_ref(), &req.session)?;
         if req.to_seq < 0 {
             return Err(invalid("to_seq", "may not be negative"));
         }
@@ -216,6 +274,7 @@ impl Sessions for SessionsService {
         &self,
         request: Request<ApproveRequest>,
     ) -> Result<Response<ApproveResponse>, Status> {
+        let principal = principal_of(&request);
         let req = request.into_inner();
         required("session", &req.session)?;
         required("execution_id", &req.execution_id)?;
@@ -226,7 +285,8 @@ impl Sessions for SessionsService {
         if req.approved.is_none() {
             return Err(invalid("approved", "is required (true or false)"));
         }
-        let (session, decision) = self.host.approve(req).await?;
+        self.authorize_session(principal.as_ref(), &req.session)?;
+        let (session, decision) = as_actor(principal.as_ref(), self.host.approve(req)).await?;
         Ok(Response::new(ApproveResponse {
             session: Some(session),
             decision: Some(decision),
@@ -234,27 +294,41 @@ impl Sessions for SessionsService {
     }
 
     async fn cancel(&self, request: Request<CancelRequest>) -> Result<Response<Session>, Status> {
+        let principal = principal_of(&request);
         let req = request.into_inner();
         required("session", &req.session)?;
-        Ok(Response::new(self.host.cancel(req).await?))
+        self.authorize_session(principal.as_ref(), &req.session)?;
+        Ok(Response::new(
+            as_actor(principal.as_ref(), self.host.cancel(req)).await?,
+        ))
     }
 
     async fn suspend(&self, request: Request<SuspendRequest>) -> Result<Response<Session>, Status> {
+        let principal = principal_of(&request);
         let req = request.into_inner();
         required("session", &req.session)?;
-        Ok(Response::new(self.host.suspend(&req.session).await?))
+        self.authorize_session(principal.as_ref(), &req.session)?;
+        Ok(Response::new(
+            as_actor(principal.as_ref(), self.host.suspend(&req.session)).await?,
+        ))
     }
 
     async fn resume(&self, request: Request<ResumeRequest>) -> Result<Response<Session>, Status> {
         // `boot` is deprecated upstream and ignored.
+        let principal = principal_of(&request);
         let req = request.into_inner();
         required("session", &req.session)?;
-        Ok(Response::new(self.host.resume(&req.session).await?))
+        self.authorize_session(principal.as_ref(), &req.session)?;
+        Ok(Response::new(
+            as_actor(principal.as_ref(), self.host.resume(&req.session)).await?,
+        ))
     }
 
     async fn fork(&self, request: Request<ForkRequest>) -> Result<Response<ForkResponse>, Status> {
+        let principal = principal_of(&request);
         let req = request.into_inner();
         required("session", &req.session)?;
+        self.authorize_session(principal.as_ref(), &req.session)?;
         if !(1..=MAX_FORK_CHILDREN).contains(&req.count) {
             return Err(invalid(
                 "count",
@@ -281,7 +355,7 @@ impl Sessions for SessionsService {
             return Err(invalid("at_seq", "may not be negative"));
         }
         check_labels("labels", &req.labels)?;
-        let children = self.host.fork(req).await?;
+        let children = as_actor(principal.as_ref(), self.host.fork(req)).await?;
         Ok(Response::new(ForkResponse { children }))
     }
 }

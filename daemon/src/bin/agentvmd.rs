@@ -85,6 +85,11 @@ fn node_config(s: &Settings) -> anyhow::Result<(NodeConfig, ListenAddr, ListenAd
         url,
         timeout: std::time::Duration::from_secs(s.tool_executor_timeout_secs.unwrap_or(60)),
     });
+    if let Some(path) = &s.auth_file {
+        node_config.auth = Some(std::sync::Arc::new(
+            agentvmd::api::auth::Authenticator::load(path).context("auth_file")?,
+        ));
+    }
     if let Some(base_url) = &s.openai_base_url {
         let key_env = s.openai_api_key_env.as_deref().unwrap_or("OPENAI_API_KEY");
         let api_key = load_api_key(Some(key_env), s.openai_api_key_file.as_deref())
@@ -99,9 +104,52 @@ fn node_config(s: &Settings) -> anyhow::Result<(NodeConfig, ListenAddr, ListenAd
     Ok((node_config, listen, admin_listen))
 }
 
+/// TLS for the Sessions listener, and the rule that without it nothing listens beyond
+/// loopback (the admin listener never does).
+fn listener_tls(
+    s: &Settings,
+    listen: &ListenAddr,
+    admin_listen: &ListenAddr,
+) -> anyhow::Result<Option<tonic::transport::ServerTlsConfig>> {
+    admin_listen.check_plaintext().context("admin_listen")?;
+    let read = |key: &str, p: &std::path::Path| {
+        std::fs::read(p).with_context(|| format!("{key}: reading {}", p.display()))
+    };
+    let tls = match (&s.tls_cert, &s.tls_key) {
+        (Some(cert), Some(key)) => {
+            let identity = tonic::transport::Identity::from_pem(
+                read("tls_cert", cert)?,
+                read("tls_key", key)?,
+            );
+            let mut tls = tonic::transport::ServerTlsConfig::new().identity(identity);
+            if let Some(ca) = &s.tls_client_ca {
+                tls = tls.client_ca_root(tonic::transport::Certificate::from_pem(read(
+                    "tls_client_ca",
+                    ca,
+                )?));
+            }
+            Some(tls)
+        }
+        (None, None) if s.tls_client_ca.is_some() => {
+            anyhow::bail!("tls_client_ca: needs tls_cert and tls_key")
+        }
+        (None, None) => None,
+        _ => anyhow::bail!("tls_cert and tls_key: give both or neither"),
+    };
+    match (listen, &tls) {
+        (ListenAddr::Unix(_), Some(_)) => {
+            anyhow::bail!("tls_cert: TLS is for a TCP listen address; {listen} is a unix socket")
+        }
+        (_, None) => listen.check_plaintext().context("listen")?,
+        _ => {}
+    }
+    Ok(tls)
+}
+
 /// `--check-config`: everything `run` would check before serving, without serving.
 fn check(s: Settings) -> anyhow::Result<()> {
-    let (node_config, _, _) = node_config(&s)?;
+    let (node_config, listen, admin_listen) = node_config(&s)?;
+    listener_tls(&s, &listen, &admin_listen)?;
     if let Some(bin) = &s.vmm_binary
         && !bin.is_file()
     {
@@ -127,6 +175,7 @@ fn check(s: Settings) -> anyhow::Result<()> {
 
 fn run(s: Settings) -> anyhow::Result<()> {
     let (node_config, listen, admin_listen) = node_config(&s)?;
+    let tls = listener_tls(&s, &listen, &admin_listen)?;
     let state_dir = node_config.state_dir.clone();
     let node = Node::open(node_config)?;
     info!(state_dir = %state_dir.display(), "journal open");
@@ -152,9 +201,10 @@ fn run(s: Settings) -> anyhow::Result<()> {
         };
         let api_bound = server::bind(&listen, 0o660).await?;
         let admin_bound = server::bind(&admin_listen, 0o600).await?;
-        let api = server::serve_bound(
+        let api = server::serve_bound_tls(
             api_bound,
             server::node_routes(&node).await?,
+            tls,
             stopped(stop_rx.clone()),
         );
         let admin = server::serve_bound(

@@ -214,7 +214,8 @@ pub fn stamp(execution_id: &str, kind: EventKind, body: Body) -> Event {
         schema_version: 1,
         kind: kind as i32,
         body: Some(body),
-        actor: None,
+        // The authenticated caller whose request this event belongs to, if the node has auth.
+        actor: crate::api::auth::ACTOR.try_with(Clone::clone).ok(),
     }
 }
 

@@ -33,6 +33,11 @@ impl SessionHost {
             .try_hold(&uid, Hold::Turn)
             .map_err(|b| busy(&uid, b))?;
         let approved = req.approved.unwrap_or_default();
+        // With authentication the decider is who authenticated, not who the request says.
+        let decider = crate::api::auth::ACTOR
+            .try_with(Clone::clone)
+            .ok()
+            .or_else(|| req.identity.clone());
         let records = self.records(&uid)?;
         // An exact repeat returns the original record; a different decision is refused.
         let existing = records.iter().find(|r| {
@@ -46,7 +51,7 @@ impl SessionHost {
         });
         if let Some(record) = existing {
             let (d, actor) = decision_of(record).expect("found above");
-            if d.approved == approved && d.reason == req.reason && actor == req.identity.as_ref() {
+            if d.approved == approved && d.reason == req.reason && actor == decider.as_ref() {
                 return Ok((self.view(&uid)?, record.clone()));
             }
             return Err(Status::failed_precondition(format!(
@@ -100,7 +105,7 @@ impl SessionHost {
                 request_seq: req.request_seq,
             }),
         );
-        event.actor = req.identity.clone();
+        event.actor = decider;
         let record = self
             .journal
             .append(&uid, log.head(), fence, &[event])

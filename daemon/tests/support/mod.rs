@@ -91,6 +91,13 @@ impl TestNode {
         self.client.clone()
     }
 
+    /// A fresh channel to the node's API socket (for the other services on it).
+    pub async fn channel(&self) -> Channel {
+        agentvmd::client::connect(&ListenAddr::Unix(self.dir.join("api.sock")))
+            .await
+            .unwrap()
+    }
+
     /// Stops this node (its API server and session host) and starts a new one over the same
     /// state, as a daemon restart would. Anything outside the process's own objects (harness
     /// or VMM processes) keeps running.

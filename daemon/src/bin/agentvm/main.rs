@@ -26,8 +26,30 @@ struct Cli {
     /// The daemon's API address, `unix:PATH` or `HOST:PORT`. Default: agentvmd's default socket.
     #[arg(long, global = true, env = "AGENTVM_ADDR")]
     addr: Option<config::ListenAddr>,
+    /// Bearer token for a node with an auth file.
+    #[arg(long, global = true, env = "AGENTVM_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// For a TCP address: speak TLS, trusting this CA certificate (PEM).
+    #[arg(long, global = true, env = "AGENTVM_TLS_CA")]
+    tls_ca: Option<PathBuf>,
+    /// Client certificate and key (PEM) for mutual TLS.
+    #[arg(long, global = true, env = "AGENTVM_TLS_CERT")]
+    tls_cert: Option<PathBuf>,
+    #[arg(long, global = true, env = "AGENTVM_TLS_KEY")]
+    tls_key: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
+}
+
+impl Cli {
+    fn credentials(&self) -> agentvmd::client::Credentials {
+        agentvmd::client::Credentials {
+            token: self.token.clone(),
+            tls_ca: self.tls_ca.clone(),
+            tls_cert: self.tls_cert.clone(),
+            tls_key: self.tls_key.clone(),
+        }
+    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -126,7 +148,12 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
                 .enable_all()
                 .build()
                 .context("starting the async runtime")?;
-            runtime.block_on(sessions_cmd::run(&addr, cli.json, cmd.clone()))?;
+            runtime.block_on(sessions_cmd::run(
+                &addr,
+                &cli.credentials(),
+                cli.json,
+                cmd.clone(),
+            ))?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Node(NodeCommand::Status) => {
@@ -135,7 +162,7 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
                 .enable_all()
                 .build()
                 .context("starting the async runtime")?;
-            runtime.block_on(node_cmd::status(&addr, cli.json))?;
+            runtime.block_on(node_cmd::status(&addr, &cli.credentials(), cli.json))?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Harness(HarnessCommand::Serve { name, listen }) => {

@@ -10,9 +10,13 @@ fn mib(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / f64::from(1 << 20))
 }
 
-pub async fn status(addr: &ListenAddr, json: bool) -> anyhow::Result<()> {
-    let channel = agentvmd::client::connect(addr).await?;
-    let s = NodeClient::new(channel)
+pub async fn status(
+    addr: &ListenAddr,
+    creds: &agentvmd::client::Credentials,
+    json: bool,
+) -> anyhow::Result<()> {
+    let channel = agentvmd::client::connect_with(addr, creds).await?;
+    let s = NodeClient::with_interceptor(channel, agentvmd::client::bearer(creds.token.clone())?)
         .get_status(GetStatusRequest {})
         .await?
         .into_inner();

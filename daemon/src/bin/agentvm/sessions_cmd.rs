@@ -13,11 +13,11 @@ use agentvm_proto::v1::{
     ReplayRequest, ResourceMetadata, ResumeRequest, Session, SuspendRequest, TextPart, event::Body,
     exec_update::Update, part,
 };
+use agentvmd::client::AuthedChannel;
 use agentvmd::config::ListenAddr;
 use agentvmd::journal::verify::verify_chain;
 use anyhow::Context;
 use clap::Subcommand;
-use tonic::transport::Channel;
 
 #[derive(Subcommand, Debug, Clone)]
 pub enum SessionCommand {
@@ -226,9 +226,15 @@ fn show_session(s: &Session, json: bool) -> anyhow::Result<()> {
     }
 }
 
-pub async fn run(addr: &ListenAddr, json: bool, cmd: SessionCommand) -> anyhow::Result<()> {
-    let channel = agentvmd::client::connect(addr).await?;
-    let mut c = SessionsClient::new(channel);
+pub async fn run(
+    addr: &ListenAddr,
+    creds: &agentvmd::client::Credentials,
+    json: bool,
+    cmd: SessionCommand,
+) -> anyhow::Result<()> {
+    let channel = agentvmd::client::connect_with(addr, creds).await?;
+    let mut c =
+        SessionsClient::with_interceptor(channel, agentvmd::client::bearer(creds.token.clone())?);
     match cmd {
         SessionCommand::Create {
             harness,
@@ -445,7 +451,7 @@ pub async fn run(addr: &ListenAddr, json: bool, cmd: SessionCommand) -> anyhow::
 }
 
 async fn replay(
-    c: &mut SessionsClient<Channel>,
+    c: &mut SessionsClient<AuthedChannel>,
     session: String,
     from_seq: i64,
     to_seq: i64,
@@ -465,7 +471,11 @@ async fn replay(
     Ok(out)
 }
 
-async fn exec(c: &mut SessionsClient<Channel>, req: ExecRequest, json: bool) -> anyhow::Result<()> {
+async fn exec(
+    c: &mut SessionsClient<AuthedChannel>,
+    req: ExecRequest,
+    json: bool,
+) -> anyhow::Result<()> {
     let mut stream = c.exec(req).await?.into_inner();
     let mut streaming_delta = false;
     let stdout = std::io::stdout();

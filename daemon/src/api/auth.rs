@@ -1,0 +1,304 @@
+//! Who is calling, and which projects they may touch (upstream has no authentication).
+//!
+//! `--auth-file FILE` names the principals:
+//!
+//! ```toml
+//! [[principal]]
+//! name = "ci-bot"
+//! projects = ["team-a", "team-b"]   # or ["*"] for every project
+//! token_sha256 = ["9f86d081…"]      # `Authorization: Bearer <token>`; only its SHA-256 is kept
+//! client_cert_sha256 = ["ab12…"]    # or an mTLS client certificate, by the SHA-256 of its DER
+//! ```
+//!
+//! With a file every Sessions and Node RPC must present one of those credentials
+//! (UNAUTHENTICATED otherwise); without one the API trusts whoever can reach it, which is why
+//! it then listens on a unix socket or loopback only. The principal is recorded as the actor
+//! of the events its requests cause.
+
+use std::path::Path;
+
+use agentvm_proto::v1::IdentityRef;
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+use tonic::{Request, Status};
+
+/// An authenticated caller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Principal {
+    pub name: String,
+    projects: Vec<String>,
+    /// How it proved itself: "token" or "client-certificate".
+    pub method: &'static str,
+}
+
+impl Principal {
+    pub fn allows(&self, project: &str) -> bool {
+        self.projects.iter().any(|p| p == "*" || p == project)
+    }
+
+    /// The actor recorded on the events this principal causes.
+    pub fn actor(&self) -> IdentityRef {
+        IdentityRef {
+            principal: self.name.clone(),
+            issuer: "agentvmd".into(),
+            subject: self.method.into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PrincipalEntry {
+    name: String,
+    projects: Vec<String>,
+    #[serde(default)]
+    token_sha256: Vec<String>,
+    #[serde(default)]
+    client_cert_sha256: Vec<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AuthFile {
+    #[serde(default)]
+    principal: Vec<PrincipalEntry>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AuthError {
+    #[error("{path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: {key}: {message}")]
+    Invalid {
+        path: String,
+        key: String,
+        message: String,
+    },
+}
+
+/// The principals of an auth file.
+#[derive(Debug, Clone)]
+pub struct Authenticator {
+    principals: Vec<PrincipalEntry>,
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
+}
+
+fn is_sha256_hex(s: &str) -> bool {
+    s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+impl Authenticator {
+    pub fn load(path: &Path) -> Result<Self, AuthError> {
+        let origin = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| AuthError::Read {
+            path: origin.clone(),
+            source,
+        })?;
+        let invalid = |key: String, message: String| AuthError::Invalid {
+            path: origin.clone(),
+            key,
+            message,
+        };
+        let file: AuthFile = serde_path_to_error::deserialize(toml::Deserializer::new(&text))
+            .map_err(|e| {
+                let key = e.path().to_string();
+                invalid(key, e.into_inner().message().to_owned())
+            })?;
+        let mut names = std::collections::HashSet::new();
+        for (i, p) in file.principal.iter().enumerate() {
+            let at = |field: &str| format!("principal[{i}].{field}");
+            if p.name.is_empty() || !names.insert(p.name.clone()) {
+                return Err(invalid(at("name"), "empty or used twice".into()));
+            }
+            if p.projects.is_empty() || p.projects.iter().any(String::is_empty) {
+                return Err(invalid(
+                    at("projects"),
+                    "name at least one project, or \"*\"".into(),
+                ));
+            }
+            if p.token_sha256.is_empty() && p.client_cert_sha256.is_empty() {
+                return Err(invalid(
+                    at("token_sha256"),
+                    "a principal needs a token or a client certificate".into(),
+                ));
+            }
+            for (field, list) in [
+                ("token_sha256", &p.token_sha256),
+                ("client_cert_sha256", &p.client_cert_sha256),
+            ] {
+                if let Some(bad) = list.iter().find(|h| !is_sha256_hex(h)) {
+                    return Err(invalid(at(field), format!("{bad:?} is not 64 hex digits")));
+                }
+            }
+        }
+        let mut principals = file.principal;
+        for p in &mut principals {
+            for h in p
+                .token_sha256
+                .iter_mut()
+                .chain(p.client_cert_sha256.iter_mut())
+            {
+                *h = h.to_ascii_lowercase();
+            }
+        }
+        Ok(Self { principals })
+    }
+
+    fn principal(p: &PrincipalEntry, method: &'static str) -> Principal {
+        Principal {
+            name: p.name.clone(),
+            projects: p.projects.clone(),
+            method,
+        }
+    }
+
+    /// The caller of `req`, by its bearer token or else its TLS client certificate.
+    pub fn authenticate<T>(&self, req: &Request<T>) -> Result<Principal, Status> {
+        if let Some(value) = req.metadata().get("authorization") {
+            let token = value
+                .to_str()
+                .ok()
+                .and_then(|v| v.strip_prefix("Bearer "))
+                .map(str::trim)
+                .filter(|t| !t.is_empty())
+                .ok_or_else(|| {
+                    Status::unauthenticated("authorization: expected `Bearer <token>`")
+                })?;
+            let digest = sha256_hex(token.as_bytes());
+            return self
+                .principals
+                .iter()
+                .find(|p| p.token_sha256.contains(&digest))
+                .map(|p| Self::principal(p, "token"))
+                .ok_or_else(|| Status::unauthenticated("the bearer token is not known here"));
+        }
+        if let Some(certs) = req.peer_certs()
+            && let Some(leaf) = certs.first()
+        {
+            let digest = sha256_hex(leaf.as_ref());
+            return self
+                .principals
+                .iter()
+                .find(|p| p.client_cert_sha256.contains(&digest))
+                .map(|p| Self::principal(p, "client-certificate"))
+                .ok_or_else(|| {
+                    Status::unauthenticated(format!(
+                        "client certificate sha256:{digest} names no principal"
+                    ))
+                });
+        }
+        Err(Status::unauthenticated(
+            "this node requires a credential: `authorization: Bearer <token>` or a TLS client certificate",
+        ))
+    }
+}
+
+tokio::task_local! {
+    /// The actor the current request's events are recorded with.
+    pub static ACTOR: IdentityRef;
+}
+
+/// The principal a request was authenticated as (None when the node has no auth file).
+pub fn principal_of<T>(req: &Request<T>) -> Option<Principal> {
+    req.extensions().get::<Principal>().cloned()
+}
+
+/// Refuses a principal that may not touch `project`.
+pub fn authorize(principal: Option<&Principal>, project: &str) -> Result<(), Status> {
+    match principal {
+        Some(p) if !p.allows(project) => Err(Status::permission_denied(format!(
+            "principal {:?} has no access to project {project:?}",
+            p.name
+        ))),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(text: &str) -> Result<Authenticator, AuthError> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("auth.toml");
+        std::fs::write(&path, text).unwrap();
+        Authenticator::load(&path)
+    }
+
+    #[test]
+    fn tokens_map_to_principals_and_their_projects() {
+        let token_hash = sha256_hex(b"s3cret");
+        let a = file(&format!(
+            "[[principal]]\nname = \"alice\"\nprojects = [\"team-a\"]\ntoken_sha256 = [\"{}\"]\n",
+            token_hash.to_uppercase()
+        ))
+        .unwrap();
+        let mut req = Request::new(());
+        req.metadata_mut()
+            .insert("authorization", "Bearer s3cret".parse().unwrap());
+        let p = a.authenticate(&req).unwrap();
+        assert_eq!((p.name.as_str(), p.method), ("alice", "token"));
+        assert!(p.allows("team-a") && !p.allows("team-b"));
+        assert_eq!(
+            authorize(Some(&p), "team-b").unwrap_err().code(),
+            tonic::Code::PermissionDenied
+        );
+        for bad in ["Bearer wrong", "Basic abc", "Bearer "] {
+            let mut req = Request::new(());
+            req.metadata_mut()
+                .insert("authorization", bad.parse().unwrap());
+            assert_eq!(
+                a.authenticate(&req).unwrap_err().code(),
+                tonic::Code::Unauthenticated,
+                "{bad}"
+            );
+        }
+        assert_eq!(
+            a.authenticate(&Request::new(())).unwrap_err().code(),
+            tonic::Code::Unauthenticated
+        );
+    }
+
+    #[test]
+    fn bad_files_name_the_key() {
+        let h = "a".repeat(64);
+        for (text, key) in [
+            (
+                format!("[[principal]]\nname = \"\"\nprojects = [\"*\"]\ntoken_sha256 = [\"{h}\"]"),
+                "principal[0].name",
+            ),
+            (
+                format!("[[principal]]\nname = \"a\"\nprojects = []\ntoken_sha256 = [\"{h}\"]"),
+                "principal[0].projects",
+            ),
+            (
+                "[[principal]]\nname = \"a\"\nprojects = [\"*\"]".to_owned(),
+                "principal[0].token_sha256",
+            ),
+            (
+                "[[principal]]\nname = \"a\"\nprojects = [\"*\"]\ntoken_sha256 = [\"xyz\"]"
+                    .to_owned(),
+                "principal[0].token_sha256",
+            ),
+            (
+                format!("[[principal]]\nname = \"a\"\nprojects = [\"*\"]\ntoken = [\"{h}\"]"),
+                "token",
+            ),
+            (
+                format!(
+                    "[[principal]]\nname = \"a\"\nprojects = [\"*\"]\ntoken_sha256 = [\"{h}\"]\n[[principal]]\nname = \"a\"\nprojects = [\"*\"]\ntoken_sha256 = [\"{h}\"]"
+                ),
+                "principal[1].name",
+            ),
+        ] {
+            let err = file(&text).unwrap_err().to_string();
+            assert!(err.contains(key), "{text}: {err}");
+        }
+    }
+}
