@@ -56,6 +56,10 @@ pub struct NodeConfig {
     pub tool_executor: Option<WebhookConfig>,
     /// Principals and their projects; with it every Sessions call must authenticate.
     pub auth: Option<Arc<Authenticator>>,
+    /// Confine each VMM (cgroup limits, namespaces, rlimits). On by default.
+    pub confine_vmms: bool,
+    /// Each VMM's memory limit; default: the largest guest plus 128 MiB.
+    pub vmm_memory_limit_mib: Option<u64>,
 }
 
 impl NodeConfig {
@@ -71,6 +75,8 @@ impl NodeConfig {
             image_dir: None,
             tool_executor: None,
             auth: None,
+            confine_vmms: true,
+            vmm_memory_limit_mib: None,
         }
     }
 }
@@ -162,6 +168,8 @@ fn microvm_runtime(cfg: &NodeConfig) -> Result<MicrovmRuntime, String> {
         vcpus: 1,
         memory_mib: 256,
         ready_timeout: std::time::Duration::from_secs(20),
+        confine: cfg.confine_vmms,
+        memory_limit_mib: cfg.vmm_memory_limit_mib,
     })
 }
 

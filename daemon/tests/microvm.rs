@@ -472,6 +472,8 @@ async fn a_guest_that_never_becomes_ready_fails_create_and_leaves_nothing() {
         vcpus: 1,
         memory_mib: 64,
         ready_timeout: Duration::from_secs(1),
+        confine: true,
+        memory_limit_mib: None,
     })
     .unwrap();
     let started = std::time::Instant::now();
@@ -669,6 +671,8 @@ async fn a_new_runtime_watches_surviving_vmms_and_reports_dead_ones() {
         vcpus: 1,
         memory_mib: 64,
         ready_timeout: Duration::from_secs(10),
+        confine: true,
+        memory_limit_mib: None,
     };
     let before = MicrovmRuntime::new(config.clone()).unwrap();
     for session in ["s-dies", "s-lives"] {
@@ -1062,4 +1066,140 @@ async fn linux_echo_image_answers_through_the_agent_and_resumes_by_replay() {
     );
     assert_eq!(say(&mut c, &s, "again").await, "echo:again");
     verify_chain(&replay(&mut c, &s).await).unwrap();
+}
+
+// ---------- confinement ----------
+
+/// The memory cgroup line of `pid` (v1 `N:memory:/path` or v2 `0::/path`).
+fn memory_cgroup(pid: i32) -> String {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    text.lines()
+        .find(|l| {
+            l.split(':')
+                .nth(1)
+                .is_some_and(|c| c.split(',').any(|c| c == "memory"))
+        })
+        .or_else(|| text.lines().find(|l| l.starts_with("0::")))
+        .unwrap_or_default()
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vmms_run_confined() {
+    require_kvm!();
+    let node = microvm_node().await;
+    let mut c = node.c();
+    let s = create(&mut c).await;
+    assert_eq!(turn(&mut c, &s).await, "1");
+    let pid = vmm_pid(&node, &s);
+    let cgroup = memory_cgroup(pid);
+    if cgroup.contains("agentvm-vms") {
+        assert!(cgroup.ends_with(&format!("agentvm-vms/{s}")), "{cgroup}");
+    } else {
+        eprintln!("no memory cgroup on this host: {cgroup}");
+    }
+    let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/net")).unwrap();
+    assert_ne!(
+        ns(&pid.to_string()),
+        ns("self"),
+        "a network namespace of its own"
+    );
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let limit = |name: &str| {
+        limits
+            .lines()
+            .find(|l| l.starts_with(name))
+            .map(|l| l.split_whitespace().rev().nth(2).unwrap_or("").to_owned())
+            .unwrap_or_default()
+    };
+    assert_eq!(limit("Max core file size"), "0", "{limits}");
+    assert_eq!(limit("Max open files"), "8192", "{limits}");
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+    assert_eq!(environ, b"AGENTVM_VMM_LOG=warn\0", "a cleared environment");
+    // Deleting the session stops the VMM and removes its cgroup.
+    c.delete_session(agentvm_proto::v1::DeleteSessionRequest { uid: s.clone() })
+        .await
+        .unwrap();
+    if let Some(path) = cgroup
+        .splitn(3, ':')
+        .nth(2)
+        .filter(|p| p.contains("agentvm-vms"))
+    {
+        let dir = std::path::Path::new("/sys/fs/cgroup/memory").join(path.trim_start_matches('/'));
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while dir.exists() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} left behind",
+                dir.display()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_over_its_memory_limit_kills_only_its_vmm() {
+    use agentvm_proto::guest::v1::envelope::Body as Guest;
+    use agentvmd::runtime::microvm::guest::GuestConn;
+    require_kvm!();
+    if !std::path::Path::new("/sys/fs/cgroup/memory/cgroup.procs").exists()
+        && !std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists()
+    {
+        eprintln!("SKIPPED: no cgroup memory controller here");
+        return;
+    }
+    let binary = vmm_binary();
+    let node = start_with(move |cfg| {
+        cfg.vmm_binary = Some(binary);
+        cfg.ram_dir = "/dev/shm".into();
+        // 256 MiB guests in 48 MiB: fine until the guest touches more.
+        cfg.vmm_memory_limit_mib = Some(48);
+    })
+    .await;
+    let mut c = node.c();
+    let greedy = create(&mut c).await;
+    let bystander = create(&mut c).await;
+    assert_eq!(turn(&mut c, &greedy).await, "1");
+    assert_eq!(turn(&mut c, &bystander).await, "1");
+    let lost_before = agentvmd::metrics::global()
+        .vmm_lost
+        .load(std::sync::atomic::Ordering::Relaxed);
+    // The guest writes 128 MiB of its RAM.
+    let mut conn = GuestConn::connect(&vm_dir(&node, &greedy).join("vsock.sock"), 1024)
+        .await
+        .unwrap();
+    conn.hello().await.unwrap();
+    conn.send(Guest::DirtyMemory(agentvm_proto::guest::v1::DirtyMemory {
+        mebibytes: 128,
+        stamp: 7,
+    }))
+    .await
+    .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while compute(&mut c, &greedy).await != ComputeState::ComputeCold {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the VMM was never killed for its memory"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let records = replay(&mut c, &greedy).await;
+    let Some(Body::Lifecycle(lost)) = records.last().and_then(|r| r.event.clone()?.body) else {
+        panic!("no record of the loss");
+    };
+    assert!(
+        lost.detail.contains("compute lost") && lost.detail.contains("signal 9"),
+        "{}",
+        lost.detail
+    );
+    assert!(
+        agentvmd::metrics::global()
+            .vmm_lost
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > lost_before
+    );
+    // The rest of the node carries on.
+    assert_eq!(turn(&mut c, &bystander).await, "2");
+    verify_chain(&records).unwrap();
 }

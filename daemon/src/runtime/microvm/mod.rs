@@ -14,6 +14,7 @@ pub mod bundles;
 pub mod exit_watch;
 pub mod flavour;
 pub mod guest;
+pub mod sandbox;
 pub mod vmm_process;
 
 use std::path::PathBuf;
@@ -33,6 +34,7 @@ use rand::RngCore;
 use self::exit_watch::ExitWatch;
 use self::flavour::VmmFlavour;
 use self::guest::{GuestConn, GuestEndpoint};
+use self::sandbox::{Cgroups, Limits};
 use self::vmm_process::VmmDir;
 use super::{
     ForkOpts, Incarnation, ObservedState, Result, Runtime, RuntimeError, SessionSpec, SnapshotKind,
@@ -60,7 +62,7 @@ pub struct GuestImage {
 }
 
 /// What the runtime needs from the node.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct MicrovmConfig {
     /// The VMM binary, of `flavour`.
     pub vmm_binary: PathBuf,
@@ -77,13 +79,23 @@ pub struct MicrovmConfig {
     pub memory_mib: u64,
     /// How long a booted or restored guest has to answer Hello.
     pub ready_timeout: Duration,
+    /// Run each VMM confined (sandbox.rs): its own cgroup with limits, new network, IPC and
+    /// UTS namespaces, rlimits.
+    pub confine: bool,
+    /// The memory limit of each VMM's cgroup. Default: the largest guest memory of any image
+    /// plus 128 MiB for the VMM itself.
+    pub memory_limit_mib: Option<u64>,
 }
+
+/// What a VMM costs beyond its guest's RAM, in the default cgroup limit.
+const VMM_MEMORY_OVERHEAD_MIB: u64 = 128;
 
 pub struct MicrovmRuntime {
     config: MicrovmConfig,
     store: LocalStore,
     next_snapshot: AtomicU64,
     exits: ExitWatch,
+    cgroups: Option<Arc<Cgroups>>,
 }
 
 fn failed(session: &str, reason: impl Into<String>) -> RuntimeError {
@@ -100,12 +112,50 @@ impl MicrovmRuntime {
             .map_err(|e| format!("snapshot store {}: {e}", config.snapshot_dir.display()))?;
         std::fs::create_dir_all(&config.run_dir)
             .map_err(|e| format!("creating {}: {e}", config.run_dir.display()))?;
+        let cgroups = config.confine.then(|| {
+            let cgroups = Arc::new(Cgroups::detect());
+            if let Cgroups::Unavailable(why) = &*cgroups {
+                tracing::warn!(%why, "VMMs run without cgroup limits");
+            }
+            cgroups
+        });
+        let exits = ExitWatch::default().with_cgroups(cgroups.clone());
         Ok(Self {
             config,
             store,
             next_snapshot: AtomicU64::new(0),
-            exits: ExitWatch::default(),
+            exits,
+            cgroups,
         })
+    }
+
+    /// The limits every VMM of this runtime runs under.
+    fn limits(&self) -> Limits {
+        let guest_mib = self
+            .config
+            .images
+            .iter()
+            .filter_map(|i| i.memory_mib)
+            .chain([self.config.memory_mib])
+            .max()
+            .unwrap_or(self.config.memory_mib);
+        let vcpus = self
+            .config
+            .images
+            .iter()
+            .filter_map(|i| i.vcpus)
+            .chain([self.config.vcpus])
+            .max()
+            .unwrap_or(1);
+        Limits {
+            memory_bytes: self
+                .config
+                .memory_limit_mib
+                .unwrap_or(guest_mib + VMM_MEMORY_OVERHEAD_MIB)
+                << 20,
+            cpus: u32::from(vcpus),
+            pids: 32 + u32::from(vcpus),
+        }
     }
 
     fn vmm_dir(&self, session: &str) -> VmmDir {
@@ -256,11 +306,20 @@ impl MicrovmRuntime {
             // A dead VMM's leftovers.
             vmm_process::stop(&dir, &self.exits).await;
         }
+        let confinement = match &self.cgroups {
+            Some(cgroups) => Some(
+                cgroups
+                    .create(session, self.limits())
+                    .map_err(|e| failed(session, format!("confining its VMM: {e}")))?,
+            ),
+            None => None,
+        };
         vmm_process::spawn(
             &self.config.vmm_binary,
             &self.config.ram_dir,
             &dir,
             &self.exits,
+            confinement.as_deref(),
         )
         .await
         .map_err(|e| failed(session, e))?;

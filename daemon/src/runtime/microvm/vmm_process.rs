@@ -80,6 +80,7 @@ pub async fn spawn(
     ram_dir: &Path,
     dir: &VmmDir,
     watch: &ExitWatch,
+    confinement: Option<&[PathBuf]>,
 ) -> Result<u32, String> {
     std::fs::create_dir_all(&dir.dir)
         .map_err(|e| format!("creating {}: {e}", dir.dir.display()))?;
@@ -90,15 +91,19 @@ pub async fn spawn(
         .map_err(|e| format!("{}: {e}", dir.log().display()))?;
     // std's Command rather than tokio's: the child is reaped by the exit watch (through its
     // pidfd), not by a handle, and dropping the handle must not kill or reap it.
-    let child = std::process::Command::new(binary)
-        .args(dir.flavour.args(&dir.api(), ram_dir))
+    let mut cmd = std::process::Command::new(binary);
+    cmd.args(dir.flavour.args(&dir.api(), ram_dir))
         .env_clear()
         .env("AGENTVM_VMM_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::from(log))
         .stderr(Stdio::from(log_err))
         // Its own process group: a signal for the daemon is not one for its VMs.
-        .process_group(0)
+        .process_group(0);
+    if let Some(procs) = confinement {
+        super::sandbox::confine(&mut cmd, procs)?;
+    }
+    let child = cmd
         .spawn()
         .map_err(|e| format!("starting {}: {e}", binary.display()))?;
     let pid = child.id();
