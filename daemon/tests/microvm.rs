@@ -1116,6 +1116,27 @@ async fn vmms_run_confined() {
     assert_eq!(limit("Max open files"), "8192", "{limits}");
     let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
     assert_eq!(environ, b"AGENTVM_VMM_LOG=warn\0", "a cleared environment");
+    // Seccomp: every thread filtered; vCPU and device threads under a second, narrower one.
+    let field = |status: &str, name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(|v| v.trim().to_owned())
+            .unwrap_or_default()
+    };
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let task = task.unwrap().path();
+        let status = std::fs::read_to_string(task.join("status")).unwrap();
+        let comm = std::fs::read_to_string(task.join("comm")).unwrap();
+        assert_eq!(field(&status, "Seccomp:"), "2", "{comm}");
+        let filters: u32 = field(&status, "Seccomp_filters:").parse().unwrap();
+        // KVM's own worker threads in the process take whichever filters their creator had.
+        if comm.starts_with("vcpu") || comm.starts_with("devices") {
+            assert_eq!(filters, 2, "{}", comm.trim());
+        } else {
+            assert!(filters >= 1, "{}", comm.trim());
+        }
+    }
     // Deleting the session stops the VMM and removes its cgroup.
     c.delete_session(agentvm_proto::v1::DeleteSessionRequest { uid: s.clone() })
         .await

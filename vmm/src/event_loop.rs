@@ -194,6 +194,7 @@ impl Drop for EventLoop {
 }
 
 fn run(epoll: &Epoll, mut subscribers: Vec<Box<dyn Subscriber>>, control: &Control) {
+    crate::seccomp::enter(crate::seccomp::Role::Devices);
     let mut events = vec![EpollEvent::default(); 64];
     let mut paused = false;
     loop {

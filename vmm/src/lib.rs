@@ -10,4 +10,5 @@ pub mod devices;
 pub mod event_loop;
 pub mod exit;
 pub mod kvm;
+pub mod seccomp;
 pub mod vm;

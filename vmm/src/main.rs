@@ -50,11 +50,22 @@ struct Args {
     /// filesystem link RAM instead of copying it. `none` uses memfds.
     #[arg(long, default_value = "/dev/shm")]
     ram_dir: String,
+    /// Run without seccomp filters (for debugging; a node never should).
+    #[arg(long)]
+    no_seccomp: bool,
 }
 
 fn main() -> ExitCode {
-    // First thing: this starts creating the KVM VM in the background, the slowest step of a
-    // boot, so it overlaps with everything else the process does before `vm.boot`.
+    let args = Args::parse();
+    // Before any other thread exists, so every thread inherits it.
+    if !args.no_seccomp
+        && let Err(e) = agentvm_vmm::seccomp::enable()
+    {
+        eprintln!("agentvm-vmm: installing the seccomp filter: {e}");
+        return ExitCode::FAILURE;
+    }
+    // Next: this starts creating the KVM VM in the background, the slowest step of a boot, so
+    // it overlaps with everything else the process does before `vm.boot`.
     let vmm = Arc::new(Vmm::new());
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -63,7 +74,7 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    match run(Args::parse(), vmm) {
+    match run(args, vmm) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("agentvm-vmm: {e:#}");

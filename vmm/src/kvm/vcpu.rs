@@ -272,6 +272,7 @@ fn lock_vcpu(vcpu: &SharedVcpu) -> MutexGuard<'_, VcpuFd> {
 }
 
 fn run(shared: &SharedVcpu, index: u8, control: &RunControl, context: &VcpuContext) {
+    crate::seccomp::enter(crate::seccomp::Role::Vcpu);
     while control.runnable(&context.exit) {
         // Held for one KVM_RUN and its exit; released whenever the thread parks.
         let mut vcpu = lock_vcpu(shared);
