@@ -1,5 +1,5 @@
-//! protobuf Struct/Value <-> JSON, for the HTTP peers (model providers, tool executors) that
-//! speak JSON where the journal speaks protobuf.
+//! protobuf Struct/Value <-> JSON, and the HTTP client, for the HTTP peers (model providers,
+//! tool executors) that speak JSON where the journal speaks protobuf.
 
 use prost_types::{Struct, Value as PValue, value::Kind};
 use serde_json::{Value, json};
@@ -44,4 +44,20 @@ pub fn json_to_value(v: &Value) -> PValue {
             }),
         }),
     }
+}
+
+/// An HTTP/1.1 client for `http://` and `https://` (rustls, webpki roots).
+pub type HttpsClient = hyper_util::client::legacy::Client<
+    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+    http_body_util::Full<bytes::Bytes>,
+>;
+
+pub fn https_client() -> HttpsClient {
+    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_webpki_roots()
+        .https_or_http()
+        .enable_http1()
+        .build();
+    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build(connector)
 }

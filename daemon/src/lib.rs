@@ -17,4 +17,5 @@ pub mod server;
 pub mod session;
 pub mod settings;
 pub mod systemd;
+pub mod toml_file;
 pub mod tool_webhook;

@@ -177,13 +177,10 @@ impl Settings {
             path: path.display().to_string(),
             source,
         })?;
-        serde_path_to_error::deserialize(toml::Deserializer::new(&text)).map_err(|e| {
-            let key = e.path().to_string();
-            SettingsError::Invalid {
-                path: path.display().to_string(),
-                key,
-                message: e.into_inner().message().to_owned(),
-            }
+        crate::toml_file::parse(&text).map_err(|(key, message)| SettingsError::Invalid {
+            path: path.display().to_string(),
+            key,
+            message,
         })
     }
 

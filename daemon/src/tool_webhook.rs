@@ -15,9 +15,6 @@ use std::time::Duration;
 use agentvm_proto::v1::{Mediation, Part, TextPart, ToolCall, ToolResult, part};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
 
 use crate::controller::tools::{ToolCallContext, ToolExecutor, check_args};
@@ -46,7 +43,7 @@ pub enum WebhookConfigError {
 
 pub struct WebhookExecutor {
     config: WebhookConfig,
-    client: Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>,
+    client: crate::json::HttpsClient,
 }
 
 impl WebhookExecutor {
@@ -61,13 +58,10 @@ impl WebhookExecutor {
                 url: config.url.clone(),
                 reason: e.to_string(),
             })?;
-        let connector = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_webpki_roots()
-            .https_or_http()
-            .enable_http1()
-            .build();
-        let client = Client::builder(TokioExecutor::new()).build(connector);
-        Ok(Self { config, client })
+        Ok(Self {
+            config,
+            client: crate::json::https_client(),
+        })
     }
 
     async fn post(&self, ctx: &ToolCallContext, call: &ToolCall) -> Result<Value, String> {

@@ -66,10 +66,14 @@ fn uid(s: &Session) -> String {
 }
 
 async fn create(c: &mut SessionsClient<Channel>) -> String {
+    create_for(c, "testguest").await
+}
+
+async fn create_for(c: &mut SessionsClient<Channel>, harness: &str) -> String {
     let session = c
         .create_session(CreateSessionRequest {
             session: Some(Session {
-                harness: "testguest".into(),
+                harness: harness.into(),
                 ..Default::default()
             }),
         })
@@ -774,16 +778,7 @@ async fn scenario_73_and_74_stateless_sessions_on_microvms_replay_suspend_and_re
     require_kvm!();
     let node = microvm_node().await;
     let mut c = node.c();
-    let s = uid(&c
-        .create_session(CreateSessionRequest {
-            session: Some(Session {
-                harness: "testguest-echo".into(),
-                ..Default::default()
-            }),
-        })
-        .await
-        .unwrap()
-        .into_inner());
+    let s = create_for(&mut c, "testguest-echo").await;
     assert_eq!(say(&mut c, &s, "one").await, "echo:one");
     let after_one = replay(&mut c, &s).await.last().unwrap().seq;
     assert_eq!(say(&mut c, &s, "two").await, "echo:two");
@@ -921,17 +916,7 @@ async fn image_bundles_in_the_image_dir_are_served_as_harnesses() {
     })
     .await;
     let mut c = node.c();
-    let create = |harness: &str| CreateSessionRequest {
-        session: Some(Session {
-            harness: harness.into(),
-            ..Default::default()
-        }),
-    };
-    let s = uid(&c
-        .create_session(create("tg-bundle"))
-        .await
-        .unwrap()
-        .into_inner());
+    let s = create_for(&mut c, "tg-bundle").await;
     assert_eq!(turn(&mut c, &s).await, "1");
     assert_eq!(turn(&mut c, &s).await, "2");
     // The image's own memory size, and its initramfs, reached the VMM.
@@ -962,7 +947,15 @@ async fn image_bundles_in_the_image_dir_are_served_as_harnesses() {
         .unwrap();
     assert_eq!(turn(&mut c, &s).await, "3", "memory tier from image.toml");
     // A bundle that does not match its manifest is not served.
-    let err = c.create_session(create("tg-tampered")).await.unwrap_err();
+    let err = c
+        .create_session(CreateSessionRequest {
+            session: Some(Session {
+                harness: "tg-tampered".into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
 }
 
@@ -1046,16 +1039,7 @@ async fn linux_echo_image_answers_through_the_agent_and_resumes_by_replay() {
     })
     .await;
     let mut c = node.c();
-    let s = uid(&c
-        .create_session(CreateSessionRequest {
-            session: Some(Session {
-                harness: "linux-echo".into(),
-                ..Default::default()
-            }),
-        })
-        .await
-        .unwrap()
-        .into_inner());
+    let s = create_for(&mut c, "linux-echo").await;
     assert_eq!(say(&mut c, &s, "hello linux").await, "echo:hello linux");
     c.suspend(SuspendRequest { session: s.clone() })
         .await

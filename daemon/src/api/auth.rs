@@ -105,11 +105,8 @@ impl Authenticator {
             key,
             message,
         };
-        let file: AuthFile = serde_path_to_error::deserialize(toml::Deserializer::new(&text))
-            .map_err(|e| {
-                let key = e.path().to_string();
-                invalid(key, e.into_inner().message().to_owned())
-            })?;
+        let file: AuthFile =
+            crate::toml_file::parse(&text).map_err(|(key, message)| invalid(key, message))?;
         let mut names = std::collections::HashSet::new();
         for (i, p) in file.principal.iter().enumerate() {
             let at = |field: &str| format!("principal[{i}].{field}");

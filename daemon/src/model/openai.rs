@@ -12,9 +12,6 @@ use agentvm_proto::v1::{
 };
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use prost_types::Struct;
 use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
@@ -50,7 +47,7 @@ pub fn load_api_key(env_var: Option<&str>, file: Option<&Path>) -> std::io::Resu
 
 pub struct OpenAiProvider {
     config: OpenAiConfig,
-    client: Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>,
+    client: crate::json::HttpsClient,
 }
 
 fn unavailable(reason: impl Into<String>) -> ProviderError {
@@ -69,13 +66,10 @@ fn rejected(reason: impl Into<String>) -> ProviderError {
 
 impl OpenAiProvider {
     pub fn new(config: OpenAiConfig) -> Self {
-        let connector = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_webpki_roots()
-            .https_or_http()
-            .enable_http1()
-            .build();
-        let client = Client::builder(TokioExecutor::new()).build(connector);
-        Self { config, client }
+        Self {
+            config,
+            client: crate::json::https_client(),
+        }
     }
 
     async fn post(
