@@ -58,6 +58,8 @@ pub struct NodeConfig {
     pub auth: Option<Arc<Authenticator>>,
     /// Confine each VMM (cgroup limits, namespaces, rlimits). On by default.
     pub confine_vmms: bool,
+    /// The first uid of the range jailed VMMs take theirs from.
+    pub vm_uid_base: u32,
     /// Each VMM's memory limit; default: the largest guest plus 128 MiB.
     pub vmm_memory_limit_mib: Option<u64>,
 }
@@ -76,6 +78,7 @@ impl NodeConfig {
             tool_executor: None,
             auth: None,
             confine_vmms: true,
+            vm_uid_base: crate::runtime::microvm::DEFAULT_VM_UID_BASE,
             vmm_memory_limit_mib: None,
         }
     }
@@ -169,6 +172,7 @@ fn microvm_runtime(cfg: &NodeConfig) -> Result<MicrovmRuntime, String> {
         memory_mib: 256,
         ready_timeout: std::time::Duration::from_secs(20),
         confine: cfg.confine_vmms,
+        vm_uid_base: cfg.vm_uid_base,
         memory_limit_mib: cfg.vmm_memory_limit_mib,
     })
 }

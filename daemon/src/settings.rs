@@ -107,6 +107,11 @@ pub struct Settings {
     /// on the microvm runtime. Default: STATE_DIR/images.
     #[arg(long)]
     pub image_dir: Option<PathBuf>,
+    /// The first of 65536 uids (and gids) given to VMMs, one each, so no two VMs share one:
+    /// pick a range no other user or container of the node has. Default: 1879048192
+    /// (0x70000000).
+    #[arg(long)]
+    pub vm_uid_base: Option<u32>,
     /// OpenAI-compatible endpoint (up to the version path, e.g. https://api.openai.com/v1)
     /// serving every model except the built-in `echo`.
     #[arg(long)]
@@ -200,6 +205,7 @@ impl Settings {
             vmm_flavour,
             ram_dir,
             image_dir,
+            vm_uid_base,
             openai_base_url,
             openai_api_key_env,
             openai_api_key_file,
@@ -276,6 +282,7 @@ impl Settings {
                 self.tool_executor_timeout_secs,
             ),
             ("shutdown_timeout_secs", self.shutdown_timeout_secs),
+            ("vm_uid_base", self.vm_uid_base.map(u64::from)),
         ] {
             if let Some(v) = v {
                 text.push_str(&format!("{k} = {v}\n"));

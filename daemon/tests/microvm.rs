@@ -477,6 +477,7 @@ async fn a_guest_that_never_becomes_ready_fails_create_and_leaves_nothing() {
         memory_mib: 64,
         ready_timeout: Duration::from_secs(1),
         confine: true,
+        vm_uid_base: agentvmd::runtime::microvm::DEFAULT_VM_UID_BASE,
         memory_limit_mib: None,
     })
     .unwrap();
@@ -676,6 +677,7 @@ async fn a_new_runtime_watches_surviving_vmms_and_reports_dead_ones() {
         memory_mib: 64,
         ready_timeout: Duration::from_secs(10),
         confine: true,
+        vm_uid_base: agentvmd::runtime::microvm::DEFAULT_VM_UID_BASE,
         memory_limit_mib: None,
     };
     let before = MicrovmRuntime::new(config.clone()).unwrap();
@@ -1100,6 +1102,70 @@ async fn vmms_run_confined() {
     assert_eq!(limit("Max open files"), "8192", "{limits}");
     let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
     assert_eq!(environ, b"AGENTVM_VMM_LOG=warn\0", "a cleared environment");
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let ids = |name: &str| -> Vec<u32> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .unwrap_or_default()
+            .split_whitespace()
+            .map(|v| v.parse().unwrap())
+            .collect()
+    };
+    // A uid and gid of its own (all four of each), no supplementary groups.
+    let uid = ids("Uid:")[0];
+    assert!(
+        uid >= agentvmd::runtime::microvm::DEFAULT_VM_UID_BASE,
+        "{status}"
+    );
+    assert_eq!(ids("Uid:"), vec![uid; 4], "{status}");
+    assert_eq!(ids("Gid:"), vec![uid; 4], "{status}");
+    assert!(ids("Groups:").is_empty(), "{status}");
+    // PID 1 of a PID namespace of its own.
+    assert_eq!(ids("NSpid:"), vec![pid as u32, 1], "{status}");
+    // Its root: a second session's VMM (another uid) and the daemon's state are not there;
+    // its own directory, RAM directory and kernel are, at their usual paths.
+    let other = create(&mut c).await;
+    assert_eq!(turn(&mut c, &other).await, "1");
+    let other_pid = vmm_pid(&node, &other);
+    let other_uid = std::fs::read_to_string(format!("/proc/{other_pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("Uid:")
+                .map(|v| v.split_whitespace().next().unwrap().to_owned())
+        })
+        .unwrap();
+    assert_ne!(other_uid, uid.to_string(), "two VMMs share a uid");
+    let root = PathBuf::from(format!("/proc/{pid}/root"));
+    let seen = |host: &std::path::Path| root.join(host.strip_prefix("/").unwrap());
+    let state = node.dir.join("state");
+    assert!(seen(&vm_dir(&node, &s).join("api.sock")).exists());
+    assert!(seen(&state.join("images/testguest.elf")).is_file());
+    assert!(
+        !seen(&vm_dir(&node, &other)).exists(),
+        "another VM's directory is visible"
+    );
+    assert!(
+        !seen(&state.join("journal.db")).exists(),
+        "the journal is visible"
+    );
+    assert!(!root.join("etc/passwd").exists(), "/etc is visible");
+    let mut vms: Vec<String> = std::fs::read_dir(seen(&state.join("vms")))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    vms.sort();
+    assert_eq!(vms, vec![s.clone()]);
+    let dev: std::collections::BTreeSet<String> = std::fs::read_dir(root.join("dev"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert!(
+        dev.iter()
+            .all(|d| ["kvm", "null", "zero", "urandom", "random", "shm"].contains(&d.as_str())),
+        "{dev:?}"
+    );
     // Seccomp: every thread filtered; vCPU and device threads under a second, narrower one.
     let field = |status: &str, name: &str| {
         status

@@ -14,6 +14,8 @@ use crate::archive;
 use crate::dir::Snapshot;
 
 const REFS: &str = ".refs";
+/// Deeper chains are not followed (and are not written: layers are flattened long before).
+const MAX_CHAIN: usize = 64;
 
 pub struct LocalStore {
     root: PathBuf,
@@ -44,6 +46,41 @@ fn check_name(kind: &str, name: &str) -> Result<(), SnapshotError> {
     }
 }
 
+fn copy_tree(from: &Path, to: &Path) -> Result<(), SnapshotError> {
+    std::fs::create_dir(to).map_err(io(to))?;
+    for entry in std::fs::read_dir(from).map_err(io(from))? {
+        let entry = entry.map_err(io(from))?;
+        let (src, dst) = (entry.path(), to.join(entry.file_name()));
+        if entry.file_type().map_err(io(&src))?.is_dir() {
+            copy_tree(&src, &dst)?;
+        } else {
+            std::fs::copy(&src, &dst).map_err(io(&src))?;
+        }
+    }
+    Ok(())
+}
+
+/// Makes every file under `dir` read-only and owned by this process's user and group.
+fn seal(dir: &Path) -> Result<(), SnapshotError> {
+    use std::os::unix::fs::PermissionsExt;
+    // SAFETY: geteuid and getegid cannot fail.
+    let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    std::os::unix::fs::lchown(dir, Some(uid), Some(gid)).map_err(io(dir))?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).map_err(io(dir))?;
+    for entry in std::fs::read_dir(dir).map_err(io(dir))? {
+        let path = entry.map_err(io(dir))?.path();
+        let meta = std::fs::symlink_metadata(&path).map_err(io(&path))?;
+        if meta.is_dir() {
+            seal(&path)?;
+        } else if meta.is_file() {
+            std::os::unix::fs::lchown(&path, Some(uid), Some(gid)).map_err(io(&path))?;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o444))
+                .map_err(io(&path))?;
+        }
+    }
+    Ok(())
+}
+
 impl LocalStore {
     pub fn open(root: &Path) -> Result<Self, SnapshotError> {
         std::fs::create_dir_all(root.join(REFS)).map_err(io(root))?;
@@ -64,6 +101,51 @@ impl LocalStore {
             _ => io(&dir)(e),
         })?;
         Ok(dir)
+    }
+
+    /// Moves the snapshot a VMM wrote in `written` (outside the store: a jailed VMM sees only
+    /// its own directory) into the store as `id`, and seals it: owned by the store's owner,
+    /// every file read-only. Any VMM restoring it later, whatever its uid, can read it and
+    /// none can change it.
+    pub fn adopt(&self, id: &str, written: &Path) -> Result<PathBuf, SnapshotError> {
+        check_name("snapshot id", id)?;
+        let dir = self.root.join(id);
+        if dir.exists() {
+            return Err(SnapshotError::Exists(dir.display().to_string()));
+        }
+        match std::fs::rename(written, &dir) {
+            Ok(()) => {}
+            // Another filesystem: copy, then drop the original.
+            Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
+                copy_tree(written, &dir).inspect_err(|_| {
+                    let _ = std::fs::remove_dir_all(&dir);
+                })?;
+                let _ = std::fs::remove_dir_all(written);
+            }
+            Err(e) => return Err(io(written)(e)),
+        }
+        seal(&dir)?;
+        Ok(dir)
+    }
+
+    /// The directories of snapshot `dir` and of every base under it, top first: what a VM
+    /// restored from `dir` reads. A snapshot without our manifest is a chain of one.
+    pub fn chain(dir: &Path) -> Vec<PathBuf> {
+        let mut chain = vec![dir.to_owned()];
+        while chain.len() < MAX_CHAIN {
+            let Some(base) = chain
+                .last()
+                .and_then(|top| Snapshot::open(top).ok())
+                .and_then(|s| s.manifest.memory.base)
+            else {
+                break;
+            };
+            if chain.contains(&base.dir) {
+                break;
+            }
+            chain.push(base.dir);
+        }
+        chain
     }
 
     pub fn dir(&self, id: &str) -> Result<PathBuf, SnapshotError> {
@@ -203,6 +285,55 @@ mod tests {
             MemoryLayout { size: 0, base },
         )
         .unwrap();
+    }
+
+    #[test]
+    fn adopted_snapshots_are_moved_in_sealed_and_chained_to_their_bases() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let root = tempfile::tempdir().unwrap();
+        let store = LocalStore::open(root.path()).unwrap();
+        put(&store, "base", None);
+        // A layer written outside the store, as a jailed VMM writes it.
+        let outside = tempfile::tempdir().unwrap();
+        let written = outside.path().join("snapshot");
+        std::fs::create_dir(&written).unwrap();
+        let mut w = SnapshotWriter::create(&written, false).unwrap();
+        w.write_file(STATE_FILE, b"{}").unwrap();
+        let base = store.get("base").unwrap().base_ref();
+        w.finish(
+            HostIdentity::current("PVM"),
+            "t",
+            MemoryLayout {
+                size: 0,
+                base: Some(base),
+            },
+        )
+        .unwrap();
+        let dir = store.adopt("layer", &written).unwrap();
+        assert_eq!(dir, store.dir("layer").unwrap());
+        assert!(!written.exists());
+        assert!(store.get("layer").is_ok());
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let meta = entry.unwrap().metadata().unwrap();
+            // SAFETY: geteuid cannot fail.
+            assert_eq!(meta.uid(), unsafe { libc::geteuid() });
+            assert_eq!(meta.permissions().mode() & 0o777, 0o444);
+        }
+        assert_eq!(
+            LocalStore::chain(&dir),
+            vec![dir.clone(), store.dir("base").unwrap()]
+        );
+        assert_eq!(store.dependents("base").unwrap(), ["layer"]);
+        // An id already taken is refused and the written snapshot left where it was.
+        std::fs::create_dir(&written).unwrap();
+        assert!(matches!(
+            store.adopt("layer", &written),
+            Err(SnapshotError::Exists(_))
+        ));
+        assert!(written.exists());
+        // A sealed snapshot can still be deleted by the store.
+        store.delete("layer").unwrap();
+        store.delete("base").unwrap();
     }
 
     #[test]

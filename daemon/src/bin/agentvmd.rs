@@ -81,6 +81,9 @@ fn node_config(s: &Settings) -> anyhow::Result<(NodeConfig, ListenAddr, ListenAd
     if let Some(dir) = &s.ram_dir {
         node_config.ram_dir = dir.clone();
     }
+    if let Some(base) = s.vm_uid_base {
+        node_config.vm_uid_base = base;
+    }
     node_config.tool_executor = s.tool_executor_url.clone().map(|url| WebhookConfig {
         url,
         timeout: std::time::Duration::from_secs(s.tool_executor_timeout_secs.unwrap_or(60)),

@@ -14,12 +14,13 @@ pub mod bundles;
 pub mod exit_watch;
 pub mod flavour;
 pub mod guest;
+pub mod jail;
 pub mod sandbox;
 pub mod vmm_process;
 
-use std::path::PathBuf;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use agentvm_proto::guest::v1::restored::Kind as RestoredKind;
@@ -34,6 +35,7 @@ use rand::RngCore;
 use self::exit_watch::ExitWatch;
 use self::flavour::VmmFlavour;
 use self::guest::{GuestConn, GuestEndpoint};
+use self::jail::Jail;
 use self::sandbox::{Cgroups, Limits};
 use self::vmm_process::VmmDir;
 use super::{
@@ -79,9 +81,11 @@ pub struct MicrovmConfig {
     pub memory_mib: u64,
     /// How long a booted or restored guest has to answer Hello.
     pub ready_timeout: Duration,
-    /// Run each VMM confined (sandbox.rs): its own cgroup with limits, new network, IPC and
-    /// UTS namespaces, rlimits.
+    /// Run each VMM jailed (jail.rs, sandbox.rs): its own uid, cgroup with limits, mount,
+    /// PID, network, IPC and UTS namespaces, rlimits.
     pub confine: bool,
+    /// The first of the uids (and gids) given to jailed VMMs, one each.
+    pub vm_uid_base: u32,
     /// The memory limit of each VMM's cgroup. Default: the largest guest memory of any image
     /// plus 128 MiB for the VMM itself.
     pub memory_limit_mib: Option<u64>,
@@ -89,6 +93,24 @@ pub struct MicrovmConfig {
 
 /// What a VMM costs beyond its guest's RAM, in the default cgroup limit.
 const VMM_MEMORY_OVERHEAD_MIB: u64 = 128;
+/// How many uids from `vm_uid_base` jailed VMMs may take (more than a node runs VMs).
+pub const VM_UIDS: u32 = 65_536;
+/// The default `vm_uid_base`: just above the range systemd-nspawn gives containers
+/// (0x80000–0x6FFFFFFF), below 2^31.
+pub const DEFAULT_VM_UID_BASE: u32 = 0x7000_0000;
+/// The directory, in the run directory, every jail's root is mounted on (privately).
+const JAIL_STAGING: &str = ".jail";
+
+/// What every jail of this runtime shares.
+struct JailBase {
+    staging: PathBuf,
+    /// Host library directories, when the VMM binary is dynamically linked.
+    libraries: Vec<PathBuf>,
+    /// Read-only host paths every VMM needs besides its VM's files.
+    readable: Vec<PathBuf>,
+    /// Held while a uid is chosen and its directory made, so two VMMs never share one.
+    uid_lock: Mutex<()>,
+}
 
 pub struct MicrovmRuntime {
     config: MicrovmConfig,
@@ -96,6 +118,7 @@ pub struct MicrovmRuntime {
     next_snapshot: AtomicU64,
     exits: ExitWatch,
     cgroups: Option<Arc<Cgroups>>,
+    jail: Option<JailBase>,
 }
 
 fn failed(session: &str, reason: impl Into<String>) -> RuntimeError {
@@ -120,12 +143,37 @@ impl MicrovmRuntime {
             cgroups
         });
         let exits = ExitWatch::default().with_cgroups(cgroups.clone());
+        let jail = match config.confine {
+            true => {
+                let staging = config.run_dir.join(JAIL_STAGING);
+                std::fs::create_dir_all(&staging)
+                    .map_err(|e| format!("creating {}: {e}", staging.display()))?;
+                if config.vm_uid_base == 0 || config.vm_uid_base.checked_add(VM_UIDS).is_none() {
+                    return Err(format!(
+                        "vm_uid_base {} leaves no room for {VM_UIDS} unprivileged uids",
+                        config.vm_uid_base
+                    ));
+                }
+                Some(JailBase {
+                    staging,
+                    libraries: jail::library_dirs_for(&config.vmm_binary),
+                    // How the VMM tells PVM from hardware KVM.
+                    readable: [PathBuf::from("/sys/module/kvm_pvm")]
+                        .into_iter()
+                        .filter(|p| p.exists())
+                        .collect(),
+                    uid_lock: Mutex::new(()),
+                })
+            }
+            false => None,
+        };
         Ok(Self {
             config,
             store,
             next_snapshot: AtomicU64::new(0),
             exits,
             cgroups,
+            jail,
         })
     }
 
@@ -159,18 +207,68 @@ impl MicrovmRuntime {
     }
 
     fn vmm_dir(&self, session: &str) -> VmmDir {
-        VmmDir::new(self.config.run_dir.join(session), self.config.flavour)
+        let run = self.config.run_dir.join(session);
+        match self.jail {
+            // A RAM directory of its own: a jailed VMM sees nobody else's.
+            Some(_) => VmmDir::new(
+                run,
+                self.config.flavour,
+                self.config.ram_dir.join(format!("agentvm-{session}")),
+                true,
+            ),
+            None => VmmDir::new(run, self.config.flavour, self.config.ram_dir.clone(), false),
+        }
+    }
+
+    /// The sessions with a VMM directory (the jail's staging directory is not one).
+    fn vmm_sessions(&self) -> Vec<String> {
+        let Ok(entries) = std::fs::read_dir(&self.config.run_dir) else {
+            return Vec::new();
+        };
+        entries
+            .filter_map(|e| e.ok())
+            .filter_map(|e| e.file_name().into_string().ok())
+            .filter(|name| !name.starts_with('.'))
+            .collect()
+    }
+
+    /// Makes `dir` (and its RAM directory) for a new VMM; when jailed, owned by a uid no
+    /// other VMM has, which is returned.
+    fn make_dirs(&self, dir: &VmmDir) -> std::result::Result<Option<u32>, String> {
+        let create = |path: &Path| {
+            std::fs::create_dir_all(path).map_err(|e| format!("creating {}: {e}", path.display()))
+        };
+        let Some(jail) = &self.jail else {
+            return create(&dir.dir).map(|()| None);
+        };
+        let _held = jail.uid_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let taken: std::collections::HashSet<u32> = self
+            .vmm_sessions()
+            .iter()
+            .filter_map(|s| std::fs::metadata(self.config.run_dir.join(s)).ok())
+            .map(|m| std::os::unix::fs::MetadataExt::uid(&m))
+            .collect();
+        let base = self.config.vm_uid_base;
+        let uid = (base..base + VM_UIDS)
+            .find(|uid| !taken.contains(uid))
+            .ok_or("every VM uid is taken")?;
+        for path in [&dir.dir, &dir.ram] {
+            create(path)?;
+            std::os::unix::fs::chown(path, Some(uid), Some(uid))
+                .map_err(|e| format!("chown {} {uid}: {e}", path.display()))?;
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700))
+                .map_err(|e| format!("chmod {}: {e}", path.display()))?;
+        }
+        Ok(Some(uid))
     }
 
     /// Each running VMM's session and proportional set size in bytes (for metrics).
     pub fn vmm_memory(&self) -> Vec<(String, u64)> {
-        let Ok(entries) = std::fs::read_dir(&self.config.run_dir) else {
-            return Vec::new();
-        };
-        let mut out: Vec<(String, u64)> = entries
-            .filter_map(|e| e.ok())
-            .filter_map(|e| {
-                let session = e.file_name().to_str()?.to_owned();
+        let mut out: Vec<(String, u64)> = self
+            .vmm_sessions()
+            .into_iter()
+            .filter_map(|session| {
                 let dir = self.vmm_dir(&session);
                 if !dir.vmm_alive() {
                     return None;
@@ -273,11 +371,7 @@ impl MicrovmRuntime {
     }
 
     fn take_stock(&self) {
-        let Ok(entries) = std::fs::read_dir(&self.config.run_dir) else {
-            return;
-        };
-        for entry in entries.flatten() {
-            let session = entry.file_name().to_string_lossy().into_owned();
+        for session in self.vmm_sessions() {
             let dir = self.vmm_dir(&session);
             match vmm_process::pid_of(&dir) {
                 Some(pid) if dir.vmm_alive() => self.exits.watch(dir, pid),
@@ -288,15 +382,21 @@ impl MicrovmRuntime {
                          watched it, or the node restarted)"
                             .into(),
                     );
-                    let _ = std::fs::remove_dir_all(&dir.dir);
+                    vmm_process::remove_files(&dir);
                 }
             }
         }
     }
 
-    /// Spawns a VMM for `session` and runs `start` against it; on any failure the VMM and its
-    /// directory are removed, so a failed start leaves nothing behind.
-    async fn start<F, Fut>(&self, session: &str, start: F) -> Result<Incarnation>
+    /// Spawns a VMM for `session`, able to read `files` (when jailed, nothing else of the
+    /// host's), and runs `start` against it; on any failure the VMM and its directory are
+    /// removed, so a failed start leaves nothing behind.
+    async fn start<F, Fut>(
+        &self,
+        session: &str,
+        files: Vec<PathBuf>,
+        start: F,
+    ) -> Result<Incarnation>
     where
         F: FnOnce(VmmDir) -> Fut,
         Fut: std::future::Future<Output = std::result::Result<(), String>>,
@@ -306,23 +406,19 @@ impl MicrovmRuntime {
             // A dead VMM's leftovers.
             vmm_process::stop(&dir, &self.exits).await;
         }
-        let confinement = match &self.cgroups {
-            Some(cgroups) => Some(
-                cgroups
-                    .create(session, self.limits())
-                    .map_err(|e| failed(session, format!("confining its VMM: {e}")))?,
-            ),
-            None => None,
-        };
-        vmm_process::spawn(
-            &self.config.vmm_binary,
-            &self.config.ram_dir,
-            &dir,
-            &self.exits,
-            confinement.as_deref(),
-        )
-        .await
-        .map_err(|e| failed(session, e))?;
+        let jail = self
+            .jail_for(session, &dir, files)
+            .inspect_err(|_| vmm_process::remove_files(&dir))
+            .map_err(|e| failed(session, format!("jailing its VMM: {e}")))?;
+        if let Err(e) =
+            vmm_process::spawn(&self.config.vmm_binary, &dir, &self.exits, jail.as_ref()).await
+        {
+            vmm_process::remove_files(&dir);
+            if let Some(cgroups) = &self.cgroups {
+                cgroups.remove(session);
+            }
+            return Err(failed(session, e));
+        }
         match start(dir.clone()).await {
             Ok(()) => Ok(self.incarnation(session)),
             Err(reason) => {
@@ -339,6 +435,33 @@ impl MicrovmRuntime {
                 ))
             }
         }
+    }
+
+    /// Makes the VMM's directories and, when jailed, the jail that shows it only them and
+    /// `files`.
+    fn jail_for(
+        &self,
+        session: &str,
+        dir: &VmmDir,
+        files: Vec<PathBuf>,
+    ) -> std::result::Result<Option<Jail>, String> {
+        let uid = self.make_dirs(dir)?;
+        let (Some(base), Some(uid)) = (&self.jail, uid) else {
+            return Ok(None);
+        };
+        let cgroup_procs = match &self.cgroups {
+            Some(cgroups) => cgroups.create(session, self.limits())?,
+            None => Vec::new(),
+        };
+        Ok(Some(Jail {
+            staging: base.staging.clone(),
+            uid,
+            gid: uid,
+            cgroup_procs,
+            writable: vec![dir.dir.clone(), dir.ram.clone()],
+            readable: files.into_iter().chain(base.readable.clone()).collect(),
+            libraries: base.libraries.clone(),
+        }))
     }
 
     /// Restores `snapshot` as `session` and tells the guest it was restored or forked.
@@ -364,7 +487,7 @@ impl MicrovmRuntime {
             .to_owned();
         let started = std::time::Instant::now();
         let inc = self
-            .start(session, |dir| async move {
+            .start(session, LocalStore::chain(&source), |dir| async move {
                 let request = dir.flavour.restore_request(
                     &source,
                     &dir.restore_scratch(),
@@ -401,6 +524,16 @@ impl MicrovmRuntime {
             let _ = self.store.release(&id, session);
         }
     }
+}
+
+/// An empty `outbox` in `dir`, owned like `dir` (by the VMM's uid when jailed).
+fn prepare_outbox(dir: &VmmDir, outbox: &Path) -> std::result::Result<(), String> {
+    let _ = std::fs::remove_dir_all(outbox);
+    std::fs::create_dir(outbox).map_err(|e| format!("creating {}: {e}", outbox.display()))?;
+    let owner = std::fs::metadata(&dir.dir).map_err(|e| format!("{}: {e}", dir.dir.display()))?;
+    use std::os::unix::fs::MetadataExt;
+    std::os::unix::fs::chown(outbox, Some(owner.uid()), Some(owner.gid()))
+        .map_err(|e| format!("chown {}: {e}", outbox.display()))
 }
 
 /// The store directory an external snapshot reference names.
@@ -472,8 +605,12 @@ impl Runtime for MicrovmRuntime {
             })?
             .to_owned();
         let started = std::time::Instant::now();
+        let files = [Some(image.kernel.clone()), image.initramfs.clone()]
+            .into_iter()
+            .flatten()
+            .collect();
         let inc = self
-            .start(session, |dir| {
+            .start(session, files, |dir| {
                 let config = self.vm_config(spec, &image, &dir);
                 async move {
                     let client = dir.client();
@@ -524,15 +661,25 @@ impl Runtime for MicrovmRuntime {
             std::process::id(),
             self.next_snapshot.fetch_add(1, Ordering::Relaxed)
         );
-        let target = self
-            .store
-            .create_dir(&id)
-            .map_err(|e| failed(session, e.to_string()))?;
-        if let Err(e) = client.snapshot(&target).await {
-            let _ = std::fs::remove_dir_all(&target);
-            let _ = client.resume_idempotent().await;
-            return Err(failed(session, format!("vm.snapshot: {e}")));
-        }
+        // Written inside the VMM's own directory (all a jailed VMM can write), then moved
+        // into the store and sealed.
+        let outbox = dir.snapshot_outbox();
+        let written = match prepare_outbox(&dir, &outbox) {
+            Ok(()) => client
+                .snapshot(&outbox)
+                .await
+                .map_err(|e| format!("vm.snapshot: {e}"))
+                .and_then(|()| self.store.adopt(&id, &outbox).map_err(|e| e.to_string())),
+            Err(e) => Err(e),
+        };
+        let target = match written {
+            Ok(target) => target,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&outbox);
+                let _ = client.resume_idempotent().await;
+                return Err(failed(session, e));
+            }
+        };
         crate::metrics::global()
             .vmm_snapshot
             .observe(started.elapsed());

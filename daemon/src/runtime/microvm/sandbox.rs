@@ -1,12 +1,9 @@
-//! What confines each VMM process, applied by agentvmd when it spawns one (the jailer's job):
-//! a cgroup of its own with memory, CPU and pids limits (v1 or v2, detected at start-up),
-//! new network, IPC and UTS namespaces (a VMM needs no network: its vsock is a unix socket),
-//! no core dumps and a bounded descriptor table; its environment is cleared by the spawner.
+//! The cgroup each jailed VMM (see `jail.rs`) joins, with memory, CPU and pids limits: v1
+//! or v2, detected at start-up.
 //!
 //! A guest that makes its VMM exceed the memory limit gets the VMM killed by the kernel's
 //! OOM killer, alone; the exit watch then records the session's compute as lost.
 
-use std::ffi::CString;
 use std::path::{Path, PathBuf};
 
 /// Per-VMM limits.
@@ -151,52 +148,6 @@ impl Cgroups {
             let _ = std::fs::remove_dir(&dir);
         }
     }
-}
-
-/// Arranges for `cmd`'s process, between fork and exec, to join `procs` (cgroup.procs
-/// files), take new network/IPC/UTS namespaces and its rlimits.
-pub fn confine(cmd: &mut std::process::Command, procs: &[PathBuf]) -> Result<(), String> {
-    use std::os::unix::ffi::OsStrExt;
-    use std::os::unix::process::CommandExt;
-    let procs: Vec<CString> = procs
-        .iter()
-        .map(|p| {
-            CString::new(p.as_os_str().as_bytes()).map_err(|e| format!("{}: {e}", p.display()))
-        })
-        .collect::<Result<_, _>>()?;
-    // SAFETY: the closure runs in the forked child before exec and makes only
-    // async-signal-safe calls (open, write, close, unshare, setrlimit) on memory prepared
-    // before the fork.
-    unsafe {
-        cmd.pre_exec(move || {
-            for path in &procs {
-                let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                if fd < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // "0" is the writing process itself.
-                let written = libc::write(fd, b"0".as_ptr().cast(), 1);
-                libc::close(fd);
-                if written != 1 {
-                    return Err(std::io::Error::last_os_error());
-                }
-            }
-            if libc::unshare(libc::CLONE_NEWNET | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            for (resource, limit) in [(libc::RLIMIT_CORE, 0), (libc::RLIMIT_NOFILE, 8192)] {
-                let rl = libc::rlimit {
-                    rlim_cur: limit,
-                    rlim_max: limit,
-                };
-                if libc::setrlimit(resource, &rl) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-            }
-            Ok(())
-        });
-    }
-    Ok(())
 }
 
 #[cfg(test)]

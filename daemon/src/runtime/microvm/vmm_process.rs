@@ -5,15 +5,14 @@
 //! A VMM runs in its own process group and does not die with the daemon: a restarted
 //! agentvmd finds it again by its API socket (see `MicrovmRuntime::attach`).
 
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::Duration;
 
 use agentvm_vmm_api::VmmClient;
 
 use super::exit_watch::ExitWatch;
 use super::flavour::VmmFlavour;
+use super::jail::Jail;
 
 /// How long a fresh VMM has to answer `vmm.ping`.
 const READY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -25,11 +24,19 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct VmmDir {
     pub dir: PathBuf,
     pub flavour: VmmFlavour,
+    /// Where its guest RAM file goes; `private` when it is this VMM's alone (removed with it).
+    pub ram: PathBuf,
+    pub private_ram: bool,
 }
 
 impl VmmDir {
-    pub fn new(dir: PathBuf, flavour: VmmFlavour) -> Self {
-        Self { dir, flavour }
+    pub fn new(dir: PathBuf, flavour: VmmFlavour, ram: PathBuf, private_ram: bool) -> Self {
+        Self {
+            dir,
+            flavour,
+            ram,
+            private_ram,
+        }
     }
     pub fn api(&self) -> PathBuf {
         self.dir.join("api.sock")
@@ -54,6 +61,11 @@ impl VmmDir {
     pub fn restore_scratch(&self) -> PathBuf {
         self.dir.join("restore")
     }
+    /// Where the VMM writes a snapshot, inside its own directory; agentvmd moves it into the
+    /// store once written.
+    pub fn snapshot_outbox(&self) -> PathBuf {
+        self.dir.join("snapshot")
+    }
     pub fn client(&self) -> VmmClient {
         VmmClient::new(self.api())
     }
@@ -73,40 +85,26 @@ impl VmmDir {
     }
 }
 
-/// Starts a VMM serving its API in `dir` (created empty) and waits until it answers. From
-/// the moment it runs, `watch` reaps it and reports an exit nobody asked for.
+/// Starts a VMM serving its API in `dir` (already created, with its RAM directory), jailed
+/// when `jail` is given, and waits until it answers. From the moment it runs, `watch` reaps
+/// it and reports an exit nobody asked for.
 pub async fn spawn(
     binary: &Path,
-    ram_dir: &Path,
     dir: &VmmDir,
     watch: &ExitWatch,
-    confinement: Option<&[PathBuf]>,
+    jail: Option<&Jail>,
 ) -> Result<u32, String> {
-    std::fs::create_dir_all(&dir.dir)
-        .map_err(|e| format!("creating {}: {e}", dir.dir.display()))?;
     let log = std::fs::File::create(dir.log())
         .map_err(|e| format!("creating {}: {e}", dir.log().display()))?;
-    let log_err = log
-        .try_clone()
-        .map_err(|e| format!("{}: {e}", dir.log().display()))?;
-    // std's Command rather than tokio's: the child is reaped by the exit watch (through its
-    // pidfd), not by a handle, and dropping the handle must not kill or reap it.
-    let mut cmd = std::process::Command::new(binary);
-    cmd.args(dir.flavour.args(&dir.api(), ram_dir))
-        .env_clear()
-        .env("AGENTVM_VMM_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::from(log))
-        .stderr(Stdio::from(log_err))
-        // Its own process group: a signal for the daemon is not one for its VMs.
-        .process_group(0);
-    if let Some(procs) = confinement {
-        super::sandbox::confine(&mut cmd, procs)?;
-    }
-    let child = cmd
-        .spawn()
-        .map_err(|e| format!("starting {}: {e}", binary.display()))?;
-    let pid = child.id();
+    // Its own process group (a signal for the daemon is not one for its VMs), no handle:
+    // the exit watch reaps it through its pidfd.
+    let pid = super::jail::spawn(&super::jail::Command {
+        binary,
+        args: &dir.flavour.args(&dir.api(), &dir.ram),
+        env: &[("AGENTVM_VMM_LOG", "warn")],
+        output: &log,
+        jail,
+    })?;
     let _ = std::fs::write(dir.pid_file(), pid.to_string());
     watch.watch(dir.clone(), pid);
     if let Err(e) = dir.client().wait_ready(READY_TIMEOUT).await {
@@ -136,8 +134,16 @@ pub fn kill(pid: u32) {
     }
 }
 
+/// Removes what the VMM in `dir` left on the host: its directory and private RAM directory.
+pub fn remove_files(dir: &VmmDir) {
+    let _ = std::fs::remove_dir_all(&dir.dir);
+    if dir.private_ram {
+        let _ = std::fs::remove_dir_all(&dir.ram);
+    }
+}
+
 /// Shuts the VMM down through its API, kills it if that does not work in time, and removes
-/// its directory.
+/// its files.
 pub async fn stop(dir: &VmmDir, watch: &ExitWatch) {
     let pid = pid_of(dir);
     if let Some(pid) = pid {
@@ -153,5 +159,5 @@ pub async fn stop(dir: &VmmDir, watch: &ExitWatch) {
             kill(pid);
         }
     }
-    let _ = std::fs::remove_dir_all(&dir.dir);
+    remove_files(dir);
 }
