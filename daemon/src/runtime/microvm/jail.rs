@@ -2,8 +2,7 @@
 //! a process cloned straight into new mount, PID, network, IPC and UTS namespaces, whose
 //! root is a small private tmpfs holding only the VM's own files at their usual paths (so
 //! the paths agentvmd sends through the API need no translation), a few device nodes and its
-//! own /proc; it joins its cgroups, drops to a uid/gid of its own with no supplementary
-//! groups, inherits no descriptor but stdin/stdout/stderr, and is exec'd from a descriptor
+//! own /proc; it drops to a uid/gid of its own with no supplementary groups, inherits no descriptor but stdin/stdout/stderr, and is exec'd from a descriptor
 //! opened before the jail existed (the VMM binary itself need not be inside).
 //!
 //! Everything the child does between clone and exec is a list of [`Step`]s built before the
@@ -26,8 +25,6 @@ pub struct Jail {
     pub staging: PathBuf,
     pub uid: u32,
     pub gid: u32,
-    /// `cgroup.procs` files to join.
-    pub cgroup_procs: Vec<PathBuf>,
     /// Visible read-write, at their own paths.
     pub writable: Vec<PathBuf>,
     /// Visible read-only, at their own paths (files or directories).
@@ -63,7 +60,6 @@ const NOFILE_LIMIT: u64 = 8192;
 enum Step {
     ResetSignals,
     NewProcessGroup,
-    JoinCgroup(CString),
     Dup2 {
         fd: RawFd,
         onto: RawFd,
@@ -154,15 +150,6 @@ impl Step {
                     Ok(())
                 }
                 Step::NewProcessGroup => check(libc::setpgid(0, 0).into()),
-                Step::JoinCgroup(path) => {
-                    let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                    check(fd.into())?;
-                    // "0" is the writing process itself.
-                    let written = libc::write(fd, b"0".as_ptr().cast(), 1);
-                    let errno = last_errno();
-                    libc::close(fd);
-                    if written == 1 { Ok(()) } else { Err(errno) }
-                }
                 Step::Dup2 { fd, onto } => check(libc::dup2(*fd, *onto).into()),
                 Step::Mount {
                     source,
@@ -250,9 +237,6 @@ impl Step {
 fn jail_steps(jail: &Jail) -> Result<Vec<Step>, String> {
     let staging = &jail.staging;
     let mut steps = Vec::new();
-    for procs in &jail.cgroup_procs {
-        steps.push(Step::JoinCgroup(cpath(procs)?));
-    }
     // Nothing mounted from here on may reach the host's namespace.
     steps.push(Step::Mount {
         source: None,
@@ -715,20 +699,16 @@ mod tests {
         })
         .unwrap_err();
         assert!(err.contains("/nonexistent/agentvm-file"), "{err}");
-        let cgroup = dir.path().join("no-such-cgroup/cgroup.procs");
+        // A file that is not a program fails at the exec, reported as such.
         jail.readable.clear();
-        jail.cgroup_procs = vec![cgroup];
         let err = spawn(&Command {
-            binary: Path::new("/bin/true"),
+            binary: &dir.path().join("out"),
             args: &[],
             env: &[],
             output: &output,
             jail: Some(&jail),
         })
         .unwrap_err();
-        assert!(
-            err.contains("JoinCgroup") && err.contains("no-such-cgroup"),
-            "{err}"
-        );
+        assert!(err.contains("failed at exec"), "{err}");
     }
 }

@@ -135,7 +135,15 @@ impl MicrovmRuntime {
             .map_err(|e| format!("snapshot store {}: {e}", config.snapshot_dir.display()))?;
         std::fs::create_dir_all(&config.run_dir)
             .map_err(|e| format!("creating {}: {e}", config.run_dir.display()))?;
-        let cgroups = config.confine.then(|| {
+        // SAFETY: geteuid cannot fail.
+        let root = unsafe { libc::geteuid() } == 0;
+        if config.confine && !root {
+            tracing::warn!(
+                "agentvmd is not running as root: VMMs run without their jail and cgroups"
+            );
+        }
+        let confine = config.confine && root;
+        let cgroups = confine.then(|| {
             let cgroups = Arc::new(Cgroups::detect());
             if let Cgroups::Unavailable(why) = &*cgroups {
                 tracing::warn!(%why, "VMMs run without cgroup limits");
@@ -143,7 +151,7 @@ impl MicrovmRuntime {
             cgroups
         });
         let exits = ExitWatch::default().with_cgroups(cgroups.clone());
-        let jail = match config.confine {
+        let jail = match confine {
             true => {
                 let staging = config.run_dir.join(JAIL_STAGING);
                 std::fs::create_dir_all(&staging)
@@ -406,12 +414,18 @@ impl MicrovmRuntime {
             // A dead VMM's leftovers.
             vmm_process::stop(&dir, &self.exits).await;
         }
-        let jail = self
+        let (jail, cgroup_procs) = self
             .jail_for(session, &dir, files)
             .inspect_err(|_| vmm_process::remove_files(&dir))
             .map_err(|e| failed(session, format!("jailing its VMM: {e}")))?;
-        if let Err(e) =
-            vmm_process::spawn(&self.config.vmm_binary, &dir, &self.exits, jail.as_ref()).await
+        if let Err(e) = vmm_process::spawn(
+            &self.config.vmm_binary,
+            &dir,
+            &self.exits,
+            jail.as_ref(),
+            cgroup_procs,
+        )
+        .await
         {
             vmm_process::remove_files(&dir);
             if let Some(cgroups) = &self.cgroups {
@@ -438,30 +452,30 @@ impl MicrovmRuntime {
     }
 
     /// Makes the VMM's directories and, when jailed, the jail that shows it only them and
-    /// `files`.
+    /// `files`, and its cgroups (their `cgroup.procs` files).
     fn jail_for(
         &self,
         session: &str,
         dir: &VmmDir,
         files: Vec<PathBuf>,
-    ) -> std::result::Result<Option<Jail>, String> {
+    ) -> std::result::Result<(Option<Jail>, Vec<PathBuf>), String> {
         let uid = self.make_dirs(dir)?;
         let (Some(base), Some(uid)) = (&self.jail, uid) else {
-            return Ok(None);
+            return Ok((None, Vec::new()));
         };
         let cgroup_procs = match &self.cgroups {
             Some(cgroups) => cgroups.create(session, self.limits())?,
             None => Vec::new(),
         };
-        Ok(Some(Jail {
+        let jail = Jail {
             staging: base.staging.clone(),
             uid,
             gid: uid,
-            cgroup_procs,
             writable: vec![dir.dir.clone(), dir.ram.clone()],
             readable: files.into_iter().chain(base.readable.clone()).collect(),
             libraries: base.libraries.clone(),
-        }))
+        };
+        Ok((Some(jail), cgroup_procs))
     }
 
     /// Restores `snapshot` as `session` and tells the guest it was restored or forked.

@@ -86,13 +86,15 @@ impl VmmDir {
 }
 
 /// Starts a VMM serving its API in `dir` (already created, with its RAM directory), jailed
-/// when `jail` is given, and waits until it answers. From the moment it runs, `watch` reaps
-/// it and reports an exit nobody asked for.
+/// when `jail` is given, moves it into the cgroups of `cgroup_procs` and waits until it
+/// answers; no VM exists (no guest runs) before both are done. From the moment it runs,
+/// `watch` reaps it and reports an exit nobody asked for.
 pub async fn spawn(
     binary: &Path,
     dir: &VmmDir,
     watch: &ExitWatch,
     jail: Option<&Jail>,
+    cgroup_procs: Vec<PathBuf>,
 ) -> Result<u32, String> {
     let log = std::fs::File::create(dir.log())
         .map_err(|e| format!("creating {}: {e}", dir.log().display()))?;
@@ -107,10 +109,19 @@ pub async fn spawn(
     })?;
     let _ = std::fs::write(dir.pid_file(), pid.to_string());
     watch.watch(dir.clone(), pid);
-    if let Err(e) = dir.client().wait_ready(READY_TIMEOUT).await {
+    let joined = tokio::task::spawn_blocking(move || super::sandbox::join(&cgroup_procs, pid));
+    let ready = dir
+        .client()
+        .wait_ready(READY_TIMEOUT)
+        .await
+        .map_err(|e| format!("the VMM did not come up: {e}"));
+    let joined = joined
+        .await
+        .unwrap_or_else(|e| Err(format!("joining its cgroups: {e}")));
+    if let Err(e) = joined.and(ready) {
         watch.expect_exit(pid);
         kill(pid);
-        return Err(format!("the VMM did not come up: {e}"));
+        return Err(e);
     }
     Ok(pid)
 }
