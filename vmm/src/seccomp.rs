@@ -419,7 +419,7 @@ mod tests {
     /// A tiny interpreter for the instructions `program` emits, to check verdicts without
     /// installing anything.
     fn run(p: &[libc::sock_filter], nr: libc::c_long, args: [u64; 6]) -> u32 {
-        let mut data = vec![0u8; 64];
+        let mut data = [0u8; 64];
         data[..4].copy_from_slice(&(nr as u32).to_le_bytes());
         data[4..8].copy_from_slice(&AUDIT_ARCH_X86_64.to_le_bytes());
         for (i, a) in args.iter().enumerate() {
