@@ -146,6 +146,16 @@ async fn compute(c: &mut SessionsClient<Channel>, session: &str) -> ComputeState
     ComputeState::try_from(s.compute_state).unwrap_or(ComputeState::Unspecified)
 }
 
+/// Waits until `session` reads COLD (its lost VMM recorded), failing with `what` after
+/// `within`.
+async fn wait_cold(c: &mut SessionsClient<Channel>, session: &str, within: Duration, what: &str) {
+    let deadline = std::time::Instant::now() + within;
+    while compute(c, session).await != ComputeState::ComputeCold {
+        assert!(std::time::Instant::now() < deadline, "{what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 fn vm_dir(node: &TestNode, session: &str) -> PathBuf {
     node.dir.join("state").join("vms").join(session)
 }
@@ -377,14 +387,13 @@ async fn a_killed_vmm_fails_the_turn_then_the_session_continues_from_its_last_sn
         "the failure names its cause: {message}"
     );
 
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while compute(&mut c, &s).await != ComputeState::ComputeCold {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the lost VMM was never recorded"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_cold(
+        &mut c,
+        &s,
+        Duration::from_secs(10),
+        "the lost VMM was never recorded",
+    )
+    .await;
     let records = replay(&mut c, &s).await;
     let Some(Body::Lifecycle(last)) = records
         .last()
@@ -860,14 +869,13 @@ async fn scenario_73_and_74_stateless_sessions_on_microvms_replay_suspend_and_re
     // A lost VM is replaced at the next turn; nothing to restore.
     // SAFETY: SIGKILL to a VMM this test's node started.
     unsafe { libc::kill(vmm_pid(&node, &s), libc::SIGKILL) };
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while compute(&mut c, &s).await != ComputeState::ComputeCold {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the loss was never recorded"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_cold(
+        &mut c,
+        &s,
+        Duration::from_secs(10),
+        "the loss was never recorded",
+    )
+    .await;
     assert_eq!(say(&mut c, &s, "four").await, "echo:four");
     for session in [&s, &child] {
         verify_chain(&replay(&mut c, session).await).unwrap();
@@ -1247,14 +1255,13 @@ async fn a_guest_over_its_memory_limit_kills_only_its_vmm() {
     }))
     .await
     .unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while compute(&mut c, &greedy).await != ComputeState::ComputeCold {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the VMM was never killed for its memory"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_cold(
+        &mut c,
+        &greedy,
+        Duration::from_secs(60),
+        "the VMM was never killed for its memory",
+    )
+    .await;
     let records = replay(&mut c, &greedy).await;
     let Some(Body::Lifecycle(lost)) = records.last().and_then(|r| r.event.clone()?.body) else {
         panic!("no record of the loss");
