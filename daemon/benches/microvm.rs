@@ -125,6 +125,13 @@ fn pss_mib(state: &std::path::Path, sessions: &[String]) -> Vec<f64> {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let quick = !std::env::args().any(|a| a == "--bench");
+    // RUST_LOG=agentvmd=info shows where a fork's time goes ("session forked" lines).
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+    }
     if let Err(e) = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
