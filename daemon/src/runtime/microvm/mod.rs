@@ -144,11 +144,14 @@ impl MicrovmRuntime {
         }
         let confine = config.confine && root;
         let cgroups = confine.then(|| {
-            let cgroups = Arc::new(Cgroups::detect());
-            if let Cgroups::Unavailable(why) = &*cgroups {
+            let mut cgroups = Cgroups::detect();
+            if let Err(why) = cgroups.prepare() {
+                cgroups = Cgroups::Unavailable(why);
+            }
+            if let Cgroups::Unavailable(why) = &cgroups {
                 tracing::warn!(%why, "VMMs run without cgroup limits");
             }
-            cgroups
+            Arc::new(cgroups)
         });
         let exits = ExitWatch::default().with_cgroups(cgroups.clone());
         let jail = match confine {

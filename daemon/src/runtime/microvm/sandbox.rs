@@ -24,13 +24,22 @@ pub enum Cgroups {
         cpu: Option<PathBuf>,
         pids: Option<PathBuf>,
     },
-    /// v2 with the memory controller available to our subtree.
-    V2 { base: PathBuf },
+    /// v2 with the memory controller available to our subtree. `leaf`: where agentvmd moves
+    /// itself so its own cgroup may hand controllers down (v2 allows no processes in a
+    /// cgroup that does); none at the root, which is exempt.
+    V2 {
+        base: PathBuf,
+        leaf: Option<PathBuf>,
+    },
     /// No usable memory controller: VMMs run without cgroup limits (logged once).
     Unavailable(String),
 }
 
 const GROUP: &str = "agentvm-vms";
+/// v2: the leaf cgroup agentvmd itself moves into (with Delegate=yes, the subtree is ours).
+const DAEMON_LEAF: &str = "agentvmd";
+/// v2: the controllers VMM cgroups use; memory is required, the others are taken if offered.
+const V2_CONTROLLERS: [&str; 3] = ["memory", "cpu", "pids"];
 
 /// Our cgroup path for `controller` (v1) or the unified one (`""`, v2), from
 /// `/proc/self/cgroup` lines `ID:CONTROLLERS:PATH`.
@@ -76,6 +85,7 @@ impl Cgroups {
             if controllers.split_whitespace().any(|c| c == "memory") {
                 return Cgroups::V2 {
                     base: mine.join(GROUP),
+                    leaf: (mine != root).then(|| mine.join(DAEMON_LEAF)),
                 };
             }
             return Cgroups::Unavailable(format!(
@@ -85,6 +95,37 @@ impl Cgroups {
             ));
         }
         Cgroups::Unavailable("no cgroup memory controller is mounted".into())
+    }
+
+    /// Makes the VMM cgroups' parent ready, once at start-up. v2 only: agentvmd moves into
+    /// its leaf, then the controllers are enabled down to `agentvm-vms` (each cgroup's
+    /// `cgroup.subtree_control`), so every VMM group gets memory.max, cpu.max and pids.max.
+    pub fn prepare(&self) -> Result<(), String> {
+        let Cgroups::V2 { base, leaf } = self else {
+            return Ok(());
+        };
+        let write = |path: &Path, value: &str| {
+            std::fs::write(path, value).map_err(|e| format!("{} = {value}: {e}", path.display()))
+        };
+        if let Some(leaf) = leaf {
+            std::fs::create_dir_all(leaf)
+                .map_err(|e| format!("creating {}: {e}", leaf.display()))?;
+            write(&leaf.join("cgroup.procs"), &std::process::id().to_string())?;
+        }
+        std::fs::create_dir_all(base).map_err(|e| format!("creating {}: {e}", base.display()))?;
+        let mine = base.parent().unwrap_or(base);
+        let offered = std::fs::read_to_string(mine.join("cgroup.controllers")).unwrap_or_default();
+        let enable: Vec<String> = V2_CONTROLLERS
+            .iter()
+            .filter(|c| offered.split_whitespace().any(|o| o == **c))
+            .map(|c| format!("+{c}"))
+            .collect();
+        for dir in [mine, base.as_path()] {
+            let control = dir.join("cgroup.subtree_control");
+            // All at once; if one is refused, memory alone (the one a limit needs).
+            write(&control, &enable.join(" ")).or_else(|_| write(&control, "+memory"))?;
+        }
+        Ok(())
     }
 
     /// The cgroup directories of `session` (one per v1 controller, or the one v2 group).
@@ -100,7 +141,7 @@ impl Cgroups {
                 }
                 v
             }
-            Cgroups::V2 { base } => vec![("unified", base.join(session))],
+            Cgroups::V2 { base, .. } => vec![("unified", base.join(session))],
             Cgroups::Unavailable(_) => Vec::new(),
         }
     }
@@ -196,7 +237,8 @@ mod tests {
             Cgroups::V2 {
                 base: v2root
                     .path()
-                    .join("system.slice/agentvmd.service/agentvm-vms")
+                    .join("system.slice/agentvmd.service/agentvm-vms"),
+                leaf: Some(v2root.path().join("system.slice/agentvmd.service/agentvmd")),
             }
         );
         std::fs::write(
@@ -210,5 +252,56 @@ mod tests {
             Cgroups::detect_in(v2root.path(), "0::/system.slice/agentvmd.service\n"),
             Cgroups::Unavailable(_)
         ));
+    }
+
+    #[test]
+    fn v2_moves_agentvmd_into_a_leaf_and_hands_controllers_down() {
+        let root = tempfile::tempdir().unwrap();
+        let mine = root.path().join("system.slice/agentvmd.service");
+        std::fs::create_dir_all(&mine).unwrap();
+        std::fs::write(
+            mine.join("cgroup.controllers"),
+            "cpuset cpu io memory pids\n",
+        )
+        .unwrap();
+        let cgroups = Cgroups::detect_in(root.path(), "0::/system.slice/agentvmd.service\n");
+        cgroups.prepare().unwrap();
+        let read = |p: &Path| std::fs::read_to_string(p).unwrap();
+        assert_eq!(
+            read(&mine.join("agentvmd/cgroup.procs")),
+            std::process::id().to_string()
+        );
+        for dir in [mine.clone(), mine.join("agentvm-vms")] {
+            assert_eq!(
+                read(&dir.join("cgroup.subtree_control")),
+                "+memory +cpu +pids",
+                "{}",
+                dir.display()
+            );
+        }
+        let procs = cgroups
+            .create(
+                "s1",
+                Limits {
+                    memory_bytes: 64 << 20,
+                    cpus: 2,
+                    pids: 40,
+                },
+            )
+            .unwrap();
+        let group = mine.join("agentvm-vms/s1");
+        assert_eq!(procs, vec![group.join("cgroup.procs")]);
+        assert_eq!(read(&group.join("memory.max")), (64u64 << 20).to_string());
+        assert_eq!(read(&group.join("cpu.max")), "200000 100000");
+        assert_eq!(read(&group.join("pids.max")), "40");
+        // At the root of the hierarchy nothing moves: the root may hold processes.
+        std::fs::write(root.path().join("cgroup.controllers"), "memory\n").unwrap();
+        assert_eq!(
+            Cgroups::detect_in(root.path(), "0::/\n"),
+            Cgroups::V2 {
+                base: root.path().join("agentvm-vms"),
+                leaf: None
+            }
+        );
     }
 }
