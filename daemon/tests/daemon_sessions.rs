@@ -330,9 +330,25 @@ fn node_status_reports_what_a_scheduler_needs() {
         .map(|h| h.as_str().unwrap())
         .collect();
     assert!(harnesses.contains(&"echo"), "{harnesses:?}");
+    let has_microvm = s["microvm_unavailable"].as_str().unwrap_or("").is_empty();
+    let isolation: Vec<&str> = s["vmm_isolation"]
+        .as_array()
+        .map(|a| a.iter().map(|v| v.as_str().unwrap()).collect())
+        .unwrap_or_default();
+    // SAFETY: geteuid cannot fail.
+    if has_microvm && unsafe { libc::geteuid() } == 0 {
+        for expected in ["jail", "seccomp"] {
+            assert!(isolation.contains(&expected), "{s}");
+        }
+    } else {
+        eprintln!("vmm_isolation not checked: no microvm runtime or not root");
+    }
     // Human output too.
     let (ok, out, _) = cli(&d, &["node", "status"]);
     assert!(ok && out.contains("sessions    1"), "{out}");
+    if has_microvm {
+        assert!(out.contains("isolation   "), "{out}");
+    }
 }
 
 #[test]

@@ -145,6 +145,11 @@ impl NodeService {
             vmm_memory_bytes,
             capacity_sessions,
             harnesses,
+            vmm_isolation: self
+                .microvm
+                .as_ref()
+                .map(|m| m.isolation())
+                .unwrap_or_default(),
         })
     }
 }

@@ -34,6 +34,13 @@ pub async fn status(
     } else {
         println!("vmm         none: {}", s.microvm_unavailable);
     }
+    if s.microvm_unavailable.is_empty() {
+        let isolation = match s.vmm_isolation.is_empty() {
+            true => "none".to_owned(),
+            false => s.vmm_isolation.join(", "),
+        };
+        println!("isolation   {isolation}");
+    }
     println!("cpus        {}", s.cpus);
     println!(
         "memory      {} available of {}",

@@ -300,6 +300,24 @@ impl MicrovmRuntime {
         out
     }
 
+    /// What confines its VMMs (the node status's `vmm_isolation`).
+    pub fn isolation(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.jail.is_some() {
+            out.push("jail".to_owned());
+        }
+        match self.cgroups.as_deref() {
+            Some(Cgroups::V1 { .. }) => out.push("cgroup-v1".to_owned()),
+            Some(Cgroups::V2 { .. }) => out.push("cgroup-v2".to_owned()),
+            _ => {}
+        }
+        // agentvm-vmm always filters (agentvmd never passes --no-seccomp).
+        if self.config.flavour == VmmFlavour::Agentvm {
+            out.push("seccomp".to_owned());
+        }
+        out
+    }
+
     /// The images this runtime boots, one per harness.
     pub fn images(&self) -> &[GuestImage] {
         &self.config.images
