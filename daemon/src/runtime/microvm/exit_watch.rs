@@ -14,7 +14,7 @@ use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::broadcast;
 
-use super::sandbox::Cgroups;
+use super::cgroups::Cgroups;
 use super::vmm_process::{self, VmmDir};
 use crate::runtime::ComputeLost;
 

@@ -11,16 +11,17 @@
 //! - The harness channel is the guest frame protocol ([`guest::GuestEndpoint`]).
 
 pub mod bundles;
+pub mod cgroups;
+mod confinement;
 pub mod exit_watch;
 pub mod flavour;
 pub mod guest;
 pub mod jail;
-pub mod sandbox;
 pub mod vmm_process;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use agentvm_proto::guest::v1::restored::Kind as RestoredKind;
@@ -32,11 +33,12 @@ use agentvm_vmm_api::config::{
 };
 use rand::RngCore;
 
+use self::cgroups::Limits;
+use self::confinement::Confinement;
+pub use self::confinement::{DEFAULT_VM_UID_BASE, VM_UIDS};
 use self::exit_watch::ExitWatch;
 use self::flavour::VmmFlavour;
 use self::guest::{GuestConn, GuestEndpoint};
-use self::jail::Jail;
-use self::sandbox::{Cgroups, Limits};
 use self::vmm_process::VmmDir;
 use super::{
     ForkOpts, Incarnation, ObservedState, Result, Runtime, RuntimeError, SessionSpec, SnapshotKind,
@@ -81,7 +83,7 @@ pub struct MicrovmConfig {
     pub memory_mib: u64,
     /// How long a booted or restored guest has to answer Hello.
     pub ready_timeout: Duration,
-    /// Run each VMM jailed (jail.rs, sandbox.rs): its own uid, cgroup with limits, mount,
+    /// Run each VMM jailed (jail.rs, cgroups.rs): its own uid, cgroup with limits, mount,
     /// PID, network, IPC and UTS namespaces, rlimits.
     pub confine: bool,
     /// The first of the uids (and gids) given to jailed VMMs, one each.
@@ -93,32 +95,38 @@ pub struct MicrovmConfig {
 
 /// What a VMM costs beyond its guest's RAM, in the default cgroup limit.
 const VMM_MEMORY_OVERHEAD_MIB: u64 = 128;
-/// How many uids from `vm_uid_base` jailed VMMs may take (more than a node runs VMs).
-pub const VM_UIDS: u32 = 65_536;
-/// The default `vm_uid_base`: just above the range systemd-nspawn gives containers
-/// (0x80000–0x6FFFFFFF), below 2^31.
-pub const DEFAULT_VM_UID_BASE: u32 = 0x7000_0000;
-/// The directory, in the run directory, every jail's root is mounted on (privately).
-const JAIL_STAGING: &str = ".jail";
-
-/// What every jail of this runtime shares.
-struct JailBase {
-    staging: PathBuf,
-    /// Host library directories, when the VMM binary is dynamically linked.
-    libraries: Vec<PathBuf>,
-    /// Read-only host paths every VMM needs besides its VM's files.
-    readable: Vec<PathBuf>,
-    /// Held while a uid is chosen and its directory made, so two VMMs never share one.
-    uid_lock: Mutex<()>,
-}
-
 pub struct MicrovmRuntime {
     config: MicrovmConfig,
     store: LocalStore,
     next_snapshot: AtomicU64,
     exits: ExitWatch,
-    cgroups: Option<Arc<Cgroups>>,
-    jail: Option<JailBase>,
+    confinement: Confinement,
+}
+
+/// The limits every VMM of this runtime runs under.
+fn limits(config: &MicrovmConfig) -> Limits {
+    let guest_mib = config
+        .images
+        .iter()
+        .filter_map(|i| i.memory_mib)
+        .chain([config.memory_mib])
+        .max()
+        .unwrap_or(config.memory_mib);
+    let vcpus = config
+        .images
+        .iter()
+        .filter_map(|i| i.vcpus)
+        .chain([config.vcpus])
+        .max()
+        .unwrap_or(1);
+    Limits {
+        memory_bytes: config
+            .memory_limit_mib
+            .unwrap_or(guest_mib + VMM_MEMORY_OVERHEAD_MIB)
+            << 20,
+        cpus: u32::from(vcpus),
+        pids: 32 + u32::from(vcpus),
+    }
 }
 
 fn failed(session: &str, reason: impl Into<String>) -> RuntimeError {
@@ -135,149 +143,34 @@ impl MicrovmRuntime {
             .map_err(|e| format!("snapshot store {}: {e}", config.snapshot_dir.display()))?;
         std::fs::create_dir_all(&config.run_dir)
             .map_err(|e| format!("creating {}: {e}", config.run_dir.display()))?;
-        // SAFETY: geteuid cannot fail.
-        let root = unsafe { libc::geteuid() } == 0;
-        if config.confine && !root {
-            tracing::warn!(
-                "agentvmd is not running as root: VMMs run without their jail and cgroups"
-            );
-        }
-        let confine = config.confine && root;
-        let cgroups = confine.then(|| {
-            let mut cgroups = Cgroups::detect();
-            if let Err(why) = cgroups.prepare() {
-                cgroups = Cgroups::Unavailable(why);
-            }
-            if let Cgroups::Unavailable(why) = &cgroups {
-                tracing::warn!(%why, "VMMs run without cgroup limits");
-            }
-            Arc::new(cgroups)
-        });
-        let exits = ExitWatch::default().with_cgroups(cgroups.clone());
-        let jail = match confine {
-            true => {
-                let staging = config.run_dir.join(JAIL_STAGING);
-                std::fs::create_dir_all(&staging)
-                    .map_err(|e| format!("creating {}: {e}", staging.display()))?;
-                if config.vm_uid_base == 0 || config.vm_uid_base.checked_add(VM_UIDS).is_none() {
-                    return Err(format!(
-                        "vm_uid_base {} leaves no room for {VM_UIDS} unprivileged uids",
-                        config.vm_uid_base
-                    ));
-                }
-                Some(JailBase {
-                    staging,
-                    libraries: jail::library_dirs_for(&config.vmm_binary),
-                    // How the VMM tells PVM from hardware KVM.
-                    readable: [PathBuf::from("/sys/module/kvm_pvm")]
-                        .into_iter()
-                        .filter(|p| p.exists())
-                        .collect(),
-                    uid_lock: Mutex::new(()),
-                })
-            }
-            false => None,
-        };
+        let confinement = Confinement::new(&config, limits(&config))?;
+        let exits = ExitWatch::default().with_cgroups(confinement.cgroups());
         Ok(Self {
             config,
             store,
             next_snapshot: AtomicU64::new(0),
             exits,
-            cgroups,
-            jail,
+            confinement,
         })
-    }
-
-    /// The limits every VMM of this runtime runs under.
-    fn limits(&self) -> Limits {
-        let guest_mib = self
-            .config
-            .images
-            .iter()
-            .filter_map(|i| i.memory_mib)
-            .chain([self.config.memory_mib])
-            .max()
-            .unwrap_or(self.config.memory_mib);
-        let vcpus = self
-            .config
-            .images
-            .iter()
-            .filter_map(|i| i.vcpus)
-            .chain([self.config.vcpus])
-            .max()
-            .unwrap_or(1);
-        Limits {
-            memory_bytes: self
-                .config
-                .memory_limit_mib
-                .unwrap_or(guest_mib + VMM_MEMORY_OVERHEAD_MIB)
-                << 20,
-            cpus: u32::from(vcpus),
-            pids: 32 + u32::from(vcpus),
-        }
     }
 
     fn vmm_dir(&self, session: &str) -> VmmDir {
         let run = self.config.run_dir.join(session);
-        match self.jail {
+        match self.confinement.jailed() {
             // A RAM directory of its own: a jailed VMM sees nobody else's.
-            Some(_) => VmmDir::new(
+            true => VmmDir::new(
                 run,
                 self.config.flavour,
                 self.config.ram_dir.join(format!("agentvm-{session}")),
                 true,
             ),
-            None => VmmDir::new(run, self.config.flavour, self.config.ram_dir.clone(), false),
+            false => VmmDir::new(run, self.config.flavour, self.config.ram_dir.clone(), false),
         }
-    }
-
-    /// The sessions with a VMM directory (the jail's staging directory is not one).
-    fn vmm_sessions(&self) -> Vec<String> {
-        let Ok(entries) = std::fs::read_dir(&self.config.run_dir) else {
-            return Vec::new();
-        };
-        entries
-            .filter_map(|e| e.ok())
-            .filter_map(|e| e.file_name().into_string().ok())
-            .filter(|name| !name.starts_with('.'))
-            .collect()
-    }
-
-    /// Makes `dir` (and its RAM directory) for a new VMM; when jailed, owned by a uid no
-    /// other VMM has, which is returned.
-    fn make_dirs(&self, dir: &VmmDir) -> std::result::Result<Option<u32>, String> {
-        let create = |path: &Path| {
-            std::fs::create_dir_all(path).map_err(|e| format!("creating {}: {e}", path.display()))
-        };
-        let Some(jail) = &self.jail else {
-            return create(&dir.dir).map(|()| None);
-        };
-        let _held = jail.uid_lock.lock().unwrap_or_else(|p| p.into_inner());
-        let taken: std::collections::HashSet<u32> = self
-            .vmm_sessions()
-            .iter()
-            .filter_map(|s| std::fs::metadata(self.config.run_dir.join(s)).ok())
-            .map(|m| std::os::unix::fs::MetadataExt::uid(&m))
-            .collect();
-        let base = self.config.vm_uid_base;
-        let uid = (base..base + VM_UIDS)
-            .find(|uid| !taken.contains(uid))
-            .ok_or("every VM uid is taken")?;
-        for path in [&dir.dir, &dir.ram] {
-            create(path)?;
-            std::os::unix::fs::chown(path, Some(uid), Some(uid))
-                .map_err(|e| format!("chown {} {uid}: {e}", path.display()))?;
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700))
-                .map_err(|e| format!("chmod {}: {e}", path.display()))?;
-        }
-        Ok(Some(uid))
     }
 
     /// Each running VMM's session and proportional set size in bytes (for metrics).
     pub fn vmm_memory(&self) -> Vec<(String, u64)> {
-        let mut out: Vec<(String, u64)> = self
-            .vmm_sessions()
+        let mut out: Vec<(String, u64)> = vmm_process::sessions(&self.config.run_dir)
             .into_iter()
             .filter_map(|session| {
                 let dir = self.vmm_dir(&session);
@@ -302,20 +195,7 @@ impl MicrovmRuntime {
 
     /// What confines its VMMs (the node status's `vmm_isolation`).
     pub fn isolation(&self) -> Vec<String> {
-        let mut out = Vec::new();
-        if self.jail.is_some() {
-            out.push("jail".to_owned());
-        }
-        match self.cgroups.as_deref() {
-            Some(Cgroups::V1 { .. }) => out.push("cgroup-v1".to_owned()),
-            Some(Cgroups::V2 { .. }) => out.push("cgroup-v2".to_owned()),
-            _ => {}
-        }
-        // agentvm-vmm always filters (agentvmd never passes --no-seccomp).
-        if self.config.flavour == VmmFlavour::Agentvm {
-            out.push("seccomp".to_owned());
-        }
-        out
+        self.confinement.isolation(self.config.flavour)
     }
 
     /// The images this runtime boots, one per harness.
@@ -400,7 +280,7 @@ impl MicrovmRuntime {
     }
 
     fn take_stock(&self) {
-        for session in self.vmm_sessions() {
+        for session in vmm_process::sessions(&self.config.run_dir) {
             let dir = self.vmm_dir(&session);
             match vmm_process::pid_of(&dir) {
                 Some(pid) if dir.vmm_alive() => self.exits.watch(dir, pid),
@@ -436,7 +316,8 @@ impl MicrovmRuntime {
             vmm_process::stop(&dir, &self.exits).await;
         }
         let (jail, cgroup_procs) = self
-            .jail_for(session, &dir, files)
+            .confinement
+            .prepare(session, &dir, files)
             .inspect_err(|_| vmm_process::remove_files(&dir))
             .map_err(|e| failed(session, format!("jailing its VMM: {e}")))?;
         if let Err(e) = vmm_process::spawn(
@@ -449,9 +330,7 @@ impl MicrovmRuntime {
         .await
         {
             vmm_process::remove_files(&dir);
-            if let Some(cgroups) = &self.cgroups {
-                cgroups.remove(session);
-            }
+            self.confinement.remove_cgroups(session);
             return Err(failed(session, e));
         }
         match start(dir.clone()).await {
@@ -470,33 +349,6 @@ impl MicrovmRuntime {
                 ))
             }
         }
-    }
-
-    /// Makes the VMM's directories and, when jailed, the jail that shows it only them and
-    /// `files`, and its cgroups (their `cgroup.procs` files).
-    fn jail_for(
-        &self,
-        session: &str,
-        dir: &VmmDir,
-        files: Vec<PathBuf>,
-    ) -> std::result::Result<(Option<Jail>, Vec<PathBuf>), String> {
-        let uid = self.make_dirs(dir)?;
-        let (Some(base), Some(uid)) = (&self.jail, uid) else {
-            return Ok((None, Vec::new()));
-        };
-        let cgroup_procs = match &self.cgroups {
-            Some(cgroups) => cgroups.create(session, self.limits())?,
-            None => Vec::new(),
-        };
-        let jail = Jail {
-            staging: base.staging.clone(),
-            uid,
-            gid: uid,
-            writable: vec![dir.dir.clone(), dir.ram.clone()],
-            readable: files.into_iter().chain(base.readable.clone()).collect(),
-            libraries: base.libraries.clone(),
-        };
-        Ok((Some(jail), cgroup_procs))
     }
 
     /// Restores `snapshot` as `session` and tells the guest it was restored or forked.

@@ -109,7 +109,7 @@ pub async fn spawn(
     })?;
     let _ = std::fs::write(dir.pid_file(), pid.to_string());
     watch.watch(dir.clone(), pid);
-    let joined = tokio::task::spawn_blocking(move || super::sandbox::join(&cgroup_procs, pid));
+    let joined = tokio::task::spawn_blocking(move || super::cgroups::join(&cgroup_procs, pid));
     let ready = dir
         .client()
         .wait_ready(READY_TIMEOUT)
@@ -124,6 +124,18 @@ pub async fn spawn(
         return Err(e);
     }
     Ok(pid)
+}
+
+/// The sessions with a VMM directory in `run_dir` (the jail's staging directory is not one).
+pub fn sessions(run_dir: &Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(run_dir) else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|name| !name.starts_with('.'))
+        .collect()
 }
 
 /// The VMM's process id, from its pid file.

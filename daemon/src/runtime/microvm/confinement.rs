@@ -1,0 +1,180 @@
+//! What each VMM of the runtime gets around it: its directories, owned by a uid no other VMM
+//! has; the jail that shows it only them and its VM's files; its cgroups with limits.
+//! Needs root; a runtime without confinement (configured off, or not root) runs VMMs as
+//! plain child processes.
+
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use super::MicrovmConfig;
+use super::cgroups::{Cgroups, Limits};
+use super::flavour::VmmFlavour;
+use super::jail::{self, Jail};
+use super::vmm_process::{self, VmmDir};
+
+/// How many uids from `vm_uid_base` jailed VMMs may take (more than a node runs VMs).
+pub const VM_UIDS: u32 = 65_536;
+/// The default `vm_uid_base`: just above the range systemd-nspawn gives containers
+/// (0x80000–0x6FFFFFFF), below 2^31.
+pub const DEFAULT_VM_UID_BASE: u32 = 0x7000_0000;
+/// The directory, in the run directory, every jail's root is mounted on (privately).
+const JAIL_STAGING: &str = ".jail";
+
+/// What every jail of the runtime shares.
+struct JailBase {
+    staging: PathBuf,
+    uid_base: u32,
+    /// Host library directories, when the VMM binary is dynamically linked.
+    libraries: Vec<PathBuf>,
+    /// Read-only host paths every VMM needs besides its VM's files.
+    readable: Vec<PathBuf>,
+    /// Held while a uid is chosen and its directory made, so two VMMs never share one.
+    uid_lock: Mutex<()>,
+}
+
+pub struct Confinement {
+    run_dir: PathBuf,
+    jail: Option<JailBase>,
+    cgroups: Option<Arc<Cgroups>>,
+    limits: Limits,
+}
+
+fn create(path: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(path).map_err(|e| format!("creating {}: {e}", path.display()))
+}
+
+impl Confinement {
+    /// Sets up confinement for the runtime `config` describes, every VMM under `limits`.
+    pub fn new(config: &MicrovmConfig, limits: Limits) -> Result<Self, String> {
+        // SAFETY: geteuid cannot fail.
+        let root = unsafe { libc::geteuid() } == 0;
+        if config.confine && !root {
+            tracing::warn!(
+                "agentvmd is not running as root: VMMs run without their jail and cgroups"
+            );
+        }
+        let on = config.confine && root;
+        let mut this = Self {
+            run_dir: config.run_dir.clone(),
+            jail: None,
+            cgroups: None,
+            limits,
+        };
+        if !on {
+            return Ok(this);
+        }
+        let mut cgroups = Cgroups::detect();
+        if let Err(why) = cgroups.prepare() {
+            cgroups = Cgroups::Unavailable(why);
+        }
+        if let Cgroups::Unavailable(why) = &cgroups {
+            tracing::warn!(%why, "VMMs run without cgroup limits");
+        }
+        this.cgroups = Some(Arc::new(cgroups));
+        let uid_base = config.vm_uid_base;
+        if uid_base == 0 || uid_base.checked_add(VM_UIDS).is_none() {
+            return Err(format!(
+                "vm_uid_base {uid_base} leaves no room for {VM_UIDS} unprivileged uids"
+            ));
+        }
+        let staging = config.run_dir.join(JAIL_STAGING);
+        create(&staging)?;
+        this.jail = Some(JailBase {
+            staging,
+            uid_base,
+            libraries: jail::library_dirs_for(&config.vmm_binary),
+            // How the VMM tells PVM from hardware KVM.
+            readable: [PathBuf::from("/sys/module/kvm_pvm")]
+                .into_iter()
+                .filter(|p| p.exists())
+                .collect(),
+            uid_lock: Mutex::new(()),
+        });
+        Ok(this)
+    }
+
+    pub fn jailed(&self) -> bool {
+        self.jail.is_some()
+    }
+
+    /// The cgroups VMMs are put in, for the exit watch to remove.
+    pub fn cgroups(&self) -> Option<Arc<Cgroups>> {
+        self.cgroups.clone()
+    }
+
+    pub fn remove_cgroups(&self, session: &str) {
+        if let Some(cgroups) = &self.cgroups {
+            cgroups.remove(session);
+        }
+    }
+
+    /// What confines VMMs of `flavour` here (the node status's `vmm_isolation`).
+    pub fn isolation(&self, flavour: VmmFlavour) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.jailed() {
+            out.push("jail".to_owned());
+        }
+        match self.cgroups.as_deref() {
+            Some(Cgroups::V1 { .. }) => out.push("cgroup-v1".to_owned()),
+            Some(Cgroups::V2 { .. }) => out.push("cgroup-v2".to_owned()),
+            _ => {}
+        }
+        // agentvm-vmm always filters (agentvmd never passes --no-seccomp).
+        if flavour == VmmFlavour::Agentvm {
+            out.push("seccomp".to_owned());
+        }
+        out
+    }
+
+    /// Makes the directories of `session`'s VMM in `dir` and, when confined, the jail that
+    /// shows it only them and `files`, and its cgroups (returned as their `cgroup.procs`).
+    pub fn prepare(
+        &self,
+        session: &str,
+        dir: &VmmDir,
+        files: Vec<PathBuf>,
+    ) -> Result<(Option<Jail>, Vec<PathBuf>), String> {
+        let Some(base) = &self.jail else {
+            create(&dir.dir)?;
+            return Ok((None, Vec::new()));
+        };
+        let uid = self.own_dirs(base, dir)?;
+        let cgroup_procs = match &self.cgroups {
+            Some(cgroups) => cgroups.create(session, self.limits)?,
+            None => Vec::new(),
+        };
+        let jail = Jail {
+            staging: base.staging.clone(),
+            uid,
+            gid: uid,
+            writable: vec![dir.dir.clone(), dir.ram.clone()],
+            readable: files.into_iter().chain(base.readable.clone()).collect(),
+            libraries: base.libraries.clone(),
+        };
+        Ok((Some(jail), cgroup_procs))
+    }
+
+    /// Makes `dir` and its RAM directory, owned (mode 0700) by the lowest uid from the base
+    /// that no other VMM directory has; returns it. The owners of the directories are the
+    /// record, so a restarted daemon knows the uids in use.
+    fn own_dirs(&self, base: &JailBase, dir: &VmmDir) -> Result<u32, String> {
+        let _held = base.uid_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let taken: std::collections::HashSet<u32> = vmm_process::sessions(&self.run_dir)
+            .iter()
+            .filter_map(|s| std::fs::metadata(self.run_dir.join(s)).ok())
+            .map(|m| m.uid())
+            .collect();
+        let uid = (base.uid_base..base.uid_base + VM_UIDS)
+            .find(|uid| !taken.contains(uid))
+            .ok_or("every VM uid is taken")?;
+        for path in [&dir.dir, &dir.ram] {
+            create(path)?;
+            std::os::unix::fs::chown(path, Some(uid), Some(uid))
+                .map_err(|e| format!("chown {} {uid}: {e}", path.display()))?;
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700))
+                .map_err(|e| format!("chmod {}: {e}", path.display()))?;
+        }
+        Ok(uid)
+    }
+}

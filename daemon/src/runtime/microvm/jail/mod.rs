@@ -1,0 +1,362 @@
+//! Starting a VMM inside its jail (what Firecracker's jailer does, done by agentvmd itself):
+//! a process cloned straight into new mount, PID, network, IPC and UTS namespaces, whose
+//! root is a small private tmpfs holding only the VM's own files at their usual paths (so
+//! the paths agentvmd sends through the API need no translation), a few device nodes and its
+//! own /proc; it drops to a uid/gid of its own with no supplementary groups, inherits no
+//! descriptor but stdin/stdout/stderr, and is exec'd from a descriptor opened before the
+//! jail existed (the VMM binary itself need not be inside).
+//!
+//! Everything the child does between clone and exec is a list of [`Step`]s built before the
+//! clone: the child may not allocate (another thread of the daemon may hold the allocator's
+//! lock at the moment of the clone) and uses raw system calls only. A step that fails reports
+//! its index and errno through a close-on-exec pipe, which the parent turns into a message.
+
+mod spawn;
+mod step;
+
+use std::fs::File;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+
+pub use self::spawn::{Command, spawn};
+use self::step::{Step, cpath, cstring};
+
+/// What a jailed VMM may see and who it runs as.
+#[derive(Debug, Clone, Default)]
+pub struct Jail {
+    /// An empty host directory the jail's root is mounted on, inside the child's own mount
+    /// namespace only (every VMM may use the same one).
+    pub staging: PathBuf,
+    pub uid: u32,
+    pub gid: u32,
+    /// Visible read-write, at their own paths.
+    pub writable: Vec<PathBuf>,
+    /// Visible read-only, at their own paths (files or directories).
+    pub readable: Vec<PathBuf>,
+    /// Read-only and executable: shared libraries of a dynamically linked VMM.
+    pub libraries: Vec<PathBuf>,
+}
+
+/// Device nodes every jail has: (name, mode). /dev/kvm is the VM user's alone.
+const DEVICES: [(&str, u32); 5] = [
+    ("null", 0o666),
+    ("zero", 0o666),
+    ("urandom", 0o666),
+    ("random", 0o666),
+    ("kvm", 0o600),
+];
+const ROOT_TMPFS_OPTIONS: &str = "mode=0755,size=1m,nr_inodes=4096";
+const NOFILE_LIMIT: u64 = 8192;
+
+/// `path` (absolute) as it sits under the staging directory.
+fn staged(staging: &Path, path: &Path) -> PathBuf {
+    staging.join(path.strip_prefix("/").unwrap_or(path))
+}
+
+/// The steps that build `jail` under its staging directory and enter it.
+fn jail_steps(jail: &Jail) -> Result<Vec<Step>, String> {
+    let staging = &jail.staging;
+    let mut steps = Vec::new();
+    // Nothing mounted from here on may reach the host's namespace.
+    steps.push(Step::Mount {
+        source: None,
+        target: cstring(b"/")?,
+        fstype: None,
+        flags: libc::MS_REC | libc::MS_PRIVATE,
+        data: None,
+    });
+    steps.push(Step::Mount {
+        source: Some(cstring(b"tmpfs")?),
+        target: cpath(staging)?,
+        fstype: Some(cstring(b"tmpfs")?),
+        flags: libc::MS_NOSUID,
+        data: Some(cstring(ROOT_TMPFS_OPTIONS.as_bytes())?),
+    });
+    let mut made = std::collections::BTreeSet::new();
+    let mut mkdir_p = |steps: &mut Vec<Step>, path: &Path| -> Result<(), String> {
+        let mut at = PathBuf::from("/");
+        for part in path.strip_prefix("/").unwrap_or(path).components() {
+            at.push(part);
+            if made.insert(at.clone()) {
+                steps.push(Step::Mkdir(cpath(&staged(staging, &at))?));
+            }
+        }
+        Ok(())
+    };
+    let mut binds: Vec<(&PathBuf, libc::c_ulong)> = Vec::new();
+    let nosuid_nodev = libc::MS_NOSUID | libc::MS_NODEV;
+    binds.extend(
+        jail.writable
+            .iter()
+            .map(|p| (p, nosuid_nodev | libc::MS_NOEXEC)),
+    );
+    binds.extend(
+        jail.readable
+            .iter()
+            .map(|p| (p, nosuid_nodev | libc::MS_NOEXEC | libc::MS_RDONLY)),
+    );
+    binds.extend(
+        jail.libraries
+            .iter()
+            .map(|p| (p, nosuid_nodev | libc::MS_RDONLY)),
+    );
+    // Parents before what is inside them.
+    binds.sort();
+    for (path, flags) in binds {
+        if !path.is_absolute() {
+            return Err(format!("{} is not an absolute path", path.display()));
+        }
+        let meta =
+            std::fs::symlink_metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let target = staged(staging, path);
+        if meta.file_type().is_symlink() {
+            // Such as /lib -> usr/lib on a merged-/usr system: recreated, not followed.
+            if let Some(parent) = path.parent() {
+                mkdir_p(&mut steps, parent)?;
+            }
+            let points_to =
+                std::fs::read_link(path).map_err(|e| format!("{}: {e}", path.display()))?;
+            steps.push(Step::Symlink {
+                target: cpath(&points_to)?,
+                link: cpath(&target)?,
+            });
+            continue;
+        }
+        if meta.is_dir() {
+            mkdir_p(&mut steps, path)?;
+        } else {
+            if let Some(parent) = path.parent() {
+                mkdir_p(&mut steps, parent)?;
+            }
+            steps.push(Step::Touch(cpath(&target)?));
+        }
+        let target = cpath(&target)?;
+        steps.push(Step::Mount {
+            source: Some(cpath(path)?),
+            target: target.clone(),
+            fstype: None,
+            flags: libc::MS_BIND | libc::MS_REC,
+            data: None,
+        });
+        // Bind mounts take their flags only on a remount.
+        steps.push(Step::Mount {
+            source: None,
+            target,
+            fstype: None,
+            flags: libc::MS_REMOUNT | libc::MS_BIND | flags,
+            data: None,
+        });
+    }
+    mkdir_p(&mut steps, Path::new("/dev"))?;
+    for (name, mode) in DEVICES {
+        let host = Path::new("/dev").join(name);
+        let Ok(meta) = std::fs::metadata(&host) else {
+            continue;
+        };
+        if !meta.file_type().is_char_device() {
+            continue;
+        }
+        let path = cpath(&staged(staging, &host))?;
+        steps.push(Step::Mknod {
+            path: path.clone(),
+            mode,
+            device: meta.rdev(),
+        });
+        if name == "kvm" {
+            steps.push(Step::Chown {
+                path,
+                uid: jail.uid,
+                gid: jail.gid,
+            });
+        }
+    }
+    mkdir_p(&mut steps, Path::new("/proc"))?;
+    // Mounted by the child, in its new PID namespace: it shows the VMM and nothing else.
+    steps.push(Step::Mount {
+        source: Some(cstring(b"proc")?),
+        target: cpath(&staging.join("proc"))?,
+        fstype: Some(cstring(b"proc")?),
+        flags: nosuid_nodev | libc::MS_NOEXEC,
+        data: None,
+    });
+    steps.push(Step::Chdir(cpath(staging)?));
+    steps.push(Step::PivotHere);
+    steps.push(Step::Mount {
+        source: None,
+        target: cstring(b"/")?,
+        fstype: None,
+        flags: libc::MS_REMOUNT | libc::MS_RDONLY | libc::MS_NOSUID,
+        data: None,
+    });
+    for (resource, value) in [(libc::RLIMIT_CORE, 0), (libc::RLIMIT_NOFILE, NOFILE_LIMIT)] {
+        steps.push(Step::Rlimit { resource, value });
+    }
+    steps.push(Step::DropPrivileges {
+        uid: jail.uid,
+        gid: jail.gid,
+    });
+    steps.push(Step::NoNewPrivileges);
+    Ok(steps)
+}
+
+/// Whether the VMM binary needs a dynamic loader, and so the host's library directories.
+pub fn library_dirs_for(binary: &Path) -> Vec<PathBuf> {
+    use std::io::Read;
+    let mut head = vec![0u8; 64 << 10];
+    let read = File::open(binary)
+        .and_then(|mut f| f.read(&mut head))
+        .unwrap_or(0);
+    head.truncate(read);
+    if crate::image::elf::check_static(&head).is_ok() {
+        return Vec::new();
+    }
+    ["/lib", "/lib64", "/usr/lib", "/usr/lib64"]
+        .iter()
+        .map(PathBuf::from)
+        .filter(|p| std::fs::symlink_metadata(p).is_ok())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs `script` under /bin/sh in a jail showing it `writable` and `readable`; returns
+    /// its exit status and output.
+    fn run_jailed(jail: &mut Jail, script: &str) -> (i32, String) {
+        let dir = tempfile::tempdir().unwrap();
+        let out_path = dir.path().join("out");
+        let output = File::create(&out_path).unwrap();
+        jail.staging = dir.path().join("staging");
+        std::fs::create_dir(&jail.staging).unwrap();
+        jail.libraries = library_dirs_for(Path::new("/bin/sh"));
+        // The shell and the tools it runs, executable.
+        jail.libraries
+            .extend(["/bin", "/usr/bin"].map(PathBuf::from));
+        let pid = spawn(&Command {
+            binary: Path::new("/bin/sh"),
+            args: &["-c".into(), script.into()],
+            env: &[("PATH", "/usr/bin:/bin")],
+            output: &output,
+            jail: Some(jail),
+        })
+        .unwrap();
+        let mut status = 0;
+        // SAFETY: waits for the child spawn just created.
+        assert_eq!(
+            unsafe { libc::waitpid(pid as i32, &mut status, 0) },
+            pid as i32
+        );
+        (status, std::fs::read_to_string(&out_path).unwrap())
+    }
+
+    fn root() -> bool {
+        // SAFETY: geteuid cannot fail.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("SKIPPED: building a jail needs root");
+            return false;
+        }
+        true
+    }
+
+    #[test]
+    fn a_jailed_process_sees_and_writes_only_what_it_was_given() {
+        if !root() {
+            return;
+        }
+        let host = tempfile::tempdir().unwrap();
+        let uid = 0x7000_fff0;
+        let rw = host.path().join("rw");
+        std::fs::create_dir(&rw).unwrap();
+        std::os::unix::fs::chown(&rw, Some(uid), Some(uid)).unwrap();
+        let ro = host.path().join("ro.txt");
+        std::fs::write(&ro, "visible\n").unwrap();
+        // Beside what it may read, world-readable, yet outside its namespace.
+        let secret = host.path().join("secret.txt");
+        std::fs::write(&secret, "hidden\n").unwrap();
+        let mut jail = Jail {
+            uid,
+            gid: uid,
+            writable: vec![rw.clone()],
+            readable: vec![ro.clone()],
+            ..Default::default()
+        };
+        let script = format!(
+            "cat {ro}; cat {secret} || echo no-secret; cat /etc/passwd || echo no-passwd; \
+             echo written > {rw}/file; echo changed > {ro} || echo ro-refused; \
+             id -u; id -G; echo pid $$; ls /; ls /proc | grep -c '^[0-9]'; ls -l /dev/kvm",
+            ro = ro.display(),
+            rw = rw.display(),
+            secret = secret.display()
+        );
+        let (status, out) = run_jailed(&mut jail, &script);
+        assert_eq!(status, 0, "{out}");
+        let lines: Vec<&str> = out.lines().collect();
+        for expected in [
+            "visible",
+            "no-secret",
+            "no-passwd",
+            "ro-refused",
+            "pid 1",
+            &uid.to_string(),
+        ] {
+            assert!(lines.contains(&expected), "{expected:?} missing:\n{out}");
+        }
+        assert!(!out.contains("hidden"), "{out}");
+        // Its only group is its own.
+        assert!(lines.contains(&uid.to_string().as_str()), "{out}");
+        // The root holds only what it was given, and one process in its /proc: itself (and
+        // the `ls` it ran, gone by then or counted).
+        for absent in ["etc", "home", "root", "var", "run"] {
+            assert!(!lines.contains(&absent), "/{absent} is visible:\n{out}");
+        }
+        let kvm = lines.iter().find(|l| l.contains("/dev/kvm"));
+        if std::path::Path::new("/dev/kvm").exists() {
+            let kvm = kvm.unwrap_or_else(|| panic!("no /dev/kvm:\n{out}"));
+            assert!(kvm.starts_with("crw-------"), "{kvm}");
+        }
+        assert_eq!(
+            std::fs::read_to_string(rw.join("file")).unwrap(),
+            "written\n"
+        );
+        let meta = std::fs::metadata(rw.join("file")).unwrap();
+        assert_eq!(meta.uid(), uid);
+        assert_eq!(std::fs::read_to_string(&ro).unwrap(), "visible\n");
+    }
+
+    #[test]
+    fn a_failing_step_is_named_and_nothing_runs() {
+        if !root() {
+            return;
+        }
+        let mut jail = Jail {
+            uid: 0x7000_fff1,
+            gid: 0x7000_fff1,
+            readable: vec![PathBuf::from("/nonexistent/agentvm-file")],
+            ..Default::default()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        jail.staging = dir.path().to_owned();
+        let output = File::create(dir.path().join("out")).unwrap();
+        let err = spawn(&Command {
+            binary: Path::new("/bin/true"),
+            args: &[],
+            env: &[],
+            output: &output,
+            jail: Some(&jail),
+        })
+        .unwrap_err();
+        assert!(err.contains("/nonexistent/agentvm-file"), "{err}");
+        // A file that is not a program fails at the exec, reported as such.
+        jail.readable.clear();
+        let err = spawn(&Command {
+            binary: &dir.path().join("out"),
+            args: &[],
+            env: &[],
+            output: &output,
+            jail: Some(&jail),
+        })
+        .unwrap_err();
+        assert!(err.contains("failed at exec"), "{err}");
+    }
+}
