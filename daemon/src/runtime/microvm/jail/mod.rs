@@ -284,7 +284,8 @@ mod tests {
         let script = format!(
             "cat {ro}; cat {secret} || echo no-secret; cat /etc/passwd || echo no-passwd; \
              echo written > {rw}/file; echo changed > {ro} || echo ro-refused; \
-             id -u; id -G; echo pid $$; ls /; ls /proc | grep -c '^[0-9]'; ls -l /dev/kvm",
+             id -u; id -G; echo pid $$; ls /; ls /proc | grep -c '^[0-9]'; ls -l /dev/kvm; \
+             grep -E '^Sig(Blk|Ign)' /proc/self/status",
             ro = ro.display(),
             rw = rw.display(),
             secret = secret.display()
@@ -314,6 +315,16 @@ mod tests {
         if std::path::Path::new("/dev/kvm").exists() {
             let kvm = kvm.unwrap_or_else(|| panic!("no /dev/kvm:\n{out}"));
             assert!(kvm.starts_with("crw-------"), "{kvm}");
+        }
+        // Nothing blocked or ignored: the daemon's signal mask and SIGPIPE disposition stay
+        // behind.
+        for name in ["SigBlk:", "SigIgn:"] {
+            let line = lines.iter().find(|l| l.starts_with(name));
+            assert_eq!(
+                line.map(|l| l.trim_start_matches(name).trim()),
+                Some("0000000000000000"),
+                "{out}"
+            );
         }
         assert_eq!(
             std::fs::read_to_string(rw.join("file")).unwrap(),

@@ -83,6 +83,16 @@ pub fn spawn(command: &Command) -> Result<u32, String> {
     let mut args_block: libc::clone_args = unsafe { std::mem::zeroed() };
     args_block.flags = flags;
     args_block.exit_signal = libc::SIGCHLD as u64;
+    // Every signal blocked in this thread across the clone: the child must not run one of the
+    // daemon's handlers before it has reset them.
+    // SAFETY: sigfillset fills a zeroed set; pthread_sigmask swaps this thread's mask.
+    let saved_mask = unsafe {
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        let mut saved: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut saved);
+        saved
+    };
     // SAFETY: clone3 without CLONE_VM and with no stack behaves as fork: the child runs on
     // a copy of this stack. It only runs `child`, which never returns.
     let pid = unsafe {
@@ -92,6 +102,10 @@ pub fn spawn(command: &Command) -> Result<u32, String> {
             std::mem::size_of::<libc::clone_args>(),
         )
     };
+    if pid != 0 {
+        // SAFETY: restores the mask saved above (the child resets its own).
+        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &saved_mask, std::ptr::null_mut()) };
+    }
     if pid < 0 {
         return Err(format!(
             "clone3 (namespaces {flags:#x}): {}",

@@ -6,6 +6,16 @@ use std::os::fd::RawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
+/// The kernel's `struct sigaction` for rt_sigaction (not libc's): all zero is SIG_DFL.
+#[repr(C)]
+#[derive(Default)]
+struct KernelSigaction {
+    handler: usize,
+    flags: u64,
+    restorer: usize,
+    mask: u64,
+}
+
 /// One action of the child between clone and exec.
 #[derive(Debug)]
 pub(super) enum Step {
@@ -81,6 +91,23 @@ impl Step {
         unsafe {
             match self {
                 Step::ResetSignals => {
+                    // The parent blocked every signal around the clone, so none of its
+                    // handlers can have run here. Back to the defaults (an ignored signal
+                    // would stay ignored across exec: the Rust runtime ignores SIGPIPE), then
+                    // nothing blocked.
+                    let default = KernelSigaction::default();
+                    for signal in 1..=64 {
+                        if signal != libc::SIGKILL && signal != libc::SIGSTOP {
+                            // Signals the kernel reserves refuse it; nothing to undo there.
+                            libc::syscall(
+                                libc::SYS_rt_sigaction,
+                                signal,
+                                &default as *const KernelSigaction,
+                                std::ptr::null::<KernelSigaction>(),
+                                8usize,
+                            );
+                        }
+                    }
                     let empty: libc::sigset_t = std::mem::zeroed();
                     check(libc::syscall(
                         libc::SYS_rt_sigprocmask,
@@ -88,12 +115,7 @@ impl Step {
                         &empty as *const libc::sigset_t,
                         std::ptr::null::<libc::sigset_t>(),
                         8usize,
-                    ))?;
-                    // Ignored signals stay ignored across exec: the Rust runtime ignores SIGPIPE.
-                    if libc::signal(libc::SIGPIPE, libc::SIG_DFL) == libc::SIG_ERR {
-                        return Err(last_errno());
-                    }
-                    Ok(())
+                    ))
                 }
                 Step::NewProcessGroup => check(libc::setpgid(0, 0).into()),
                 Step::Dup2 { fd, onto } => check(libc::dup2(*fd, *onto).into()),
