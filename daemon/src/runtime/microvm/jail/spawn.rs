@@ -35,8 +35,16 @@ fn pipe() -> Result<(OwnedFd, OwnedFd), String> {
 pub fn spawn(command: &Command) -> Result<u32, String> {
     let binary = File::open(command.binary)
         .map_err(|e| format!("opening {}: {e}", command.binary.display()))?;
-    let stdin = File::open("/dev/null").map_err(|e| format!("opening /dev/null: {e}"))?;
-    let output = command.output.as_raw_fd();
+    // Duplicates numbered 3 or above (try_clone asks for that): if the daemon runs with one
+    // of 0-2 closed, a source descriptor could otherwise be one the child overwrites.
+    let stdin = File::open("/dev/null")
+        .and_then(|f| f.try_clone())
+        .map_err(|e| format!("opening /dev/null: {e}"))?;
+    let output_dup = command
+        .output
+        .try_clone()
+        .map_err(|e| format!("duplicating the VMM's log descriptor: {e}"))?;
+    let output = output_dup.as_raw_fd();
     let mut steps = vec![
         Step::ResetSignals,
         Step::NewProcessGroup,
