@@ -95,6 +95,7 @@ pub struct MicrovmConfig {
 
 /// What a VMM costs beyond its guest's RAM, in the default cgroup limit.
 const VMM_MEMORY_OVERHEAD_MIB: u64 = 128;
+
 pub struct MicrovmRuntime {
     config: MicrovmConfig,
     store: LocalStore,
@@ -318,7 +319,10 @@ impl MicrovmRuntime {
         let (jail, cgroup_procs) = self
             .confinement
             .prepare(session, &dir, files)
-            .inspect_err(|_| vmm_process::remove_files(&dir))
+            .inspect_err(|_| {
+                vmm_process::remove_files(&dir);
+                self.confinement.remove_cgroups(session);
+            })
             .map_err(|e| failed(session, format!("jailing its VMM: {e}")))?;
         if let Err(e) = vmm_process::spawn(
             &self.config.vmm_binary,
