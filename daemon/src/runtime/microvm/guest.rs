@@ -7,6 +7,7 @@
 //! the streams a restore cut.
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tracing::Instrument;
 
@@ -29,8 +30,6 @@ use crate::controller::endpoint::{HarnessEndpoint, HarnessStream};
 const MAX_FRAME: usize = 4 << 20;
 /// A guest that accepted a stream must answer within this.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
-/// The stream the test guest and the agent multiplex one execution on.
-const EXECUTION_STREAM: u64 = 1;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GuestError {
@@ -62,6 +61,9 @@ pub struct GuestConn {
     stream: UnixStream,
     decoder: FrameDecoder,
     next_id: u64,
+    /// The harness stream id the next execution on this connection takes: each has its
+    /// own, so nothing late from an earlier one can pass for the next's.
+    next_execution: u64,
 }
 
 impl GuestConn {
@@ -99,6 +101,7 @@ impl GuestConn {
             stream,
             decoder: FrameDecoder::new(MAX_FRAME),
             next_id: 1,
+            next_execution: 1,
         })
     }
 
@@ -133,6 +136,28 @@ impl GuestConn {
                     pause = (pause * 2).min(Duration::from_millis(50));
                 }
             }
+        }
+    }
+
+    /// Whether the guest may still be at the other end: the stream is neither closed nor
+    /// failed (checked without reading anything).
+    pub fn is_open(&self) -> bool {
+        use std::os::fd::AsRawFd;
+        let mut byte = 0u8;
+        // SAFETY: a one-byte peek into a stack byte on this connection's own socket; it
+        // neither blocks nor consumes anything.
+        let n = unsafe {
+            libc::recv(
+                self.stream.as_raw_fd(),
+                (&mut byte as *mut u8).cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        match n {
+            0 => false,
+            n if n > 0 => true,
+            _ => std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock,
         }
     }
 
@@ -234,39 +259,68 @@ fn to_status(e: GuestError) -> Status {
 /// Whether the VMM behind a guest still runs.
 pub type Liveness = Box<dyn Fn() -> bool + Send + Sync>;
 
-/// The harness inside a VM, reached over the guest protocol.
+/// A stream kept between uses, for the next Describe or execution of the same VM.
+type IdleConn = Arc<Mutex<Option<GuestConn>>>;
+
+/// The harness inside a VM, reached over the guest protocol. One stream is kept open
+/// between uses: a turn (Describe, then the execution) costs no vsock dial or Hello while
+/// the guest keeps it. The endpoint lives as long as its incarnation, so a stream never
+/// outlives the VM it was opened to.
 pub struct GuestEndpoint {
     socket: PathBuf,
     ready_timeout: Duration,
     vmm_alive: Liveness,
+    idle: IdleConn,
 }
 
 impl GuestEndpoint {
-    pub fn new(socket: PathBuf, ready_timeout: Duration, vmm_alive: Liveness) -> Self {
+    /// An endpoint for the guest behind `socket`, starting with `kept` (the stream the VM
+    /// answered Ready on) when there is one.
+    pub fn new(
+        socket: PathBuf,
+        ready_timeout: Duration,
+        vmm_alive: Liveness,
+        kept: Option<GuestConn>,
+    ) -> Self {
         Self {
             socket,
             ready_timeout,
             vmm_alive,
+            idle: Arc::new(Mutex::new(kept)),
         }
     }
+
+    /// The kept stream if the guest still holds it open, else a fresh one.
+    async fn conn(&self) -> Result<GuestConn, Status> {
+        let kept = self.idle.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(conn) = kept.filter(GuestConn::is_open) {
+            return Ok(conn);
+        }
+        GuestConn::ready(&self.socket, self.ready_timeout, &*self.vmm_alive)
+            .await
+            .map(|(conn, _)| conn)
+            .map_err(to_status)
+    }
+}
+
+fn keep(idle: &IdleConn, conn: GuestConn) {
+    *idle.lock().unwrap_or_else(|p| p.into_inner()) = Some(conn);
 }
 
 #[async_trait::async_trait]
 impl HarnessEndpoint for GuestEndpoint {
     async fn describe(&self) -> Result<HarnessDescriptor, Status> {
-        let (mut conn, _) = GuestConn::ready(&self.socket, self.ready_timeout, &*self.vmm_alive)
-            .await
-            .map_err(to_status)?;
-        conn.describe().await.map_err(to_status)
+        let mut conn = self.conn().await?;
+        let descriptor = conn.describe().await.map_err(to_status)?;
+        keep(&self.idle, conn);
+        Ok(descriptor)
     }
 
     async fn connect(&self) -> Result<HarnessStream, Status> {
-        let (conn, _) = GuestConn::ready(&self.socket, self.ready_timeout, &*self.vmm_alive)
-            .await
-            .map_err(to_status)?;
+        let conn = self.conn().await?;
         let (frames_tx, frames_rx) = mpsc::channel::<ControllerFrame>(16);
         let (events_tx, events_rx) = mpsc::channel(64);
-        tokio::spawn(pump(conn, frames_rx, events_tx).in_current_span());
+        tokio::spawn(pump(conn, frames_rx, events_tx, self.idle.clone()).in_current_span());
         Ok(HarnessStream {
             frames: frames_tx,
             events: Box::pin(ReceiverStream::new(events_rx)),
@@ -275,19 +329,23 @@ impl HarnessEndpoint for GuestEndpoint {
 }
 
 /// Moves one execution between the controller's channels and the guest stream until the
-/// guest closes it (or the controller goes away).
+/// guest closes it (or the controller goes away). A cleanly closed execution leaves the
+/// stream in `idle` for the next one.
 async fn pump(
     mut conn: GuestConn,
     mut frames: mpsc::Receiver<ControllerFrame>,
     events: mpsc::Sender<Result<agentvm_proto::v1::Event, Status>>,
+    idle: IdleConn,
 ) {
+    let execution = conn.next_execution;
+    conn.next_execution += 1;
     let mut host_open = true;
     loop {
         tokio::select! {
             frame = frames.recv(), if host_open => match frame {
                 Some(frame) => {
                     let sent = conn.send(Body::Harness(HarnessFrame {
-                        stream: EXECUTION_STREAM,
+                        stream: execution,
                         frame: Some(harness_frame::Frame::Controller(frame)),
                     })).await;
                     if let Err(e) = sent {
@@ -299,9 +357,12 @@ async fn pump(
             },
             reply = conn.recv() => {
                 let item = match reply {
-                    Ok(Envelope { body: Some(Body::Harness(HarnessFrame { frame: Some(frame), .. })), .. }) => match frame {
+                    Ok(Envelope { body: Some(Body::Harness(HarnessFrame { stream, frame: Some(frame) })), .. }) if stream == execution => match frame {
                         harness_frame::Frame::Event(event) => Some(Ok(event)),
-                        harness_frame::Frame::Close(close) if close.code == 0 => return,
+                        harness_frame::Frame::Close(close) if close.code == 0 => {
+                            keep(&idle, conn);
+                            return;
+                        }
                         harness_frame::Frame::Close(close) => Some(Err(Status::new(Code::from_i32(close.code), close.message))),
                         harness_frame::Frame::Controller(_) => Some(Err(Status::internal("the guest sent a controller frame"))),
                     },
@@ -317,5 +378,149 @@ async fn pump(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use agentvm_proto::guest::v1::StreamClose;
+    use tokio::net::UnixListener;
+    use tokio_stream::StreamExt;
+
+    use super::*;
+
+    /// A VMM's hybrid vsock socket with a guest behind it that answers Hello, Describe and
+    /// one event plus a clean close per execution; it hangs up after each execution when
+    /// `hang_up` is set. Counts the streams opened to it.
+    fn fake_guest(socket: &Path, hang_up: bool) -> Arc<AtomicUsize> {
+        let listener = UnixListener::bind(socket).unwrap();
+        let opened = Arc::new(AtomicUsize::new(0));
+        let count = opened.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut line = [0u8; 64];
+                    let mut got = 0;
+                    while !line[..got].contains(&b'\n') {
+                        got += stream.read(&mut line[got..]).await.unwrap();
+                    }
+                    stream.write_all(b"OK 1024\n").await.unwrap();
+                    let mut decoder = FrameDecoder::new(MAX_FRAME);
+                    let mut buf = [0u8; 4096];
+                    loop {
+                        let n = stream.read(&mut buf).await.unwrap_or(0);
+                        if n == 0 {
+                            return;
+                        }
+                        decoder.extend(&buf[..n]);
+                        while let Ok(Some(envelope)) = decoder.next_frame() {
+                            let reply = |body| {
+                                frame_bytes(&Envelope {
+                                    id: envelope.id,
+                                    body: Some(body),
+                                })
+                            };
+                            let harness = |stream, frame| {
+                                frame_bytes(&Envelope {
+                                    id: 0,
+                                    body: Some(Body::Harness(HarnessFrame {
+                                        stream,
+                                        frame: Some(frame),
+                                    })),
+                                })
+                            };
+                            match envelope.body {
+                                Some(Body::Hello(_)) => {
+                                    let ready = Ready {
+                                        protocol_version: PROTOCOL_VERSION,
+                                        ..Default::default()
+                                    };
+                                    stream.write_all(&reply(Body::Ready(ready))).await.unwrap();
+                                }
+                                Some(Body::DescribeHarness(_)) => {
+                                    let d = HarnessDescriptor {
+                                        id: "fake".into(),
+                                        ..Default::default()
+                                    };
+                                    stream
+                                        .write_all(&reply(Body::HarnessDescriptor(d)))
+                                        .await
+                                        .unwrap();
+                                }
+                                Some(Body::Harness(HarnessFrame { stream: id, .. })) => {
+                                    let event = harness_frame::Frame::Event(Default::default());
+                                    let close = harness_frame::Frame::Close(StreamClose::default());
+                                    stream.write_all(&harness(id, event)).await.unwrap();
+                                    stream.write_all(&harness(id, close)).await.unwrap();
+                                    if hang_up {
+                                        return;
+                                    }
+                                }
+                                _ => {}
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        opened
+    }
+
+    /// Describe, then one execution to its clean close.
+    async fn turn(endpoint: &GuestEndpoint) {
+        assert_eq!(endpoint.describe().await.unwrap().id, "fake");
+        let mut stream = endpoint.connect().await.unwrap();
+        stream
+            .frames
+            .send(ControllerFrame::default())
+            .await
+            .unwrap();
+        assert!(stream.events.next().await.unwrap().is_ok());
+        assert!(
+            stream.events.next().await.is_none(),
+            "a clean close ends the events"
+        );
+    }
+
+    fn endpoint(socket: &Path, kept: Option<GuestConn>) -> GuestEndpoint {
+        GuestEndpoint::new(
+            socket.to_owned(),
+            Duration::from_secs(5),
+            Box::new(|| true),
+            kept,
+        )
+    }
+
+    #[tokio::test]
+    async fn turns_reuse_one_stream_while_the_guest_keeps_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("vsock.sock");
+        let opened = fake_guest(&socket, false);
+        // The stream the VM answered Ready on serves the first turn too.
+        let (ready, _) = GuestConn::ready(&socket, Duration::from_secs(5), &|| true)
+            .await
+            .unwrap();
+        let endpoint = endpoint(&socket, Some(ready));
+        for _ in 0..3 {
+            turn(&endpoint).await;
+        }
+        assert_eq!(opened.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_stream_the_guest_closed_is_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("vsock.sock");
+        let opened = fake_guest(&socket, true);
+        let endpoint = endpoint(&socket, None);
+        for _ in 0..3 {
+            turn(&endpoint).await;
+            // Let the hang-up reach this side before the next turn looks.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(opened.load(Ordering::SeqCst), 3);
     }
 }

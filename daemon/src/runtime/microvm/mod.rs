@@ -102,6 +102,9 @@ pub struct MicrovmRuntime {
     next_snapshot: AtomicU64,
     exits: ExitWatch,
     confinement: Confinement,
+    /// The stream each new VM answered Ready on, handed to its endpoint at the first dial
+    /// (so a first turn costs no second vsock dial and Hello).
+    ready_conns: std::sync::Mutex<std::collections::HashMap<String, GuestConn>>,
 }
 
 /// The limits every VMM of this runtime runs under.
@@ -152,6 +155,7 @@ impl MicrovmRuntime {
             next_snapshot: AtomicU64::new(0),
             exits,
             confinement,
+            ready_conns: Default::default(),
         })
     }
 
@@ -396,6 +400,7 @@ impl MicrovmRuntime {
                 conn.restored(restored_notice(session, kind, ready.restore_generation + 1))
                     .await
                     .map_err(|e| format!("the restored guest did not take its notice: {e}"))?;
+                self.keep_ready_conn(session, conn);
                 Ok(())
             })
             .await?;
@@ -408,6 +413,20 @@ impl MicrovmRuntime {
             tracing::warn!(session, snapshot = %id, error = %e, "could not record the snapshot's use");
         }
         Ok(inc)
+    }
+
+    fn keep_ready_conn(&self, session: &str, conn: GuestConn) {
+        self.ready_conns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(session.to_owned(), conn);
+    }
+
+    fn take_ready_conn(&self, session: &str) -> Option<GuestConn> {
+        self.ready_conns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(session)
     }
 
     fn release_snapshots(&self, session: &str) {
@@ -512,10 +531,14 @@ impl Runtime for MicrovmRuntime {
                     std::fs::write(dir.harness_file(), &spec.harness)
                         .map_err(|e| format!("{}: {e}", dir.harness_file().display()))?;
                     client.boot().await.map_err(|e| format!("vm.boot: {e}"))?;
-                    GuestConn::ready(&dir.vsock(), self.config.ready_timeout, &|| dir.vmm_alive())
+                    let (conn, _) =
+                        GuestConn::ready(&dir.vsock(), self.config.ready_timeout, &|| {
+                            dir.vmm_alive()
+                        })
                         .await
-                        .map(drop)
-                        .map_err(|e| format!("the guest never became ready: {e}"))
+                        .map_err(|e| format!("the guest never became ready: {e}"))?;
+                    self.keep_ready_conn(session, conn);
+                    Ok(())
                 }
             })
             .await?;
@@ -532,6 +555,9 @@ impl Runtime for MicrovmRuntime {
                 operation: "LOCAL (warm) snapshot",
             });
         }
+        // The VM stops after this, whatever the outcome of the snapshot; a stream kept for
+        // it must not hold its socket.
+        self.take_ready_conn(session);
         let dir = self.vmm_dir(session);
         if !self.keeps_memory(&dir) {
             // Nothing in its RAM is needed: it resumes by replay into a fresh VM.
@@ -600,6 +626,7 @@ impl Runtime for MicrovmRuntime {
     }
 
     async fn stop(&self, incarnation: &Incarnation) -> Result<()> {
+        self.take_ready_conn(&incarnation.id);
         vmm_process::stop(&self.vmm_dir(&incarnation.id), &self.exits).await;
         self.release_snapshots(&incarnation.id);
         Ok(())
@@ -668,6 +695,7 @@ impl Runtime for MicrovmRuntime {
             socket,
             self.config.ready_timeout,
             Box::new(move || dir.vmm_alive()),
+            self.take_ready_conn(&incarnation.id),
         )))
     }
 }
