@@ -329,7 +329,7 @@ impl HarnessEndpoint for GuestEndpoint {
 }
 
 /// Moves one execution between the controller's channels and the guest stream until the
-/// guest closes it (or the controller goes away). A cleanly closed execution leaves the
+/// guest closes it (or the controller goes away). An execution the guest closed leaves the
 /// stream in `idle` for the next one.
 async fn pump(
     mut conn: GuestConn,
@@ -359,11 +359,15 @@ async fn pump(
                 let item = match reply {
                     Ok(Envelope { body: Some(Body::Harness(HarnessFrame { stream, frame: Some(frame) })), .. }) if stream == execution => match frame {
                         harness_frame::Frame::Event(event) => Some(Ok(event)),
-                        harness_frame::Frame::Close(close) if close.code == 0 => {
+                        harness_frame::Frame::Close(close) => {
+                            // The execution is over, however it ended; the stream serves on.
                             keep(&idle, conn);
+                            if close.code != 0 {
+                                let status = Status::new(Code::from_i32(close.code), close.message);
+                                let _ = events.send(Err(status)).await;
+                            }
                             return;
                         }
-                        harness_frame::Frame::Close(close) => Some(Err(Status::new(Code::from_i32(close.code), close.message))),
                         harness_frame::Frame::Controller(_) => Some(Err(Status::internal("the guest sent a controller frame"))),
                     },
                     Ok(Envelope { body: Some(Body::Error(e)), .. }) => Some(Err(Status::new(Code::from_i32(e.code), e.message))),
