@@ -298,10 +298,7 @@ mod tests {
     use clap::Parser;
 
     fn file(text: &str) -> Result<Settings, SettingsError> {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("agentvmd.toml");
-        std::fs::write(&path, text).unwrap();
-        Settings::from_file(&path)
+        crate::toml_file::load_written("agentvmd.toml", text, Settings::from_file)
     }
 
     #[test]

@@ -7,3 +7,12 @@ pub fn parse<T: serde::de::DeserializeOwned>(text: &str) -> Result<T, (String, S
         (key, e.into_inner().message().to_owned())
     })
 }
+
+/// Writes `text` to a temporary file `name` and loads it with `load` (tests of file loaders).
+#[cfg(test)]
+pub fn load_written<T>(name: &str, text: &str, load: impl FnOnce(&std::path::Path) -> T) -> T {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(name);
+    std::fs::write(&path, text).unwrap();
+    load(&path)
+}

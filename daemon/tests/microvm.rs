@@ -146,6 +146,35 @@ async fn compute(c: &mut SessionsClient<Channel>, session: &str) -> ComputeState
     ComputeState::try_from(s.compute_state).unwrap_or(ComputeState::Unspecified)
 }
 
+/// A confined microvm runtime in `dir` serving `harness` from `kernel` (64 MiB guests).
+fn runtime_config(
+    dir: &std::path::Path,
+    harness: &str,
+    kernel: PathBuf,
+    ready_timeout: Duration,
+) -> agentvmd::runtime::microvm::MicrovmConfig {
+    agentvmd::runtime::microvm::MicrovmConfig {
+        vmm_binary: vmm_binary(),
+        flavour: Default::default(),
+        run_dir: dir.join("vms"),
+        ram_dir: dir.to_owned(),
+        snapshot_dir: dir.join("snapshots"),
+        images: vec![agentvmd::runtime::microvm::GuestImage {
+            harness: harness.into(),
+            kernel,
+            cmdline: String::new(),
+            memory_snapshot: true,
+            ..Default::default()
+        }],
+        vcpus: 1,
+        memory_mib: 64,
+        ready_timeout,
+        confine: true,
+        vm_uid_base: agentvmd::runtime::microvm::DEFAULT_VM_UID_BASE,
+        memory_limit_mib: None,
+    }
+}
+
 /// Waits until `session` reads COLD (its lost VMM recorded), failing with `what` after
 /// `within`.
 async fn wait_cold(c: &mut SessionsClient<Channel>, session: &str, within: Duration, what: &str) {
@@ -459,7 +488,7 @@ async fn a_fork_child_whose_vmm_dies_continues_from_the_fork_snapshot() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_guest_that_never_becomes_ready_fails_create_and_leaves_nothing() {
-    use agentvmd::runtime::microvm::{MicrovmConfig, MicrovmRuntime};
+    use agentvmd::runtime::microvm::MicrovmRuntime;
     use agentvmd::runtime::{Runtime, SessionSpec};
     require_kvm!();
     let dir = tempfile::tempdir().unwrap();
@@ -469,26 +498,12 @@ async fn a_guest_that_never_becomes_ready_fails_create_and_leaves_nothing() {
         agentvm_testguest::synthetic::elf64(agentvm_testguest::synthetic::HALT64),
     )
     .unwrap();
-    let runtime = MicrovmRuntime::new(MicrovmConfig {
-        vmm_binary: vmm_binary(),
-        flavour: Default::default(),
-        run_dir: dir.path().join("vms"),
-        ram_dir: dir.path().to_owned(),
-        snapshot_dir: dir.path().join("snapshots"),
-        images: vec![agentvmd::runtime::microvm::GuestImage {
-            harness: "silent".into(),
-            kernel: image,
-            cmdline: String::new(),
-            memory_snapshot: true,
-            ..Default::default()
-        }],
-        vcpus: 1,
-        memory_mib: 64,
-        ready_timeout: Duration::from_secs(1),
-        confine: true,
-        vm_uid_base: agentvmd::runtime::microvm::DEFAULT_VM_UID_BASE,
-        memory_limit_mib: None,
-    })
+    let runtime = MicrovmRuntime::new(runtime_config(
+        dir.path(),
+        "silent",
+        image,
+        Duration::from_secs(1),
+    ))
     .unwrap();
     let started = std::time::Instant::now();
     let err = runtime
@@ -663,32 +678,13 @@ async fn on_cloud_hypervisor_testguest_sessions_are_refused_by_name() {
 /// VM that is gone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_runtime_watches_surviving_vmms_and_reports_dead_ones() {
-    use agentvmd::runtime::microvm::{MicrovmConfig, MicrovmRuntime};
+    use agentvmd::runtime::microvm::MicrovmRuntime;
     use agentvmd::runtime::{Runtime, SessionSpec};
     require_kvm!();
     let dir = tempfile::tempdir().unwrap();
     let image = dir.path().join("testguest.elf");
     std::fs::write(&image, agentvm_testguest::TESTGUEST_ELF).unwrap();
-    let config = MicrovmConfig {
-        vmm_binary: vmm_binary(),
-        flavour: Default::default(),
-        run_dir: dir.path().join("vms"),
-        ram_dir: dir.path().to_owned(),
-        snapshot_dir: dir.path().join("snapshots"),
-        images: vec![agentvmd::runtime::microvm::GuestImage {
-            harness: "testguest".into(),
-            kernel: image,
-            cmdline: String::new(),
-            memory_snapshot: true,
-            ..Default::default()
-        }],
-        vcpus: 1,
-        memory_mib: 64,
-        ready_timeout: Duration::from_secs(10),
-        confine: true,
-        vm_uid_base: agentvmd::runtime::microvm::DEFAULT_VM_UID_BASE,
-        memory_limit_mib: None,
-    };
+    let config = runtime_config(dir.path(), "testguest", image, Duration::from_secs(10));
     let before = MicrovmRuntime::new(config.clone()).unwrap();
     for session in ["s-dies", "s-lives"] {
         before

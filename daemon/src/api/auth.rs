@@ -222,10 +222,7 @@ mod tests {
     use super::*;
 
     fn file(text: &str) -> Result<Authenticator, AuthError> {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("auth.toml");
-        std::fs::write(&path, text).unwrap();
-        Authenticator::load(&path)
+        crate::toml_file::load_written("auth.toml", text, Authenticator::load)
     }
 
     #[test]

@@ -318,15 +318,12 @@ impl MicrovmRuntime {
         let dir = self.vmm_dir(session);
         if dir.dir.exists() {
             // A dead VMM's leftovers.
-            vmm_process::stop(&dir, &self.exits).await;
+            self.stop_vmm(session, &dir).await;
         }
         let (jail, cgroup_procs) = self
             .confinement
             .prepare(session, &dir, files)
-            .inspect_err(|_| {
-                vmm_process::remove_files(&dir);
-                self.confinement.remove_cgroups(session);
-            })
+            .inspect_err(|_| self.discard(session, &dir))
             .map_err(|e| failed(session, format!("jailing its VMM: {e}")))?;
         if let Err(e) = vmm_process::spawn(
             &self.config.vmm_binary,
@@ -337,15 +334,14 @@ impl MicrovmRuntime {
         )
         .await
         {
-            vmm_process::remove_files(&dir);
-            self.confinement.remove_cgroups(session);
+            self.discard(session, &dir);
             return Err(failed(session, e));
         }
         match start(dir.clone()).await {
             Ok(()) => Ok(self.incarnation(session)),
             Err(reason) => {
                 let serial = std::fs::read_to_string(dir.serial()).unwrap_or_default();
-                vmm_process::stop(&dir, &self.exits).await;
+                self.stop_vmm(session, &dir).await;
                 let tail: String = serial.lines().rev().take(5).collect::<Vec<_>>().join(" | ");
                 Err(failed(
                     session,
@@ -420,6 +416,18 @@ impl MicrovmRuntime {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(session.to_owned(), conn);
+    }
+
+    /// Stops `session`'s VMM in `dir` (and drops any stream kept to it).
+    async fn stop_vmm(&self, session: &str, dir: &VmmDir) {
+        self.take_ready_conn(session);
+        vmm_process::stop(dir, &self.exits).await;
+    }
+
+    /// Removes what a VMM that never started left: its files and cgroups.
+    fn discard(&self, session: &str, dir: &VmmDir) {
+        vmm_process::remove_files(dir);
+        self.confinement.remove_cgroups(session);
     }
 
     fn take_ready_conn(&self, session: &str) -> Option<GuestConn> {
@@ -555,13 +563,10 @@ impl Runtime for MicrovmRuntime {
                 operation: "LOCAL (warm) snapshot",
             });
         }
-        // The VM stops after this, whatever the outcome of the snapshot; a stream kept for
-        // it must not hold its socket.
-        self.take_ready_conn(session);
         let dir = self.vmm_dir(session);
         if !self.keeps_memory(&dir) {
             // Nothing in its RAM is needed: it resumes by replay into a fresh VM.
-            vmm_process::stop(&dir, &self.exits).await;
+            self.stop_vmm(session, &dir).await;
             return Ok(SnapshotRef {
                 local: session.clone(),
                 ..Default::default()
@@ -600,7 +605,7 @@ impl Runtime for MicrovmRuntime {
         crate::metrics::global()
             .vmm_snapshot
             .observe(started.elapsed());
-        vmm_process::stop(&dir, &self.exits).await;
+        self.stop_vmm(session, &dir).await;
         self.release_snapshots(session);
         Ok(SnapshotRef {
             local: session.clone(),
@@ -626,8 +631,8 @@ impl Runtime for MicrovmRuntime {
     }
 
     async fn stop(&self, incarnation: &Incarnation) -> Result<()> {
-        self.take_ready_conn(&incarnation.id);
-        vmm_process::stop(&self.vmm_dir(&incarnation.id), &self.exits).await;
+        self.stop_vmm(&incarnation.id, &self.vmm_dir(&incarnation.id))
+            .await;
         self.release_snapshots(&incarnation.id);
         Ok(())
     }

@@ -86,7 +86,7 @@ impl Step {
     pub(super) unsafe fn run(&self) -> Result<(), i32> {
         let check = |rc: libc::c_long| if rc < 0 { Err(last_errno()) } else { Ok(()) };
         let null = std::ptr::null::<libc::c_char>();
-        // SAFETY (every arm): arguments are NUL-terminated strings and plain values built
+        // SAFETY: in every arm, arguments are NUL-terminated strings and plain values built
         // before the clone; each call only affects this child.
         unsafe {
             match self {
