@@ -15,8 +15,8 @@ use agentvm_proto::guest::framing::{FrameDecoder, frame_bytes};
 use agentvm_proto::guest::v1::envelope::Body;
 use agentvm_proto::guest::v1::restored::Kind as RestoredKind;
 use agentvm_proto::guest::v1::{
-    Envelope, GuestError, HarnessFrame, HealthReport, Identity, Ready, Restored, RestoredAck,
-    StreamClose, harness_frame,
+    DirtyMemoryDone, Envelope, GuestError, HarnessFrame, HealthReport, Identity, Ready, Restored,
+    RestoredAck, StreamClose, harness_frame,
 };
 use agentvm_proto::v1::ControllerFrame;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -25,6 +25,7 @@ use tokio_stream::StreamExt;
 use tonic::Code;
 
 use crate::bridge::HarnessLink;
+use crate::dirty::{DirtyRegion, spare_pages};
 use crate::supervisor::Supervisor;
 use crate::system::{MAX_ENTROPY, System};
 
@@ -50,6 +51,8 @@ pub struct Agent {
     restore_gate: RwLock<()>,
     /// Notified when the host asked for a shutdown and the harness has been stopped.
     pub shut_down: Notify,
+    /// What the DirtyMemory hook stamps.
+    dirty: Arc<Mutex<DirtyRegion>>,
 }
 
 impl Agent {
@@ -71,6 +74,7 @@ impl Agent {
             started: Instant::now(),
             restore_gate: RwLock::new(()),
             shut_down: Notify::new(),
+            dirty: Arc::default(),
         })
     }
 
@@ -324,15 +328,24 @@ impl Connection {
                     tracing::error!(error = %e, "could not power off");
                 });
             }
-            Body::DirtyMemory(_) => {
-                self.reply(
-                    id,
-                    Body::Error(GuestError {
-                        code: Code::Unimplemented as i32,
-                        message: "dirty_memory is a test guest hook; the agent has none".into(),
-                    }),
-                )
+            Body::DirtyMemory(request) => {
+                let region = self.agent.dirty.clone();
+                // Touching up to gigabytes page by page: off the connection's worker.
+                let done = tokio::task::spawn_blocking(move || {
+                    let mut region = region.lock().unwrap_or_else(|p| p.into_inner());
+                    region.apply(request.mebibytes, request.stamp, spare_pages())
+                })
                 .await;
+                let reply = match done {
+                    Ok((pages, mismatched)) => {
+                        Body::DirtyMemoryDone(DirtyMemoryDone { pages, mismatched })
+                    }
+                    Err(e) => Body::Error(GuestError {
+                        code: Code::Internal as i32,
+                        message: format!("dirty_memory: {e}"),
+                    }),
+                };
+                self.reply(id, reply).await;
             }
             Body::Ready(_)
             | Body::RestoredAck(_)

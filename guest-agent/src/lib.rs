@@ -8,6 +8,7 @@
 
 pub mod agent;
 pub mod bridge;
+pub mod dirty;
 pub mod image;
 pub mod init;
 pub mod reaper;

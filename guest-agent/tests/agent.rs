@@ -157,6 +157,17 @@ async fn harness_frames_round_trip_to_the_reference_harnesses() {
         Body::HarnessDescriptor(d) => assert_eq!(d.id, "echo"),
         other => panic!("{other:?}"),
     }
+    // The memory hook: stamped, then verified intact.
+    for stamp in [5, 0] {
+        let dirty = agentvm_proto::guest::v1::DirtyMemory {
+            mebibytes: 1,
+            stamp,
+        };
+        match host.call(Body::DirtyMemory(dirty)).await {
+            Body::DirtyMemoryDone(done) => assert_eq!((done.pages, done.mismatched), (256, 0)),
+            other => panic!("{other:?}"),
+        }
+    }
     let turn = host.execute(1, "0000000000000001", "hi").await;
     assert_eq!(turn.close, (0, String::new()), "{turn:?}");
     assert_eq!(
