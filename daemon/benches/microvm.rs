@@ -15,8 +15,7 @@ use std::time::{Duration, Instant};
 
 use agentvm_proto::v1::sessions_client::SessionsClient;
 use agentvm_proto::v1::{
-    CreateSessionRequest, DeleteSessionRequest, ExecRequest, ForkRequest, Message, Part, Session,
-    SuspendRequest, TextPart, part,
+    CreateSessionRequest, DeleteSessionRequest, ForkRequest, Session, SuspendRequest,
 };
 use serde_json::json;
 use tonic::transport::Channel;
@@ -73,16 +72,7 @@ async fn create(c: &mut SessionsClient<Channel>) -> String {
 async fn turn(c: &mut SessionsClient<Channel>, session: &str) -> (Duration, Duration) {
     let start = Instant::now();
     let mut stream = c
-        .exec(ExecRequest {
-            session: session.into(),
-            inputs: vec![Message {
-                role: "user".into(),
-                parts: vec![Part {
-                    part: Some(part::Part::Text(TextPart { text: "go".into() })),
-                }],
-            }],
-            ..Default::default()
-        })
+        .exec(support::exec_text(session, "go"))
         .await
         .unwrap()
         .into_inner();

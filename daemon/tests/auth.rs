@@ -10,8 +10,8 @@ use agentvm_proto::node::v1::GetStatusRequest;
 use agentvm_proto::node::v1::node_client::NodeClient;
 use agentvm_proto::v1::sessions_client::SessionsClient;
 use agentvm_proto::v1::{
-    CreateSessionRequest, ExecRequest, GetSessionRequest, ListSessionsRequest, Message, Part,
-    ReplayRequest, ResourceMetadata, Session, TextPart, part,
+    CreateSessionRequest, ExecRequest, GetSessionRequest, ListSessionsRequest, ReplayRequest,
+    ResourceMetadata, Session,
 };
 use agentvmd::api::auth::Authenticator;
 use sha2::{Digest, Sha256};
@@ -94,16 +94,7 @@ async fn tokens_principals_and_projects() {
     assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
     let mut stream = c
         .exec(with_token(
-            ExecRequest {
-                session: uid.clone(),
-                inputs: vec![Message {
-                    role: "user".into(),
-                    parts: vec![Part {
-                        part: Some(part::Part::Text(TextPart { text: "hi".into() })),
-                    }],
-                }],
-                ..Default::default()
-            },
+            support::exec_text(uid.clone(), "hi"),
             "alice-token",
         ))
         .await

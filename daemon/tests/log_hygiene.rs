@@ -9,8 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use agentvm_proto::v1::sessions_client::SessionsClient;
 use agentvm_proto::v1::{
-    CreateSessionRequest, ExecRequest, ForkRequest, GetSessionRequest, Message, Part, Session,
-    TextPart, part,
+    CreateSessionRequest, ExecRequest, ForkRequest, GetSessionRequest, Session,
 };
 use tonic::Code;
 use tonic::transport::Channel;
@@ -57,16 +56,7 @@ fn with_id<T>(message: T, id: &str) -> tonic::Request<T> {
 }
 
 fn exec_request(session: &str, text: &str) -> ExecRequest {
-    ExecRequest {
-        session: session.into(),
-        inputs: vec![Message {
-            role: "user".into(),
-            parts: vec![Part {
-                part: Some(part::Part::Text(TextPart { text: text.into() })),
-            }],
-        }],
-        ..Default::default()
-    }
+    support::exec_text(session, text)
 }
 
 /// Runs an Exec to its end: the echoed request id and the stream's final code.

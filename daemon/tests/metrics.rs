@@ -3,9 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use agentvm_proto::v1::{
-    CreateSessionRequest, ExecRequest, ForkRequest, Message, Part, Session, TextPart, part,
-};
+use agentvm_proto::v1::{CreateSessionRequest, ForkRequest, Session};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 mod support;
@@ -73,16 +71,7 @@ async fn metrics_are_scraped_and_move_with_sessions_turns_and_forks() {
         .unwrap()
         .uid;
     let mut stream = c
-        .exec(ExecRequest {
-            session: uid.clone(),
-            inputs: vec![Message {
-                role: "user".into(),
-                parts: vec![Part {
-                    part: Some(part::Part::Text(TextPart { text: "hi".into() })),
-                }],
-            }],
-            ..Default::default()
-        })
+        .exec(support::exec_text(uid.clone(), "hi"))
         .await
         .unwrap()
         .into_inner();

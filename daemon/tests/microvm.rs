@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use agentvm_proto::v1::sessions_client::SessionsClient;
 use agentvm_proto::v1::{
-    ComputeState, CreateSessionRequest, ExecRequest, ExecUpdate, ForkRequest, GetSessionRequest,
-    LogRecord, Message, Part, ReplayRequest, ResumeRequest, Session, SuspendRequest, TextPart,
-    event::Body, exec_update::Update, lifecycle::Kind as LifecycleKind, part,
+    ComputeState, CreateSessionRequest, ExecUpdate, ForkRequest, GetSessionRequest, LogRecord,
+    ReplayRequest, ResumeRequest, Session, SuspendRequest, event::Body, exec_update::Update,
+    lifecycle::Kind as LifecycleKind, part,
 };
 use agentvmd::journal::verify::verify_chain;
 use support::{TestNode, start_with};
@@ -86,16 +86,7 @@ async fn create_for(c: &mut SessionsClient<Channel>, harness: &str) -> String {
 /// One turn; returns the assistant's text output.
 async fn turn(c: &mut SessionsClient<Channel>, session: &str) -> String {
     let mut stream = c
-        .exec(ExecRequest {
-            session: session.into(),
-            inputs: vec![Message {
-                role: "user".into(),
-                parts: vec![Part {
-                    part: Some(part::Part::Text(TextPart { text: "go".into() })),
-                }],
-            }],
-            ..Default::default()
-        })
+        .exec(support::exec_text(session, "go"))
         .await
         .unwrap_or_else(|s| panic!("exec on {session}: {s}"))
         .into_inner();
@@ -357,18 +348,7 @@ async fn a_restarted_daemon_readopts_running_microvms() {
 
 /// Runs one turn and returns how it failed (its status message); panics if it succeeded.
 async fn failed_turn(mut c: SessionsClient<Channel>, session: String) -> String {
-    let started = c
-        .exec(ExecRequest {
-            session: session.clone(),
-            inputs: vec![Message {
-                role: "user".into(),
-                parts: vec![Part {
-                    part: Some(part::Part::Text(TextPart { text: "go".into() })),
-                }],
-            }],
-            ..Default::default()
-        })
-        .await;
+    let started = c.exec(support::exec_text(session.clone(), "go")).await;
     match started {
         Err(status) => status.message().to_owned(),
         Ok(stream) => {
@@ -641,18 +621,7 @@ async fn on_cloud_hypervisor_testguest_sessions_are_refused_by_name() {
     .await;
     let mut c = node.c();
     let session = create(&mut c).await;
-    let err = c
-        .exec(ExecRequest {
-            session: session.clone(),
-            inputs: vec![Message {
-                role: "user".into(),
-                parts: vec![Part {
-                    part: Some(part::Part::Text(TextPart { text: "go".into() })),
-                }],
-            }],
-            ..Default::default()
-        })
-        .await;
+    let err = c.exec(support::exec_text(session.clone(), "go")).await;
     let message = match err {
         Err(status) => status.message().to_owned(),
         Ok(stream) => {
@@ -748,16 +717,7 @@ async fn a_new_runtime_watches_surviving_vmms_and_reports_dead_ones() {
 /// One turn with `text` as input; returns the assistant's text output.
 async fn say(c: &mut SessionsClient<Channel>, session: &str, text: &str) -> String {
     let mut stream = c
-        .exec(ExecRequest {
-            session: session.into(),
-            inputs: vec![Message {
-                role: "user".into(),
-                parts: vec![Part {
-                    part: Some(part::Part::Text(TextPart { text: text.into() })),
-                }],
-            }],
-            ..Default::default()
-        })
+        .exec(support::exec_text(session, text))
         .await
         .unwrap_or_else(|s| panic!("exec on {session}: {s}"))
         .into_inner();

@@ -111,3 +111,21 @@ impl TestNode {
         start_in(dir, configure).await
     }
 }
+
+/// An Exec of `session` with one user message holding `text`.
+pub fn exec_text(
+    session: impl Into<String>,
+    text: impl Into<String>,
+) -> agentvm_proto::v1::ExecRequest {
+    use agentvm_proto::v1::{ExecRequest, Message, Part, TextPart, part};
+    ExecRequest {
+        session: session.into(),
+        inputs: vec![Message {
+            role: "user".into(),
+            parts: vec![Part {
+                part: Some(part::Part::Text(TextPart { text: text.into() })),
+            }],
+        }],
+        ..Default::default()
+    }
+}
