@@ -98,11 +98,6 @@ impl Confinement {
         self.jail.is_some()
     }
 
-    /// The cgroups VMMs are put in, for the exit watch to remove.
-    pub fn cgroups(&self) -> Option<Arc<Cgroups>> {
-        self.cgroups.clone()
-    }
-
     pub fn remove_cgroups(&self, session: &str) {
         if let Some(cgroups) = &self.cgroups {
             cgroups.remove(session);

@@ -14,7 +14,6 @@ use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::broadcast;
 
-use super::cgroups::Cgroups;
 use super::vmm_process::{self, VmmDir};
 use crate::runtime::ComputeLost;
 
@@ -28,8 +27,6 @@ pub struct ExitWatch {
     expected: Arc<Mutex<HashSet<u32>>>,
     /// VMMs with a watcher, so adopting one twice does not watch it twice.
     watched: Arc<Mutex<HashSet<u32>>>,
-    /// Where an exited VMM's cgroup is removed.
-    cgroups: Option<Arc<Cgroups>>,
 }
 
 impl Default for ExitWatch {
@@ -38,7 +35,6 @@ impl Default for ExitWatch {
             lost: broadcast::channel(BACKLOG).0,
             expected: Arc::default(),
             watched: Arc::default(),
-            cgroups: None,
         }
     }
 }
@@ -48,12 +44,6 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl ExitWatch {
-    /// Also removes each exited VMM's cgroup (empty once it is gone).
-    pub fn with_cgroups(mut self, cgroups: Option<Arc<Cgroups>>) -> Self {
-        self.cgroups = cgroups;
-        self
-    }
-
     pub fn subscribe(&self) -> broadcast::Receiver<ComputeLost> {
         self.lost.subscribe()
     }
@@ -88,10 +78,6 @@ impl ExitWatch {
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default();
-            // A cgroup a newer VMM of the session already joined is not empty: kept.
-            if let Some(cgroups) = &this.cgroups {
-                cgroups.remove(&session);
-            }
             if lock(&this.expected).remove(&pid) || vmm_process::pid_of(&dir) != Some(pid) {
                 return;
             }

@@ -148,7 +148,7 @@ impl MicrovmRuntime {
         std::fs::create_dir_all(&config.run_dir)
             .map_err(|e| format!("creating {}: {e}", config.run_dir.display()))?;
         let confinement = Confinement::new(&config, limits(&config))?;
-        let exits = ExitWatch::default().with_cgroups(confinement.cgroups());
+        let exits = ExitWatch::default();
         Ok(Self {
             config,
             store,
@@ -296,7 +296,7 @@ impl MicrovmRuntime {
                          watched it, or the node restarted)"
                             .into(),
                     );
-                    vmm_process::remove_files(&dir);
+                    self.discard(&session, &dir);
                 }
             }
         }
@@ -418,13 +418,17 @@ impl MicrovmRuntime {
             .insert(session.to_owned(), conn);
     }
 
-    /// Stops `session`'s VMM in `dir` (and drops any stream kept to it).
+    /// Stops `session`'s VMM in `dir` and removes its cgroups (and drops any stream kept to
+    /// it). Cgroups go here, where the runtime knows no new VMM of the session is starting,
+    /// not when the exit watch sees an exit: that may come after the next VMM's cgroup of the
+    /// same name exists.
     async fn stop_vmm(&self, session: &str, dir: &VmmDir) {
         self.take_ready_conn(session);
         vmm_process::stop(dir, &self.exits).await;
+        self.confinement.remove_cgroups(session);
     }
 
-    /// Removes what a VMM that never started left: its files and cgroups.
+    /// Removes what a VMM that never started, or died unwatched, left: its files and cgroups.
     fn discard(&self, session: &str, dir: &VmmDir) {
         vmm_process::remove_files(dir);
         self.confinement.remove_cgroups(session);
