@@ -62,7 +62,13 @@ pub struct NodeConfig {
     pub vm_uid_base: u32,
     /// Each VMM's memory limit; default: the largest guest plus 128 MiB.
     pub vmm_memory_limit_mib: Option<u64>,
+    /// How long a new or restored guest may take to answer Ready on vsock.
+    pub guest_ready_timeout: std::time::Duration,
 }
+
+/// Ready within this, or the guest is taken for stuck: a Linux guest boots in well under a
+/// second on hardware KVM, so this leaves room for a loaded node.
+pub const DEFAULT_GUEST_READY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
 
 impl NodeConfig {
     pub fn new(state_dir: PathBuf) -> Self {
@@ -80,6 +86,7 @@ impl NodeConfig {
             confine_vmms: true,
             vm_uid_base: crate::runtime::microvm::DEFAULT_VM_UID_BASE,
             vmm_memory_limit_mib: None,
+            guest_ready_timeout: DEFAULT_GUEST_READY_TIMEOUT,
         }
     }
 }
@@ -170,7 +177,7 @@ fn microvm_runtime(cfg: &NodeConfig) -> Result<MicrovmRuntime, String> {
         images: guest_images,
         vcpus: 1,
         memory_mib: 256,
-        ready_timeout: std::time::Duration::from_secs(20),
+        ready_timeout: cfg.guest_ready_timeout,
         confine: cfg.confine_vmms,
         vm_uid_base: cfg.vm_uid_base,
         memory_limit_mib: cfg.vmm_memory_limit_mib,

@@ -152,6 +152,10 @@ pub struct Settings {
     /// How long a `suspend` shutdown may take, in seconds. Default: 60.
     #[arg(long)]
     pub shutdown_timeout_secs: Option<u64>,
+    /// How long a booted or restored guest may take to answer on vsock before it is taken
+    /// for stuck, in seconds. Default: 20 (raise it where guests run emulated).
+    #[arg(long)]
+    pub guest_ready_timeout_secs: Option<u64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -214,6 +218,7 @@ impl Settings {
             tool_executor_timeout_secs,
             shutdown_policy,
             shutdown_timeout_secs,
+            guest_ready_timeout_secs,
             tls_cert,
             tls_key,
             tls_client_ca,
@@ -282,6 +287,7 @@ impl Settings {
                 self.tool_executor_timeout_secs,
             ),
             ("shutdown_timeout_secs", self.shutdown_timeout_secs),
+            ("guest_ready_timeout_secs", self.guest_ready_timeout_secs),
             ("vm_uid_base", self.vm_uid_base.map(u64::from)),
         ] {
             if let Some(v) = v {

@@ -2,19 +2,21 @@
 //! only in this process's memory and emits it as one OUTPUT in decimal. It never reads History
 //! (I4): only a memory snapshot can carry its state across a suspend, and replaying the log
 //! into it would double-count.
+//!
+//! The count belongs to the process, not to a session id: a memory-tier harness process
+//! serves one session, and a fork child's process is a copy of its parent's with a new
+//! session id, so it must go on from the parent's count (a per-id count would restart at 1).
 
-use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use agentvm_proto::v1::{Capabilities, HarnessDescriptor, Resumability};
 
 use crate::sdk::{Execution, Harness, HarnessFailure, Sink};
 use crate::text::text_message;
 
-/// One count per session, so a process serving several sessions keeps them apart.
 #[derive(Default)]
 pub struct Counter {
-    counts: Mutex<HashMap<String, u64>>,
+    count: AtomicU64,
 }
 
 pub const VERSION: &str = "1";
@@ -33,13 +35,8 @@ impl Harness for Counter {
         }
     }
 
-    async fn run(&self, exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure> {
-        let n = {
-            let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
-            let n = counts.entry(exec.session.clone()).or_default();
-            *n += 1;
-            *n
-        };
+    async fn run(&self, _exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure> {
+        let n = self.count.fetch_add(1, Ordering::SeqCst) + 1;
         sink.output(text_message("assistant", n.to_string()))
             .await?;
         Ok(())

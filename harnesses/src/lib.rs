@@ -7,7 +7,7 @@ pub mod counter;
 pub mod echo;
 pub mod sdk;
 pub mod server;
-mod text;
+pub mod text;
 
 pub use sdk::{Execution, Harness, HarnessFailure, Sink, SinkError};
 

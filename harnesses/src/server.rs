@@ -1,4 +1,5 @@
-//! Serves any [`Harness`] as the `agentsessions.v1.Harness` gRPC service.
+//! Serves any [`Harness`] as the `agentsessions.v1.Harness` gRPC service, and runs one as a
+//! standalone process on a unix socket (what a guest image's harness command does).
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -49,4 +50,30 @@ impl HarnessService for GrpcHarness {
         tokio::spawn(drive(self.harness.clone(), frames, tx));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
+}
+
+/// Serves `harness` on the unix socket `path` until SIGTERM, on a runtime of its own: the
+/// whole life of a standalone harness process (`agentvm-harness serve`, the lane's probe).
+pub fn serve_on_unix_socket(harness: Arc<dyn Harness>, path: &str) -> std::io::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let _ = std::fs::remove_file(path);
+        let listener = tokio::net::UnixListener::bind(path)?;
+        tonic::transport::Server::builder()
+            .add_service(GrpcHarness::new(harness).into_service())
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::UnixListenerStream::new(listener),
+                async {
+                    if let Ok(mut term) =
+                        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    {
+                        term.recv().await;
+                    }
+                },
+            )
+            .await
+            .map_err(std::io::Error::other)
+    })
 }

@@ -20,9 +20,44 @@ pub struct TestNode {
 }
 
 impl Drop for TestNode {
+    /// A node dropped at the end of a test takes its VMMs with it: they outlive a daemon by
+    /// design (a restart adopts them), so nothing else would ever stop them. `restart` takes
+    /// `stop` first, and the VMMs it leaves running are the ones the next node adopts.
     fn drop(&mut self) {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
+            reap_vmms(&self.dir.join("state").join("vms"));
+        }
+    }
+}
+
+/// SIGKILLs every VMM recorded under `vms` (`SESSION/vmm.pid`) that is still that VMM, and
+/// waits until each is gone.
+pub fn reap_vmms(vms: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(vms) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let Some(pid) = std::fs::read_to_string(entry.path().join("vmm.pid"))
+            .ok()
+            .and_then(|p| p.trim().parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let is_vmm = || {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.windows(b"agentvm-vmm".len()).any(|w| w == b"agentvm-vmm"))
+        };
+        if !is_vmm() {
+            continue;
+        }
+        // SAFETY: kill(2) with a pid that was just checked to be one of this node's VMMs.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        for _ in 0..500 {
+            if !is_vmm() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
 }

@@ -4,9 +4,6 @@
 
 use std::process::ExitCode;
 
-use tokio::net::UnixListener;
-use tokio_stream::wrappers::UnixListenerStream;
-
 fn usage() -> ExitCode {
     eprintln!("usage: agentvm-harness serve NAME --listen unix:PATH   (NAME: echo, counter, chat)");
     ExitCode::from(2)
@@ -27,31 +24,7 @@ fn main() -> ExitCode {
         eprintln!("agentvm-harness: no reference harness named {name:?}");
         return usage();
     };
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("agentvm-harness: starting the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let served = runtime.block_on(async move {
-        let _ = std::fs::remove_file(&path);
-        let listener = UnixListener::bind(&path)?;
-        tonic::transport::Server::builder()
-            .add_service(agentvm_harnesses::server::GrpcHarness::new(harness).into_service())
-            .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async {
-                if let Ok(mut term) =
-                    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                {
-                    term.recv().await;
-                }
-            })
-            .await
-            .map_err(std::io::Error::other)
-    });
+    let served = agentvm_harnesses::server::serve_on_unix_socket(harness, &path);
     match served {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

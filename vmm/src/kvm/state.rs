@@ -143,8 +143,12 @@ pub fn restore_vcpu(vcpu: &VcpuFd, state: &VcpuState) -> Result<(), StateError> 
     // SAFETY: `kvm_xsave` is the fixed 4 KiB form KVM_GET_XSAVE produced on this host flavour
     // (the manifest's host check ran) and `check_xsave_size` confirmed it covers the whole area.
     unsafe { vcpu.set_xsave(&state.xsave.0) }.map_err(ioctl("KVM_SET_XSAVE"))?;
-    vcpu.set_xcrs(&state.xcrs.0)
-        .map_err(ioctl("KVM_SET_XCRS"))?;
+    // A host without XSAVE reports no XCRs and refuses KVM_SET_XCRS outright (EINVAL), so
+    // a snapshot taken there carries none and restores without the call.
+    if state.xcrs.0.nr_xcrs > 0 {
+        vcpu.set_xcrs(&state.xcrs.0)
+            .map_err(ioctl("KVM_SET_XCRS"))?;
+    }
     vcpu.set_debug_regs(&state.debugregs.0)
         .map_err(ioctl("KVM_SET_DEBUGREGS"))?;
     vcpu.set_lapic(&state.lapic.0)

@@ -36,9 +36,12 @@ fn ioctl(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
     move |source| VmError::Kvm { what, source }
 }
 
-/// Where the warm-up slot sits: far above any RAM we hand out, and gone before vCPUs run.
-const WARMUP_GPA: u64 = 1 << 40;
 const WARMUP_SLOT: u32 = 0;
+const PAGE_SIZE: u64 = 4096;
+/// CPUID leaf whose EAX[7:0] is the physical-address width KVM accepts for guest memory.
+const LEAF_ADDRESS_SIZES: u32 = 0x8000_0008;
+/// The width assumed when KVM reports none: the smallest any x86-64 CPU has.
+const MIN_PHYS_BITS: u8 = 36;
 /// RAM slots follow the warm-up slot.
 const FIRST_RAM_SLOT: u32 = 1;
 
@@ -56,11 +59,11 @@ impl KvmVm {
     pub fn new() -> Result<Self, VmError> {
         let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
         let fd = kvm.create_vm().map_err(ioctl("KVM_CREATE_VM"))?;
-        let warmup = warmup_slot(&fd)?;
-        setup_irqchip_and_pit(&fd)?;
         let supported_cpuid = kvm
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(ioctl("KVM_GET_SUPPORTED_CPUID"))?;
+        let warmup = warmup_slot(&fd, warmup_gpa(phys_bits(&supported_cpuid)))?;
+        setup_irqchip_and_pit(&fd)?;
         Ok(Self {
             kvm,
             fd,
@@ -118,12 +121,31 @@ fn setup_irqchip_and_pit(fd: &VmFd) -> Result<(), VmError> {
     .map_err(ioctl("KVM_CREATE_PIT2"))
 }
 
-fn warmup_slot(fd: &VmFd) -> Result<MmapRegion, VmError> {
-    let page = MmapRegion::new(4096).map_err(VmError::WarmupPage)?;
+/// The guest-physical address width this host's KVM accepts (CPUID 0x8000_0008 EAX[7:0]):
+/// 39 on many client CPUs, 40 under some nested hypervisors, 46-52 on servers.
+fn phys_bits(supported: &CpuId) -> u8 {
+    supported
+        .as_slice()
+        .iter()
+        .find(|e| e.function == LEAF_ADDRESS_SIZES)
+        .map(|e| (e.eax & 0xff) as u8)
+        .filter(|&bits| bits >= MIN_PHYS_BITS)
+        .unwrap_or(MIN_PHYS_BITS)
+}
+
+/// Where the warm-up slot sits: the last page the host can address, far above any RAM we
+/// hand out (which must fit below the same limit). A fixed address past the limit makes
+/// KVM refuse the slot with EINVAL, as 1 TiB did on a host with 40 address bits.
+fn warmup_gpa(phys_bits: u8) -> u64 {
+    (1u64 << phys_bits.min(52)) - PAGE_SIZE
+}
+
+fn warmup_slot(fd: &VmFd, gpa: u64) -> Result<MmapRegion, VmError> {
+    let page = MmapRegion::new(PAGE_SIZE as usize).map_err(VmError::WarmupPage)?;
     let slot = kvm_userspace_memory_region {
         slot: WARMUP_SLOT,
-        guest_phys_addr: WARMUP_GPA,
-        memory_size: 4096,
+        guest_phys_addr: gpa,
+        memory_size: PAGE_SIZE,
         userspace_addr: page.as_ptr() as u64,
         flags: 0,
     };
@@ -132,4 +154,56 @@ fn warmup_slot(fd: &VmFd) -> Result<MmapRegion, VmError> {
     unsafe { fd.set_user_memory_region(slot) }
         .map_err(ioctl("KVM_SET_USER_MEMORY_REGION (warm-up)"))?;
     Ok(page)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvm_bindings::kvm_cpuid_entry2;
+
+    fn cpuid_with(entries: &[kvm_cpuid_entry2]) -> CpuId {
+        CpuId::from_entries(entries).unwrap()
+    }
+
+    #[test]
+    fn the_warm_up_page_is_the_last_one_the_host_addresses() {
+        assert_eq!(warmup_gpa(40), (1 << 40) - 4096);
+        assert_eq!(warmup_gpa(39), (1 << 39) - 4096);
+        assert_eq!(warmup_gpa(48), (1 << 48) - 4096);
+        assert!(
+            warmup_gpa(40) + PAGE_SIZE <= 1 << 40,
+            "inside a 40-bit host's range"
+        );
+    }
+
+    #[test]
+    fn the_address_width_comes_from_cpuid_with_a_floor() {
+        let leaf = |eax| kvm_cpuid_entry2 {
+            function: LEAF_ADDRESS_SIZES,
+            eax,
+            ..Default::default()
+        };
+        // EAX[15:8] is the linear width; only [7:0] counts.
+        assert_eq!(phys_bits(&cpuid_with(&[leaf(0x3028)])), 40);
+        assert_eq!(phys_bits(&cpuid_with(&[leaf(0x3030)])), 48);
+        assert_eq!(phys_bits(&cpuid_with(&[leaf(0)])), MIN_PHYS_BITS);
+        assert_eq!(phys_bits(&cpuid_with(&[])), MIN_PHYS_BITS);
+    }
+
+    #[test]
+    fn a_vm_is_created_with_its_warm_up_slot_below_this_hosts_limit() {
+        let Ok(kvm) = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/kvm")
+        else {
+            eprintln!("SKIPPED: /dev/kvm is not usable here");
+            return;
+        };
+        drop(kvm);
+        let vm = KvmVm::new().expect("a VM with its warm-up slot");
+        let bits = phys_bits(vm.supported_cpuid());
+        eprintln!("this host's KVM addresses {bits} physical bits");
+        assert!(vm.warmup.is_some());
+    }
 }

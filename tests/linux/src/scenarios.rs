@@ -1,0 +1,408 @@
+//! The lane's scenarios: each drives agentvmd's Sessions API with real Linux images and
+//! returns a one-line detail of what it saw, or the first thing that went wrong.
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::pin::Pin;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use agentvm_proto::v1::ComputeState;
+use agentvm_proto::v1::event::Body;
+use agentvm_proto::v1::lifecycle::Kind as LifecycleKind;
+use anyhow::{Context, bail, ensure};
+
+use crate::daemon::{Daemon, process_alive, signal};
+use crate::session::{self, Client};
+
+/// What every scenario gets: the daemon, and the sessions it made (deleted afterwards).
+pub struct Lane {
+    pub daemon: Daemon,
+    pub sessions: Vec<String>,
+}
+
+impl Lane {
+    pub async fn c(&self) -> anyhow::Result<Client> {
+        self.daemon.client().await
+    }
+
+    async fn create(&mut self, harness: &str) -> anyhow::Result<String> {
+        let mut c = self.c().await?;
+        let s = session::create(&mut c, harness).await?;
+        self.sessions.push(s.clone());
+        Ok(s)
+    }
+
+    /// Deletes what the last scenario made, so the next one starts on an empty node.
+    pub async fn clean_up(&mut self) {
+        if let Ok(mut c) = self.c().await {
+            for s in self.sessions.drain(..) {
+                let _ = session::delete(&mut c, &s).await;
+            }
+        }
+    }
+}
+
+pub type Outcome<'a> = Pin<Box<dyn Future<Output = anyhow::Result<String>> + Send + 'a>>;
+pub type Scenario = for<'a> fn(&'a mut Lane) -> Outcome<'a>;
+
+/// Every scenario by name, in the order a full run takes them.
+pub const ALL: &[(&str, Scenario)] = &[
+    ("testguest-turns", |l| Box::pin(testguest_turns(l))),
+    ("echo-turns", |l| Box::pin(echo_turns(l))),
+    ("chat-echo-model", |l| Box::pin(chat_echo_model(l))),
+    ("counter-suspend-resume", |l| {
+        Box::pin(counter_suspend_resume(l))
+    }),
+    ("fork-three-children", |l| Box::pin(fork_three_children(l))),
+    ("clock-stepped-after-resume", |l| {
+        Box::pin(clock_stepped_after_resume(l))
+    }),
+    ("vmm-killed-mid-turn", |l| Box::pin(vmm_killed_mid_turn(l))),
+    ("harness-crash-restarted", |l| {
+        Box::pin(harness_crash_restarted(l))
+    }),
+    ("daemon-restart-readopts", |l| {
+        Box::pin(daemon_restart_readopts(l))
+    }),
+];
+
+fn expect(got: &str, want: &str, what: &str) -> anyhow::Result<()> {
+    ensure!(got == want, "{what}: answered {got:?}, expected {want:?}");
+    Ok(())
+}
+
+fn secs(d: Duration) -> String {
+    format!("{:.2}s", d.as_secs_f64())
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or_default()
+}
+
+/// One answer of the lane's probe harness.
+struct ProbeAnswer {
+    count: u64,
+    random: String,
+    unix_ms: u64,
+}
+
+async fn probe(c: &mut Client, session: &str, input: &str) -> anyhow::Result<ProbeAnswer> {
+    let text = session::say(c, session, input).await?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("probe answered {text:?}"))?;
+    let field = |k: &str| {
+        v.get(k)
+            .with_context(|| format!("probe answer {text:?} has no {k}"))
+    };
+    Ok(ProbeAnswer {
+        count: field("count")?.as_u64().context("count")?,
+        random: field("random")?.as_str().context("random")?.to_owned(),
+        unix_ms: field("unix_ms")?.as_u64().context("unix_ms")?,
+    })
+}
+
+/// The guest's wall clock, read during a turn that ran between `before` and `after` on the
+/// host, is the host's to within `slack_ms`.
+fn check_clock(
+    answer: &ProbeAnswer,
+    before: u64,
+    after: u64,
+    slack_ms: u64,
+    who: &str,
+) -> anyhow::Result<()> {
+    ensure!(
+        answer.unix_ms + slack_ms >= before && answer.unix_ms <= after + slack_ms,
+        "{who}'s wall clock reads {} ms, the host's was {before}..{after} during the turn",
+        answer.unix_ms
+    );
+    Ok(())
+}
+
+async fn testguest_turns(lane: &mut Lane) -> anyhow::Result<String> {
+    let s = lane.create("testguest").await?;
+    let mut c = lane.c().await?;
+    let t = Instant::now();
+    expect(&session::say(&mut c, &s, "go").await?, "1", "first turn")?;
+    let first = t.elapsed();
+    expect(&session::say(&mut c, &s, "go").await?, "2", "second turn")?;
+    Ok(format!("first turn {}", secs(first)))
+}
+
+async fn echo_turns(lane: &mut Lane) -> anyhow::Result<String> {
+    let s = lane.create("linux-echo").await?;
+    let mut c = lane.c().await?;
+    let t = Instant::now();
+    expect(
+        &session::say(&mut c, &s, "hello linux").await?,
+        "echo:hello linux",
+        "first turn",
+    )?;
+    let first = t.elapsed();
+    let mut warm = Vec::new();
+    for text in ["warm one", "warm two", "warm three"] {
+        let t = Instant::now();
+        expect(
+            &session::say(&mut c, &s, text).await?,
+            &format!("echo:{text}"),
+            "warm turn",
+        )?;
+        warm.push(t.elapsed());
+    }
+    let records = session::verify(&mut c, &s).await?;
+    warm.sort();
+    Ok(format!(
+        "first turn (boot + agent + harness) {}, warm turn median {}, {records} records verified",
+        secs(first),
+        secs(warm[warm.len() / 2])
+    ))
+}
+
+async fn chat_echo_model(lane: &mut Lane) -> anyhow::Result<String> {
+    let s = lane.create("linux-chat").await?;
+    let mut c = lane.c().await?;
+    let first = session::say(&mut c, &s, "hello chat").await?;
+    ensure!(first.contains("hello chat"), "chat answered {first:?}");
+    let second = session::say(&mut c, &s, "and again").await?;
+    ensure!(second.contains("and again"), "chat answered {second:?}");
+    session::verify(&mut c, &s).await?;
+    Ok(format!("answers {first:?}, {second:?}"))
+}
+
+async fn counter_suspend_resume(lane: &mut Lane) -> anyhow::Result<String> {
+    let s = lane.create("linux-counter").await?;
+    let mut c = lane.c().await?;
+    for n in 1..=3 {
+        expect(
+            &session::say(&mut c, &s, "go").await?,
+            &n.to_string(),
+            "turn",
+        )?;
+    }
+    let pid = lane.daemon.vmm_pid(&s)?;
+    let t = Instant::now();
+    session::suspend(&mut c, &s).await?;
+    let suspended = t.elapsed();
+    ensure!(
+        !process_alive(pid),
+        "the suspended session's VMM {pid} still runs"
+    );
+    ensure!(
+        session::compute(&mut c, &s).await? == ComputeState::ComputeCold,
+        "a suspended session is not COLD"
+    );
+    let t = Instant::now();
+    session::resume(&mut c, &s).await?;
+    let resumed = t.elapsed();
+    expect(
+        &session::say(&mut c, &s, "go").await?,
+        "4",
+        "turn after resume",
+    )?;
+    ensure!(lane.daemon.vmm_pid(&s)? != pid, "resume reused the old VMM");
+    let records = session::verify(&mut c, &s).await?;
+    Ok(format!(
+        "suspend {}, resume {}, answered 4, {records} records verified",
+        secs(suspended),
+        secs(resumed)
+    ))
+}
+
+async fn fork_three_children(lane: &mut Lane) -> anyhow::Result<String> {
+    let parent = lane.create("linux-probe").await?;
+    let mut c = lane.c().await?;
+    for n in 1..=3 {
+        let a = probe(&mut c, &parent, "go").await?;
+        ensure!(a.count == n, "parent turn {n} counted {}", a.count);
+    }
+    let t = Instant::now();
+    let children = session::fork(&mut c, &parent, 3).await?;
+    let forked = t.elapsed();
+    lane.sessions.extend(children.iter().cloned());
+    ensure!(
+        children.len() == 3,
+        "Fork(3) made {} children",
+        children.len()
+    );
+    let mut randoms = HashSet::new();
+    for child in &children {
+        let before = unix_ms();
+        let a = probe(&mut c, child, "go").await?;
+        check_clock(&a, before, unix_ms(), 2000, child)?;
+        ensure!(
+            a.count == 4,
+            "child {child} counted {} (its parent was at 3)",
+            a.count
+        );
+        ensure!(
+            randoms.insert(a.random.clone()),
+            "child {child}'s kernel RNG repeats a sibling's output {}",
+            a.random
+        );
+    }
+    let a = probe(&mut c, &parent, "go").await?;
+    ensure!(
+        a.count == 4,
+        "the parent counted {} after the fork",
+        a.count
+    );
+    ensure!(
+        randoms.insert(a.random.clone()),
+        "the parent's kernel RNG repeats a child's output {}",
+        a.random
+    );
+    // The children diverge: one more turn in the first child only.
+    let a = probe(&mut c, &children[0], "go").await?;
+    ensure!(a.count == 5, "child 0's second turn counted {}", a.count);
+    let a = probe(&mut c, &children[1], "go").await?;
+    ensure!(a.count == 5, "child 1's second turn counted {}", a.count);
+    for s in children.iter().chain([&parent]) {
+        session::verify(&mut c, s).await?;
+    }
+    Ok(format!(
+        "Fork(3) {}; children answered 4 then 5, parent 4; 4 distinct RNG outputs; clocks within 2 s",
+        secs(forked)
+    ))
+}
+
+async fn clock_stepped_after_resume(lane: &mut Lane) -> anyhow::Result<String> {
+    let s = lane.create("linux-probe").await?;
+    let mut c = lane.c().await?;
+    let first = probe(&mut c, &s, "go").await?;
+    session::suspend(&mut c, &s).await?;
+    // Long enough that a guest clock frozen at the snapshot would be visibly behind.
+    let gap = Duration::from_secs(8);
+    tokio::time::sleep(gap).await;
+    session::resume(&mut c, &s).await?;
+    let before = unix_ms();
+    let a = probe(&mut c, &s, "go").await?;
+    let after = unix_ms();
+    ensure!(a.count == 2, "the resumed probe counted {}", a.count);
+    ensure!(
+        a.random != first.random,
+        "the RNG repeated across a restore"
+    );
+    check_clock(&a, before, after, 2000, "the resumed guest")?;
+    Ok(format!(
+        "after an {}s suspension the guest clock was {} ms off the host's",
+        gap.as_secs(),
+        a.unix_ms as i64 - ((before + after) / 2) as i64
+    ))
+}
+
+async fn vmm_killed_mid_turn(lane: &mut Lane) -> anyhow::Result<String> {
+    let s = lane.create("linux-counter").await?;
+    let mut c = lane.c().await?;
+    expect(&session::say(&mut c, &s, "go").await?, "1", "turn 1")?;
+    expect(&session::say(&mut c, &s, "go").await?, "2", "turn 2")?;
+    session::suspend(&mut c, &s).await?;
+    expect(
+        &session::say(&mut c, &s, "go").await?,
+        "3",
+        "turn 3 (restored)",
+    )?;
+    // Stopped first, so the next turn is surely in flight when the VMM dies.
+    let pid = lane.daemon.vmm_pid(&s)?;
+    signal(pid, libc::SIGSTOP);
+    let in_flight = tokio::spawn(session::failing_turn(c.clone(), s.clone(), "go".into()));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    signal(pid, libc::SIGKILL);
+    let message = in_flight.await??;
+    session::wait_compute(
+        &mut c,
+        &s,
+        ComputeState::ComputeCold,
+        Duration::from_secs(30),
+    )
+    .await
+    .context("the lost VMM was never recorded")?;
+    let records = session::replay(&mut c, &s).await?;
+    let Some(Body::Lifecycle(last)) = records
+        .last()
+        .and_then(|r| r.event.as_ref())
+        .and_then(|e| e.body.clone())
+    else {
+        bail!("the last record is not a lifecycle record");
+    };
+    ensure!(
+        last.kind == LifecycleKind::LifecycleSuspend as i32 && last.detail.contains("compute lost"),
+        "the last record does not record the lost compute: {last:?}"
+    );
+    // Turn 3's memory died with the VMM: the next turn continues from the snapshot at 2.
+    expect(
+        &session::say(&mut c, &s, "go").await?,
+        "3",
+        "turn after the loss",
+    )?;
+    let n = session::verify(&mut c, &s).await?;
+    Ok(format!(
+        "the turn failed with {message:?}; recovered at 3; {n} records verified"
+    ))
+}
+
+async fn harness_crash_restarted(lane: &mut Lane) -> anyhow::Result<String> {
+    let s = lane.create("linux-probe").await?;
+    let mut c = lane.c().await?;
+    ensure!(probe(&mut c, &s, "go").await?.count == 1, "first turn");
+    ensure!(probe(&mut c, &s, "go").await?.count == 2, "second turn");
+    let pid = lane.daemon.vmm_pid(&s)?;
+    let message = session::failing_turn(c.clone(), s.clone(), "crash".into()).await?;
+    // The agent restarts the harness in the same VM: a fresh process counts from 1.
+    let started = Instant::now();
+    let answer = loop {
+        match probe(&mut c, &s, "go").await {
+            Ok(a) => break a,
+            Err(e) if started.elapsed() < Duration::from_secs(30) => {
+                tracing_note(&format!("turn after the crash: {e:#}"));
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => return Err(e.context("no turn answered within 30 s of the crash")),
+        }
+    };
+    ensure!(
+        answer.count == 1,
+        "the restarted harness counted {}",
+        answer.count
+    );
+    ensure!(
+        lane.daemon.vmm_pid(&s)? == pid && process_alive(pid),
+        "the VM was replaced rather than its harness restarted"
+    );
+    session::verify(&mut c, &s).await?;
+    Ok(format!(
+        "the crashed turn failed with {message:?}; the harness answered again after {} in the same VM",
+        secs(started.elapsed())
+    ))
+}
+
+async fn daemon_restart_readopts(lane: &mut Lane) -> anyhow::Result<String> {
+    let s = lane.create("linux-counter").await?;
+    let mut c = lane.c().await?;
+    expect(&session::say(&mut c, &s, "go").await?, "1", "turn 1")?;
+    expect(&session::say(&mut c, &s, "go").await?, "2", "turn 2")?;
+    let pid = lane.daemon.vmm_pid(&s)?;
+    let t = Instant::now();
+    lane.daemon.crash_and_restart().await?;
+    let restarted = t.elapsed();
+    let mut c = lane.c().await?;
+    expect(
+        &session::say(&mut c, &s, "go").await?,
+        "3",
+        "turn after the restart",
+    )?;
+    ensure!(
+        lane.daemon.vmm_pid(&s)? == pid,
+        "the session runs in a new VMM, not the adopted one"
+    );
+    session::verify(&mut c, &s).await?;
+    Ok(format!(
+        "agentvmd killed and back in {}; VMM {pid} adopted, answered 3",
+        secs(restarted)
+    ))
+}
+
+fn tracing_note(message: &str) {
+    eprintln!("lane: {message}");
+}
