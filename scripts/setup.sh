@@ -3,6 +3,7 @@
 # protoc comes from a registry crate (protoc-bin-vendored) and sqlite is bundled, so the
 # system needs only a C toolchain (for sqlite and, later, the test guest) and git.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 
 need=()
 command -v cc >/dev/null 2>&1 || need+=(build-essential)
@@ -10,11 +11,22 @@ command -v git >/dev/null 2>&1 || need+=(git)
 command -v curl >/dev/null 2>&1 || need+=(curl ca-certificates)
 # Tests mint TLS certificates with it.
 command -v openssl >/dev/null 2>&1 || need+=(openssl)
+# The upstream-compatibility tests run a harness and a client on grpcio (Python).
+command -v python3 >/dev/null 2>&1 || need+=(python3)
+python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
 if [ ${#need[@]} -gt 0 ]; then
     SUDO=""
     [ "$(id -u)" -eq 0 ] || SUDO="sudo"
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}"
+fi
+
+# grpcio in a venv of the project's own (Debian's Python refuses system-wide pip installs).
+venv=target/upstream-venv
+if ! "$venv/bin/python" -c 'import grpc, grpc_tools' >/dev/null 2>&1; then
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install -q --disable-pip-version-check 'grpcio==1.85.*' 'grpcio-tools==1.85.*'
 fi
 
 if ! command -v cargo >/dev/null 2>&1; then

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole test suite: formatting, lints, then every test of the workspace.
-# CI (.ci/run) runs exactly this.
+# The whole test suite: formatting, lints, every test of the workspace, then the Linux lane
+# (real Linux guests inside an emulated-SVM L1; tests/linux/run.sh). CI (.ci/run) runs
+# exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -17,4 +18,14 @@ if cargo nextest --version >/dev/null 2>&1; then
     cargo nextest run --locked --workspace --no-fail-fast
 else
     cargo test --locked --workspace --no-fail-fast
+fi
+echo "== the Linux lane"
+bash tests/linux/run.sh
+echo "== leftover VMMs"
+# VMMs outlive a daemon by design; every test must reap the ones it started.
+leftover=$(ps -eo pid=,args= | awk '$2 ~ /agentvm-vmm$/' || true)
+if [ -n "$leftover" ]; then
+    echo "these agentvm-vmm processes outlived the tests:"
+    echo "$leftover"
+    exit 1
 fi

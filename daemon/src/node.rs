@@ -64,6 +64,8 @@ pub struct NodeConfig {
     pub vmm_memory_limit_mib: Option<u64>,
     /// How long a new or restored guest may take to answer Ready on vsock.
     pub guest_ready_timeout: std::time::Duration,
+    /// How long a harness may stay silent while the host waits on it, before its turn fails.
+    pub harness_idle_timeout: std::time::Duration,
 }
 
 /// Ready within this, or the guest is taken for stuck: a Linux guest boots in well under a
@@ -87,6 +89,7 @@ impl NodeConfig {
             vm_uid_base: crate::runtime::microvm::DEFAULT_VM_UID_BASE,
             vmm_memory_limit_mib: None,
             guest_ready_timeout: DEFAULT_GUEST_READY_TIMEOUT,
+            harness_idle_timeout: crate::controller::DEFAULT_HARNESS_IDLE_TIMEOUT,
         }
     }
 }
@@ -294,16 +297,19 @@ impl Node {
             Some(c) => Some(Arc::new(WebhookExecutor::new(c.clone())?) as Arc<dyn ToolExecutor>),
             None => None,
         };
-        let controller = Arc::new(Controller::new(
-            journal.clone(),
-            Arc::new(RoutedProvider {
-                upstream: cfg
-                    .openai
-                    .clone()
-                    .map(|c| Box::new(OpenAiProvider::new(c)) as Box<dyn ModelProvider>),
-            }),
-            tool_executor,
-        ));
+        let controller = Arc::new(
+            Controller::new(
+                journal.clone(),
+                Arc::new(RoutedProvider {
+                    upstream: cfg
+                        .openai
+                        .clone()
+                        .map(|c| Box::new(OpenAiProvider::new(c)) as Box<dyn ModelProvider>),
+                }),
+                tool_executor,
+            )
+            .with_harness_idle_timeout(cfg.harness_idle_timeout),
+        );
         let host = Arc::new(SessionHost::new(
             journal.clone(),
             registry.clone(),

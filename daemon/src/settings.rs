@@ -156,6 +156,11 @@ pub struct Settings {
     /// for stuck, in seconds. Default: 20 (raise it where guests run emulated).
     #[arg(long)]
     pub guest_ready_timeout_secs: Option<u64>,
+    /// How long a harness may send nothing while the host waits on it (between Start or a
+    /// reply and its next event) before the turn fails with DEADLINE_EXCEEDED, in seconds.
+    /// Default: 600.
+    #[arg(long)]
+    pub harness_idle_timeout_secs: Option<u64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -219,6 +224,7 @@ impl Settings {
             shutdown_policy,
             shutdown_timeout_secs,
             guest_ready_timeout_secs,
+            harness_idle_timeout_secs,
             tls_cert,
             tls_key,
             tls_client_ca,
@@ -288,6 +294,7 @@ impl Settings {
             ),
             ("shutdown_timeout_secs", self.shutdown_timeout_secs),
             ("guest_ready_timeout_secs", self.guest_ready_timeout_secs),
+            ("harness_idle_timeout_secs", self.harness_idle_timeout_secs),
             ("vm_uid_base", self.vm_uid_base.map(u64::from)),
         ] {
             if let Some(v) = v {

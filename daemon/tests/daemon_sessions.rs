@@ -374,3 +374,212 @@ fn shutdown_policy_suspend_suspends_running_sessions() {
     let (ok, out, _) = cli(&d, &["exec", "--session", &uid, "-i", "after"]);
     assert!(ok && out.contains("echo:after"), "{out}");
 }
+
+// ---------- clients and harnesses on another gRPC stack (grpcio) ----------
+
+/// A Python with grpcio and grpcio-tools (`scripts/setup.sh` makes `target/upstream-venv`),
+/// and the agentsessions stubs generated into `stubs`; or why there is none.
+fn grpcio_python(stubs: &Path) -> Result<PathBuf, String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let python = [
+        root.join("target/upstream-venv/bin/python"),
+        PathBuf::from("python3"),
+    ]
+    .into_iter()
+    .find(|p| {
+        Command::new(p)
+            .args(["-c", "import grpc, grpc_tools"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    })
+    .ok_or("no Python with grpcio and grpcio-tools (scripts/setup.sh installs them)")?;
+    let protos = root.join("proto/api");
+    let out = Command::new(&python)
+        .args(["-m", "grpc_tools.protoc", "-I"])
+        .arg(&protos)
+        .arg(format!("--python_out={}", stubs.display()))
+        .arg(format!("--grpc_python_out={}", stubs.display()))
+        .args(["common.proto", "harness.proto", "session.proto"])
+        .output()
+        .map_err(|e| e.to_string())?;
+    assert!(
+        out.status.success(),
+        "grpc_tools.protoc: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(python)
+}
+
+fn upstream_script(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/upstream")
+        .join(name)
+}
+
+/// A harness process killed when the test ends.
+struct Reaped(Child);
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts the grpcio harness that reads Start before it answers, registered as `py`.
+async fn register_read_first_harness(dir: &Path, python: &Path, stubs: &Path) -> Reaped {
+    let sock = dir.join("py-harness.sock");
+    let mut harness = Reaped(
+        Command::new(python)
+            .arg(upstream_script("read_first_harness.py"))
+            .arg("--stubs")
+            .arg(stubs)
+            .arg("--listen")
+            .arg(format!("unix:{}", sock.display()))
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut ready = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(harness.0.stdout.take().unwrap()),
+        &mut ready,
+    )
+    .unwrap();
+    assert_eq!(ready.trim(), "ready");
+    let mut admin = HarnessRegistryClient::new(
+        agentvmd::client::connect(&ListenAddr::Unix(dir.join("run/admin.sock")))
+            .await
+            .unwrap(),
+    );
+    admin
+        .register_harness(RegisterHarnessRequest {
+            name: "py".into(),
+            spec: Some(HarnessSpec {
+                placement: Some(Placement::Remote(RemotePlacement {
+                    address: format!("unix://{}", sock.display()),
+                })),
+                capabilities: Some(agentvm_proto::v1::Capabilities {
+                    resumability: agentvm_proto::v1::Resumability::StatelessReplay as i32,
+                    ..Default::default()
+                }),
+                descriptor_id: String::new(),
+            }),
+        })
+        .await
+        .unwrap();
+    harness
+}
+
+/// Issue: Harness.Connect deadlocked against a harness that reads Start before it sends
+/// response headers (every upstream harness); the turn must complete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpcio_harness_that_reads_start_first_answers_the_turn() {
+    let dir = tempfile::tempdir().unwrap();
+    let stubs = dir.path().join("stubs");
+    std::fs::create_dir_all(&stubs).unwrap();
+    let python = match grpcio_python(&stubs) {
+        Ok(p) => p,
+        Err(reason) => {
+            eprintln!("SKIPPED: {reason}");
+            return;
+        }
+    };
+    let daemon = start_daemon(dir.path());
+    let _harness = register_read_first_harness(dir.path(), &python, &stubs).await;
+    let mut c = sessions(&daemon).await;
+    let uid = c
+        .create_session(CreateSessionRequest {
+            session: Some(Session {
+                harness: "py".into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .metadata
+        .unwrap()
+        .uid;
+    let turn = async {
+        let mut stream = c
+            .exec(ExecRequest {
+                session: uid.clone(),
+                inputs: vec![text("hello")],
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut kinds = Vec::new();
+        let mut said = String::new();
+        while let Some(update) = stream.message().await.unwrap() {
+            if let Some(Update::Record(r)) = update.update {
+                let event = r.event.unwrap();
+                kinds.push(EventKind::try_from(event.kind).unwrap());
+                if let Some(agentvm_proto::v1::event::Body::Message(m)) = event.body
+                    && m.role == "assistant"
+                {
+                    for p in m.parts {
+                        if let Some(part::Part::Text(t)) = p.part {
+                            said.push_str(&t.text);
+                        }
+                    }
+                }
+            }
+        }
+        (kinds, said)
+    };
+    let (kinds, said) = tokio::time::timeout(Duration::from_secs(20), turn)
+        .await
+        .expect("the turn hung: the host waited for headers the harness sends only after Start");
+    assert_eq!(said, "py:hello");
+    assert_eq!(kinds.last(), Some(&EventKind::EventEnd), "{kinds:?}");
+    let mut replay = c
+        .replay(ReplayRequest {
+            session: uid.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut records = Vec::new();
+    while let Some(r) = replay.message().await.unwrap() {
+        records.push(r);
+    }
+    verify_chain(&records).unwrap();
+}
+
+/// Issue: grpcio sends the percent-encoded socket path as `:authority` on unix sockets, and
+/// the server refused the stream. Its default client must be served.
+#[test]
+fn a_grpcio_client_with_its_default_authority_is_served_on_the_unix_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let stubs = dir.path().join("stubs");
+    std::fs::create_dir_all(&stubs).unwrap();
+    let python = match grpcio_python(&stubs) {
+        Ok(p) => p,
+        Err(reason) => {
+            eprintln!("SKIPPED: {reason}");
+            return;
+        }
+    };
+    let daemon = start_daemon(dir.path());
+    let out = Command::new(&python)
+        .arg(upstream_script("client.py"))
+        .arg("--stubs")
+        .arg(&stubs)
+        .arg("--target")
+        .arg(format!("unix:{}", daemon.api.display()))
+        .args(["--harness", "echo", "--input", "from python"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "the grpcio client failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "echo:from python"
+    );
+}

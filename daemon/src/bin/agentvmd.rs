@@ -88,6 +88,10 @@ fn node_config(s: &Settings) -> anyhow::Result<(NodeConfig, ListenAddr, ListenAd
         anyhow::ensure!(secs > 0, "guest_ready_timeout_secs: must be at least 1");
         node_config.guest_ready_timeout = std::time::Duration::from_secs(secs);
     }
+    if let Some(secs) = s.harness_idle_timeout_secs {
+        anyhow::ensure!(secs > 0, "harness_idle_timeout_secs: must be at least 1");
+        node_config.harness_idle_timeout = std::time::Duration::from_secs(secs);
+    }
     node_config.tool_executor = s.tool_executor_url.clone().map(|url| WebhookConfig {
         url,
         timeout: std::time::Duration::from_secs(s.tool_executor_timeout_secs.unwrap_or(60)),

@@ -25,10 +25,14 @@ fn protocol<T>(why: impl Into<String>) -> Result<T, ControllerError> {
     Err(ControllerError::HarnessProtocol(why.into()))
 }
 
+/// Drives one stream to its end. `idle` bounds each wait for the harness's next event (the
+/// host's own work between events, a model or tool call, is not counted): a harness that
+/// never answers fails the turn instead of holding the session.
 pub async fn run_stream(
     sink: &mut EffectSink<'_>,
     stream: HarnessStream,
     start: ControllerFrame,
+    idle: Duration,
 ) -> Result<RunEnd, ControllerError> {
     let HarnessStream { frames, mut events } = stream;
     let session = start.session.clone();
@@ -54,13 +58,17 @@ pub async fn run_stream(
 
     // Set once the host has answered a gated call with a park; true after the harness acked.
     let mut parked: Option<(ApprovalRef, bool)> = None;
+    let mut heard = false;
     loop {
         let next = match parked {
             Some(_) => match tokio::time::timeout(PARK_ACK_TIMEOUT, events.next()).await {
                 Ok(n) => n,
                 Err(_) => return protocol("the harness neither acknowledged the park nor closed"),
             },
-            None => events.next().await,
+            None => match tokio::time::timeout(idle, events.next()).await {
+                Ok(n) => n,
+                Err(_) => return Err(ControllerError::HarnessSilent(idle)),
+            },
         };
         let event = match next {
             None => {
@@ -72,6 +80,12 @@ pub async fn run_stream(
                     None => protocol("the harness closed the stream without END"),
                 };
             }
+            // The call never got going: the harness is not there to take it.
+            Some(Err(status)) if !heard && status.code() == tonic::Code::Unavailable => {
+                return Err(ControllerError::HarnessUnavailable(
+                    status.message().to_owned(),
+                ));
+            }
             Some(Err(status)) => {
                 return Err(ControllerError::HarnessFailed(format!(
                     "{:?}: {}",
@@ -81,6 +95,7 @@ pub async fn run_stream(
             }
             Some(Ok(event)) => event,
         };
+        heard = true;
         if event.execution_id != execution_id {
             return protocol(format!(
                 "event for execution {:?} on the stream of {execution_id:?}",

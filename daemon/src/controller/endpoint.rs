@@ -60,17 +60,48 @@ impl HarnessEndpoint for GrpcEndpoint {
             .into_inner())
     }
 
+    /// Hands out the frame sender at once. A gRPC server need not send response headers
+    /// before it has read the first request message (upstream's harnesses read Start first),
+    /// so waiting for them before sending Start would deadlock both sides. The call runs in
+    /// a task that forwards the harness's events; its failure to start arrives as the first
+    /// event, and dropping the event stream ends the call.
     async fn connect(&self) -> Result<HarnessStream, Status> {
-        let (tx, rx) = mpsc::channel(FRAME_BUFFER);
-        let events = self
-            .client
-            .clone()
-            .connect(ReceiverStream::new(rx))
-            .await?
-            .into_inner();
+        let (frame_tx, frame_rx) = mpsc::channel(FRAME_BUFFER);
+        let (event_tx, event_rx) = mpsc::channel(EVENT_BUFFER);
+        let mut client = self.client.clone();
+        tokio::spawn(
+            async move {
+                let mut events = match client.connect(ReceiverStream::new(frame_rx)).await {
+                    Ok(response) => response.into_inner(),
+                    Err(status) => {
+                        let _ = event_tx.send(Err(status)).await;
+                        return;
+                    }
+                };
+                loop {
+                    tokio::select! {
+                        event = events.message() => {
+                            let forwarded = match event {
+                                Ok(Some(event)) => event_tx.send(Ok(event)).await,
+                                Ok(None) => return,
+                                Err(status) => {
+                                    let _ = event_tx.send(Err(status)).await;
+                                    return;
+                                }
+                            };
+                            if forwarded.is_err() {
+                                return;
+                            }
+                        }
+                        () = event_tx.closed() => return,
+                    }
+                }
+            }
+            .in_current_span(),
+        );
         Ok(HarnessStream {
-            frames: tx,
-            events: Box::pin(events),
+            frames: frame_tx,
+            events: Box::pin(ReceiverStream::new(event_rx)),
         })
     }
 }

@@ -54,6 +54,9 @@ pub enum ControllerError {
     HarnessProtocol(String),
     #[error("harness unreachable: {0}")]
     HarnessUnavailable(String),
+    /// The harness sent nothing for this long while the host waited on it.
+    #[error("harness silent: no event for {0:?} while the host waited on it")]
+    HarnessSilent(std::time::Duration),
     #[error("model call failed: {0}")]
     Model(#[from] ProviderError),
     #[error("tool executor failed: {0}")]
@@ -88,7 +91,7 @@ impl ControllerError {
             | E::HarnessVersionMismatch { .. } => Code::FailedPrecondition,
             E::HarnessUnavailable(_) => Code::Unavailable,
             E::Cancelled(_) => Code::Cancelled,
-            E::DeadlineExceeded => Code::DeadlineExceeded,
+            E::DeadlineExceeded | E::HarnessSilent(_) => Code::DeadlineExceeded,
             E::ReplayDiverged(_)
             | E::MissingIdempotencyKey(_)
             | E::UnmediatedToolCall(..)

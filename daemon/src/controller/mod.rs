@@ -224,7 +224,13 @@ pub struct Controller {
     provider: Arc<dyn ModelProvider>,
     executor: Option<Arc<dyn ToolExecutor>>,
     counters: Arc<Counters>,
+    harness_idle_timeout: std::time::Duration,
 }
+
+/// How long the host waits for a harness's next event before it fails the turn: long enough
+/// for a harness that works locally between events, short enough that a dead one does not
+/// hold its session for good.
+pub const DEFAULT_HARNESS_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
 
 impl Controller {
     pub fn new(
@@ -237,7 +243,13 @@ impl Controller {
             provider,
             executor,
             counters: Arc::default(),
+            harness_idle_timeout: DEFAULT_HARNESS_IDLE_TIMEOUT,
         }
+    }
+
+    pub fn with_harness_idle_timeout(mut self, idle: std::time::Duration) -> Self {
+        self.harness_idle_timeout = idle;
+        self
     }
 
     pub fn counters(&self) -> &Counters {
@@ -390,7 +402,8 @@ impl Controller {
                 .connect()
                 .await
                 .map_err(|s| ControllerError::HarnessUnavailable(s.message().to_owned()))?;
-            match run_stream(&mut sink, stream, start_frame(turn, &x.id, start)).await? {
+            let frame = start_frame(turn, &x.id, start);
+            match run_stream(&mut sink, stream, frame, self.harness_idle_timeout).await? {
                 RunEnd::Completed => {}
                 RunEnd::Parked(p) => {
                     return Err(ControllerError::ReplayDiverged(format!(
@@ -535,7 +548,12 @@ impl Controller {
             .connect()
             .await
             .map_err(|s| ControllerError::HarnessUnavailable(s.message().to_owned()))?;
-        let run = run_stream(sink, stream, start_frame(turn, execution_id, start));
+        let run = run_stream(
+            sink,
+            stream,
+            start_frame(turn, execution_id, start),
+            self.harness_idle_timeout,
+        );
         let mut interrupt = turn.interrupt.clone();
         let interrupted = async {
             match interrupt.as_mut() {
