@@ -28,6 +28,17 @@ use crate::session::SessionHost;
 fn clear_stale_socket(path: &Path) -> anyhow::Result<()> {
     use std::os::unix::fs::FileTypeExt;
     match std::fs::symlink_metadata(path) {
+        // A socket that still accepts connections belongs to a live process: replacing it
+        // would cut that process off from its clients for good.
+        Ok(meta)
+            if meta.file_type().is_socket()
+                && std::os::unix::net::UnixStream::connect(path).is_ok() =>
+        {
+            anyhow::bail!(
+                "{} is in use: another process (another agentvmd?) answers on it",
+                path.display()
+            )
+        }
         Ok(meta) if meta.file_type().is_socket() => std::fs::remove_file(path)
             .with_context(|| format!("removing stale socket {}", path.display())),
         Ok(_) => anyhow::bail!(
@@ -37,6 +48,14 @@ fn clear_stale_socket(path: &Path) -> anyhow::Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(e).with_context(|| format!("inspecting {}", path.display())),
     }
+}
+
+fn inode(path: &Path) -> Option<u64> {
+    std::os::unix::fs::MetadataExt::ino(&std::fs::symlink_metadata(path).ok()?).into()
+}
+
+fn same_file(path: &Path, bound: Option<u64>) -> bool {
+    bound.is_some() && inode(path) == bound
 }
 
 /// How long open connections get to finish after the shutdown signal before the server stops
@@ -207,12 +226,16 @@ pub async fn serve_bound_tls(
     match bound {
         Bound::Unix { path, listener } => {
             info!(listen = %path.display(), "serving");
+            // Removed at exit only while it is still this socket, not a later one's.
+            let bound_inode = inode(&path);
             let result = bounded_drain(
                 router.serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown),
                 signalled,
             )
             .await;
-            let _ = std::fs::remove_file(&path);
+            if same_file(&path, bound_inode) {
+                let _ = std::fs::remove_file(&path);
+            }
             result.context("gRPC server on unix socket")
         }
         Bound::Tcp(listener) => {

@@ -70,6 +70,77 @@ fn refuses_a_path_that_is_not_a_socket() {
     assert_eq!(std::fs::read(&file).unwrap(), b"keep me");
 }
 
+/// Starts agentvmd on `state` listening on `sock` and waits for the socket.
+fn start_on(state: &std::path::Path, sock: &std::path::Path) -> std::process::Child {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_agentvmd"))
+        .arg("--state-dir")
+        .arg(state)
+        .arg("--listen")
+        .arg(format!("unix:{}", sock.display()))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::os::unix::net::UnixStream::connect(sock).is_err() {
+        assert!(Instant::now() < deadline, "socket never appeared");
+        assert!(child.try_wait().unwrap().is_none(), "agentvmd exited early");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
+}
+
+fn stop(mut child: std::process::Child) {
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// Issue: a second agentvmd on the same state directory started, and one on the same socket
+/// path replaced the live daemon's socket (and deleted it on exit). Both are refused now,
+/// with the first daemon still reachable.
+#[test]
+fn a_second_agentvmd_on_the_same_state_dir_or_socket_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let sock = dir.path().join("a.sock");
+    let first = start_on(&state, &sock);
+
+    let same_state = Command::new(env!("CARGO_BIN_EXE_agentvmd"))
+        .arg("--state-dir")
+        .arg(&state)
+        .arg("--listen")
+        .arg(format!("unix:{}", dir.path().join("b.sock").display()))
+        .output()
+        .unwrap();
+    assert!(!same_state.status.success());
+    let err = String::from_utf8_lossy(&same_state.stderr);
+    assert!(
+        err.contains("in use by another agentvmd") && err.contains(&first.id().to_string()),
+        "{err}"
+    );
+
+    let same_socket = Command::new(env!("CARGO_BIN_EXE_agentvmd"))
+        .arg("--state-dir")
+        .arg(dir.path().join("other-state"))
+        .arg("--listen")
+        .arg(format!("unix:{}", sock.display()))
+        .output()
+        .unwrap();
+    assert!(!same_socket.status.success());
+    let err = String::from_utf8_lossy(&same_socket.stderr);
+    assert!(err.contains("is in use"), "{err}");
+    assert!(
+        std::os::unix::net::UnixStream::connect(&sock).is_ok(),
+        "the first daemon is still reachable on its socket"
+    );
+
+    // A socket left by a daemon that died (kill -9) is stale, and replaced.
+    stop(first);
+    assert!(sock.exists());
+    let second = start_on(&state, &sock);
+    stop(second);
+}
+
 /// The sd_notify protocol against a fake NOTIFY_SOCKET: READY once both sockets accept,
 /// watchdog pings at half of WATCHDOG_USEC, STOPPING on SIGTERM.
 #[test]

@@ -184,10 +184,47 @@ fn check(s: Settings) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// One agentvmd per state directory: two would both drive the same sessions and VMMs. The
+/// lock is held until the process exits (the kernel drops it then, even on kill -9).
+fn lock_state_dir(state_dir: &std::path::Path) -> anyhow::Result<std::fs::File> {
+    use std::io::{Read, Seek, Write};
+    std::fs::create_dir_all(state_dir)
+        .with_context(|| format!("creating state_dir {}", state_dir.display()))?;
+    let path = state_dir.join("agentvmd.lock");
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let mut holder = String::new();
+            let _ = file.read_to_string(&mut holder);
+            anyhow::bail!(
+                "state_dir {} is in use by another agentvmd (pid {}); one agentvmd per state \
+                 directory",
+                state_dir.display(),
+                holder.trim()
+            );
+        }
+        Err(std::fs::TryLockError::Error(e)) => {
+            return Err(e).with_context(|| format!("locking {}", path.display()));
+        }
+    }
+    file.set_len(0)?;
+    file.rewind()?;
+    write!(file, "{}", std::process::id())?;
+    Ok(file)
+}
+
 fn run(s: Settings) -> anyhow::Result<()> {
     let (node_config, listen, admin_listen) = node_config(&s)?;
     let tls = listener_tls(&s, &listen, &admin_listen)?;
     let state_dir = node_config.state_dir.clone();
+    let _instance = lock_state_dir(&state_dir)?;
     let node = Node::open(node_config)?;
     info!(state_dir = %state_dir.display(), "journal open");
     let metrics_listen = s.metrics_listen;

@@ -2411,3 +2411,36 @@ async fn scenario_20_park_decision_receipt_replay_over_the_wire() {
         verify_chain(&finished).unwrap();
     }
 }
+
+/// A harness that takes Start and then never says anything fails the turn once the idle
+/// deadline passes (DEADLINE_EXCEEDED, an ERROR recorded), instead of holding the session.
+#[tokio::test]
+async fn a_harness_that_never_answers_fails_the_turn_at_the_idle_deadline() {
+    let f = Fixture::new();
+    let c = controller(f.journal.clone(), Arc::new(EchoProvider))
+        .with_harness_idle_timeout(std::time::Duration::from_millis(200));
+    let endpoint = RawEndpoint {
+        script: Arc::new(|mut frames, events| {
+            Box::pin(async move {
+                let _start = frames.recv().await.unwrap();
+                // Keep both directions open and say nothing.
+                while frames.recv().await.is_some() {}
+                drop(events);
+            })
+        }),
+    };
+    let err = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        c.exec(&raw_turn(&f, endpoint), inputs(&["go"])),
+    )
+    .await
+    .expect("the turn waited past the idle deadline")
+    .unwrap_err();
+    assert!(matches!(err, ControllerError::HarnessSilent(_)), "{err}");
+    assert_eq!(err.code(), tonic::Code::DeadlineExceeded);
+    assert!(
+        f.kinds().contains(&EventKind::EventError),
+        "{:?}",
+        f.kinds()
+    );
+}
