@@ -52,12 +52,17 @@ pub type HttpsClient = hyper_util::client::legacy::Client<
     http_body_util::Full<bytes::Bytes>,
 >;
 
+/// Nagle's algorithm is off on its connections: a request written in two segments would
+/// otherwise wait for the peer's delayed ACK (~40 ms) before its second one left.
 pub fn https_client() -> HttpsClient {
+    let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
+    http.set_nodelay(true);
+    http.enforce_http(false);
     let connector = hyper_rustls::HttpsConnectorBuilder::new()
         .with_webpki_roots()
         .https_or_http()
         .enable_http1()
-        .build();
+        .wrap_connector(http);
     hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .build(connector)
 }

@@ -10,7 +10,7 @@ use agentvm_proto::v1::harness_registry_server::HarnessRegistryServer;
 use anyhow::Context;
 use tokio::net::UnixListener;
 use tokio::sync::Notify;
-use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
+use tokio_stream::wrappers::UnixListenerStream;
 use tonic::service::Routes;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Server, ServerTlsConfig};
@@ -48,6 +48,13 @@ fn clear_stale_socket(path: &Path) -> anyhow::Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(e).with_context(|| format!("inspecting {}", path.display())),
     }
+}
+
+/// Accepted TCP connections with Nagle's algorithm off: every reply is written as it is
+/// produced, and one that leaves in two segments would otherwise wait ~40 ms for the
+/// client's delayed ACK (measured: 3 ms turns took 44-50 ms over TCP).
+fn tcp_incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
+    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
 }
 
 fn inode(path: &Path) -> Option<u64> {
@@ -241,11 +248,29 @@ pub async fn serve_bound_tls(
         Bound::Tcp(listener) => {
             info!(listen = ?listener.local_addr().ok(), "serving");
             bounded_drain(
-                router.serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown),
+                router.serve_with_incoming_shutdown(tcp_incoming(listener), shutdown),
                 signalled,
             )
             .await
             .context("gRPC server on TCP")
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio_stream::StreamExt;
+
+    #[tokio::test]
+    async fn tcp_connections_are_accepted_with_nagle_off() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut incoming = super::tcp_incoming(listener);
+        let _client = std::net::TcpStream::connect(addr).unwrap();
+        let accepted = incoming.next().await.unwrap().unwrap();
+        assert!(
+            accepted.nodelay().unwrap(),
+            "TCP_NODELAY on the server's side"
+        );
     }
 }

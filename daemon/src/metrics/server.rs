@@ -51,6 +51,8 @@ pub async fn serve(listener: tokio::net::TcpListener, state: StateFn) -> std::io
                 continue;
             }
         };
+        // Small responses, each written at once: no waiting on Nagle.
+        let _ = stream.set_nodelay(true);
         let state = state.clone();
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {
