@@ -8,6 +8,7 @@ pub mod controller;
 pub mod image;
 pub mod journal;
 pub mod json;
+pub mod lenient_authority;
 pub mod metrics;
 pub mod model;
 pub mod node;

@@ -236,7 +236,12 @@ pub async fn serve_bound_tls(
             // Removed at exit only while it is still this socket, not a later one's.
             let bound_inode = inode(&path);
             let result = bounded_drain(
-                router.serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown),
+                router.serve_with_incoming_shutdown(
+                    tokio_stream::StreamExt::map(UnixListenerStream::new(listener), |conn| {
+                        conn.map(crate::lenient_authority::LenientAuthority::new)
+                    }),
+                    shutdown,
+                ),
                 signalled,
             )
             .await;
