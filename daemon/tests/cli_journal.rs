@@ -170,3 +170,50 @@ fn export_of_unknown_session_fails_clearly() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("sess-nope not found"));
 }
+
+/// Issue: an empty input verified as "0 records, chain intact", and a log cut short at any
+/// record boundary verified too. Empty input is refused; --expect-last-seq and --expect-head
+/// catch the truncation.
+#[test]
+fn verify_refuses_an_empty_log_and_catches_truncation_against_expectations() {
+    for empty in ["", "\n", "[]"] {
+        let out = agentvm(&["journal", "verify", "-"], Some(empty.as_bytes()));
+        assert_eq!(out.status.code(), Some(1), "{empty:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("no records"), "{empty:?}: {err}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let log = exported_log(&dir);
+    let last: serde_json::Value = serde_json::from_str(log.lines().last().unwrap()).unwrap();
+    let head = last["contentHash"]
+        .as_str()
+        .or_else(|| last["content_hash"].as_str())
+        .unwrap()
+        .to_owned();
+    let whole = ["--expect-last-seq", "6", "--expect-head", head.as_str()];
+    let mut args = vec!["journal", "verify", "-"];
+    args.extend(whole);
+    let out = agentvm(&args, Some(log.as_bytes()));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // The first four records verify on their own, but not as the whole log.
+    let cut: String = log.lines().take(4).collect::<Vec<_>>().join("\n");
+    let out = agentvm(&["journal", "verify", "-"], Some(cut.as_bytes()));
+    assert!(out.status.success(), "a prefix is a valid chain by itself");
+    let out = agentvm(
+        &["journal", "verify", "-", "--expect-last-seq", "6"],
+        Some(cut.as_bytes()),
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("ends at seq 4, not the expected 6"));
+    let out = agentvm(
+        &["journal", "verify", "-", "--expect-head", head.as_str()],
+        Some(cut.as_bytes()),
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not the expected"));
+}

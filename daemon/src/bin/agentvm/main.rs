@@ -116,7 +116,16 @@ enum ImageCommand {
 #[derive(Subcommand, Debug)]
 enum JournalCommand {
     /// Verify a log of LogRecords (proto3 JSON: an array or JSON lines; `-` reads stdin).
-    Verify { file: String },
+    /// An empty log is refused: it proves nothing.
+    Verify {
+        file: String,
+        /// The content_hash the last record must have (catches a log cut short).
+        #[arg(long, value_name = "HASH")]
+        expect_head: Option<String>,
+        /// The seq the last record must have (catches a log cut short).
+        #[arg(long, value_name = "N")]
+        expect_last_seq: Option<i64>,
+    },
     /// Write a session's log as JSON lines, in the format `verify` reads.
     Export {
         session: String,
@@ -182,7 +191,11 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
             image_cmd::write_testguest(output)?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Journal(JournalCommand::Verify { file }) => verify(file, cli.json),
+        Command::Journal(JournalCommand::Verify {
+            file,
+            expect_head,
+            expect_last_seq,
+        }) => verify(file, expect_head.as_deref(), *expect_last_seq, cli.json),
         Command::Journal(JournalCommand::Export { session, db }) => {
             let db = db
                 .clone()
@@ -204,7 +217,40 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
-fn verify(file: &str, json: bool) -> anyhow::Result<ExitCode> {
+/// What a verified chain must also be: non-empty, and ending where the caller expects.
+fn check_end(
+    records: &[agentvm_proto::v1::LogRecord],
+    expect_head: Option<&str>,
+    expect_last_seq: Option<i64>,
+) -> Result<(), String> {
+    let Some(last) = records.last() else {
+        return Err("no records: an empty log proves nothing".into());
+    };
+    if let Some(seq) = expect_last_seq
+        && last.seq != seq
+    {
+        return Err(format!(
+            "the log ends at seq {}, not the expected {seq} (cut short or extended)",
+            last.seq
+        ));
+    }
+    if let Some(head) = expect_head
+        && last.content_hash != head
+    {
+        return Err(format!(
+            "the last record (seq {}) has content_hash {}, not the expected {head}",
+            last.seq, last.content_hash
+        ));
+    }
+    Ok(())
+}
+
+fn verify(
+    file: &str,
+    expect_head: Option<&str>,
+    expect_last_seq: Option<i64>,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
     let mut input = String::new();
     if file == "-" {
         std::io::stdin()
@@ -220,6 +266,10 @@ fn verify(file: &str, json: bool) -> anyhow::Result<ExitCode> {
             return Ok(ExitCode::from(1));
         }
     };
+    if let Err(why) = check_end(&records, expect_head, expect_last_seq) {
+        report(json, false, None, &format!("{file}: {why}"));
+        return Ok(ExitCode::from(1));
+    }
     match verify_chain(&records) {
         Ok(n) => {
             report(
