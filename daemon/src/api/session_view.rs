@@ -1,5 +1,7 @@
 //! The `Session` resource as the API reports it: stored metadata plus what is derived from the
-//! log at read time (exec_state, pending_approval), per semantics.md §1.5.
+//! log at read time (exec_state, pending_approval), per semantics.md §1.5. Beyond upstream,
+//! which reports every started session COMPLETED, exec_state tells a running turn (no END
+//! yet), a failed one (a final ERROR, or END FAILED) and a canceled one (END CANCELED).
 
 use agentvm_proto::v1::{
     ApprovalRef, EventKind, ExecState, LogRecord, ResourceMetadata, Session, event::Body,
@@ -14,22 +16,7 @@ use crate::journal::SessionRow;
 /// no execution). Its request is pending while no decision answers it and the execution has no
 /// END. A request at or below `fork_seq` was inherited from the parent and is not owned.
 pub fn pending_approval(records: &[LogRecord], fork_seq: i64) -> Option<ApprovalRef> {
-    let is_lifecycle = |r: &LogRecord| {
-        r.event
-            .as_ref()
-            .is_some_and(|e| e.kind == EventKind::EventLifecycle as i32)
-    };
-    let latest = records
-        .iter()
-        .filter(|r| !is_lifecycle(r))
-        .filter_map(|r| r.event.as_ref().map(|e| e.execution_id.as_str()))
-        .fold(Vec::<&str>::new(), |mut order, id| {
-            if !order.contains(&id) {
-                order.push(id);
-            }
-            order
-        })
-        .pop()?;
+    let latest = latest_execution(records)?;
     let mut pending: Option<ApprovalRef> = None;
     for r in records {
         let Some(e) = r.event.as_ref().filter(|e| e.execution_id == latest) else {
@@ -59,6 +46,42 @@ pub fn pending_approval(records: &[LogRecord], fork_seq: i64) -> Option<Approval
     pending.filter(|p| p.request_seq > fork_seq)
 }
 
+/// The execution whose first record comes last; lifecycle records belong to none.
+fn latest_execution(records: &[LogRecord]) -> Option<&str> {
+    records
+        .iter()
+        .filter_map(|r| r.event.as_ref())
+        .filter(|e| e.kind != EventKind::EventLifecycle as i32)
+        .map(|e| e.execution_id.as_str())
+        .fold(Vec::<&str>::new(), |mut order, id| {
+            if !order.contains(&id) {
+                order.push(id);
+            }
+            order
+        })
+        .pop()
+}
+
+/// How the latest execution stands, from its last record: END says how it ended; a final
+/// ERROR is a failure (re-driven by an Exec without inputs); anything else is still running.
+fn latest_execution_state(records: &[LogRecord]) -> Option<ExecState> {
+    let latest = latest_execution(records)?;
+    let last = records
+        .iter()
+        .rev()
+        .filter_map(|r| r.event.as_ref())
+        .find(|e| e.execution_id == latest && e.kind != EventKind::EventLifecycle as i32)?;
+    Some(match &last.body {
+        Some(Body::End(end)) => match end.state.as_str() {
+            "FAILED" => ExecState::ExecFailed,
+            "CANCELED" => ExecState::ExecCanceled,
+            _ => ExecState::ExecCompleted,
+        },
+        _ if last.kind == EventKind::EventError as i32 => ExecState::ExecFailed,
+        _ => ExecState::ExecRunning,
+    })
+}
+
 /// Builds the API view of a session from its row and its log.
 pub fn session_view(row: &SessionRow, records: &[LogRecord]) -> Session {
     let pending = pending_approval(records, row.fork_seq);
@@ -67,8 +90,7 @@ pub fn session_view(row: &SessionRow, records: &[LogRecord]) -> Session {
     } else if pending.is_some() {
         ExecState::ExecAwaiting
     } else {
-        // Upstream does not tell interrupted from completed turns here either.
-        ExecState::ExecCompleted
+        latest_execution_state(records).unwrap_or(ExecState::ExecCompleted)
     };
     Session {
         metadata: Some(ResourceMetadata {
@@ -214,5 +236,84 @@ mod tests {
         assert_eq!(s.exec_state(), ExecState::ExecAwaiting);
         assert_eq!(s.pending_approval.unwrap().request_seq, 2);
         assert!(s.origin.is_none() && s.identity.is_none() && s.labels.is_empty());
+    }
+
+    #[test]
+    fn exec_state_tells_running_failed_and_canceled_turns_from_completed_ones() {
+        use agentvm_proto::v1::{Error as EventError, Lifecycle, Message};
+        let row = SessionRow {
+            uid: "sess-1".into(),
+            last_seq: 1,
+            ..Default::default()
+        };
+        let state = |log: &[LogRecord]| session_view(&row, log).exec_state();
+        let start = |x: &str, seq| {
+            rec(
+                seq,
+                x,
+                EventKind::EventInput,
+                Body::Message(Message::default()),
+            )
+        };
+        let end = |x: &str, seq, s: &str| {
+            rec(
+                seq,
+                x,
+                EventKind::EventEnd,
+                Body::End(HarnessEnd {
+                    state: s.into(),
+                    ..Default::default()
+                }),
+            )
+        };
+        let error = |x: &str, seq| {
+            rec(
+                seq,
+                x,
+                EventKind::EventError,
+                Body::Error(EventError::default()),
+            )
+        };
+        let lifecycle = |seq| {
+            rec(
+                seq,
+                "",
+                EventKind::EventLifecycle,
+                Body::Lifecycle(Lifecycle::default()),
+            )
+        };
+        assert_eq!(state(&[start("x1", 1)]), ExecState::ExecRunning);
+        assert_eq!(
+            state(&[start("x1", 1), end("x1", 2, "COMPLETED")]),
+            ExecState::ExecCompleted
+        );
+        assert_eq!(
+            state(&[start("x1", 1), error("x1", 2)]),
+            ExecState::ExecFailed
+        );
+        assert_eq!(
+            state(&[start("x1", 1), end("x1", 2, "FAILED")]),
+            ExecState::ExecFailed
+        );
+        // Cancel writes END CANCELED, then a session-wide LIFECYCLE CANCEL.
+        assert_eq!(
+            state(&[start("x1", 1), end("x1", 2, "CANCELED"), lifecycle(3)]),
+            ExecState::ExecCanceled
+        );
+        // The latest execution counts: a failed turn followed by one in flight is running,
+        // and a re-driven failed turn that completed is completed.
+        assert_eq!(
+            state(&[start("x1", 1), error("x1", 2), start("x2", 3)]),
+            ExecState::ExecRunning
+        );
+        assert_eq!(
+            state(&[
+                start("x1", 1),
+                error("x1", 2),
+                lifecycle(3),
+                end("x1", 4, "COMPLETED")
+            ]),
+            ExecState::ExecCompleted
+        );
     }
 }
