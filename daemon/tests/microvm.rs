@@ -1237,3 +1237,38 @@ async fn a_guest_over_its_memory_limit_kills_only_its_vmm() {
     assert_eq!(turn(&mut c, &bystander).await, "2");
     verify_chain(&records).unwrap();
 }
+
+/// Issue: an input over ~256 KiB broke the test guest's stream ("Broken pipe") after it was
+/// journaled. The guest says in Ready how large a frame it reads, and a turn whose Start
+/// would not fit is refused before anything is written; the session goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_larger_than_the_guest_reads_is_refused_before_it_is_journaled() {
+    require_kvm!();
+    let node = microvm_node().await;
+    let mut c = node.c();
+    let s = create(&mut c).await;
+    assert_eq!(turn(&mut c, &s).await, "1");
+    let before = replay(&mut c, &s).await;
+    let big = "x".repeat(300 << 10);
+    let status = match c.exec(support::exec_text(s.clone(), big)).await {
+        Err(status) => status,
+        Ok(stream) => {
+            let mut stream = stream.into_inner();
+            loop {
+                match stream.message().await {
+                    Ok(Some(_)) => continue,
+                    Ok(None) => panic!("a 300 KiB turn on the test guest succeeded"),
+                    Err(status) => break status,
+                }
+            }
+        }
+    };
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
+    assert!(status.message().contains("HistoryTooLarge"), "{status:?}");
+    assert_eq!(replay(&mut c, &s).await, before, "nothing was journaled");
+    assert_eq!(
+        turn(&mut c, &s).await,
+        "2",
+        "the guest and its count are intact"
+    );
+}

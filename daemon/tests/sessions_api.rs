@@ -1674,3 +1674,73 @@ async fn random_requests_never_break_the_server() {
         verify_chain(&n.replay(u).await).unwrap();
     }
 }
+
+/// Issue: an 8 MiB input was journaled and then failed every later turn and replay for
+/// good. Inputs over the limit are refused with INVALID_ARGUMENT naming it, before anything
+/// is written; a history that would outgrow the harness's Start is refused with
+/// FAILED_PRECONDITION, the session keeps working, and a fork at an earlier seq goes on.
+#[tokio::test]
+async fn oversized_input_is_refused_before_it_is_journaled_and_the_session_goes_on() {
+    let n = start().await;
+    let mut c = n.c();
+    let id = uid(&n.create("echo").await);
+    assert_eq!(exec(&mut c, exec_req(&id, "first")).await.code(), Code::Ok);
+    let before = n.replay(&id).await;
+
+    let huge = "x".repeat(8 << 20);
+    let r = exec(&mut c, exec_req(&id, &huge)).await;
+    assert_eq!(r.code(), Code::InvalidArgument, "{:?}", r.end);
+    let message = r.end.as_ref().unwrap().message().to_owned();
+    assert!(
+        message.contains("inputs[0]") && message.contains("1048576"),
+        "{message}"
+    );
+    let mut two = exec_req(&id, &"y".repeat(600 << 10));
+    two.inputs.push(text("user", &"z".repeat(600 << 10)));
+    let r = exec(&mut c, two).await;
+    assert_eq!(r.code(), Code::InvalidArgument, "{:?}", r.end);
+    assert!(r.end.unwrap().message().contains("together"));
+    assert_eq!(n.replay(&id).await, before, "nothing was journaled");
+
+    // History grows toward the 4 MiB a harness's gRPC server takes: echo's output repeats
+    // each input, so every turn adds twice its input.
+    let chunk = "h".repeat(900 << 10);
+    let mut turns = 0;
+    let refusal = loop {
+        let r = exec(&mut c, exec_req(&id, &chunk)).await;
+        if r.code() != Code::Ok {
+            break r;
+        }
+        turns += 1;
+        assert!(turns < 10, "the history never hit its limit");
+    };
+    assert_eq!(
+        refusal.code(),
+        Code::FailedPrecondition,
+        "{:?}",
+        refusal.end
+    );
+    let message = refusal.end.unwrap().message().to_owned();
+    assert!(message.contains("fork the session"), "{message}");
+    let head = n.replay(&id).await;
+    // Small turns still fit, and the log still replays and verifies.
+    let r = exec(&mut c, exec_req(&id, "small")).await;
+    assert_eq!(r.code(), Code::Ok, "{:?}", r.end);
+    assert_eq!(r.outputs(), ["echo:small"]);
+    verify_chain(&n.replay(&id).await).unwrap();
+    // A fork before the big turns carries on with room to spare.
+    let child = c
+        .fork(ForkRequest {
+            session: id.clone(),
+            at_seq: before.last().unwrap().seq,
+            count: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .children;
+    let r = exec(&mut c, exec_req(&uid(&child[0]), &chunk)).await;
+    assert_eq!(r.code(), Code::Ok, "{:?}", r.end);
+    assert!(head.len() > before.len());
+}

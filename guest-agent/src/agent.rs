@@ -108,6 +108,7 @@ impl Agent {
             restore_generation: self.restore_generation(),
             identity: Some(self.identity()),
             harness_running: self.harness_state().0,
+            max_frame_bytes: MAX_FRAME as u32,
         }
     }
 

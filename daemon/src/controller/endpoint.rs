@@ -29,10 +29,19 @@ pub struct HarnessStream {
     pub events: EventStream,
 }
 
+/// gRPC servers take messages up to 4 MiB unless configured otherwise (grpc-go, grpcio and
+/// tonic alike), so that is what a harness can be sent; the rest is room for framing.
+pub const DEFAULT_MAX_START_BYTES: usize = (4 << 20) - (16 << 10);
+
 #[async_trait::async_trait]
 pub trait HarnessEndpoint: Send + Sync {
     async fn describe(&self) -> Result<HarnessDescriptor, Status>;
     async fn connect(&self) -> Result<HarnessStream, Status>;
+    /// The largest Start frame (encoded bytes: history, inputs, config) this harness can
+    /// receive. A turn whose Start would be larger is refused before it is journaled.
+    fn max_start_bytes(&self) -> usize {
+        DEFAULT_MAX_START_BYTES
+    }
 }
 
 /// A harness serving `agentsessions.v1.Harness` over gRPC.

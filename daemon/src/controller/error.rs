@@ -68,6 +68,12 @@ pub enum ControllerError {
     Superseded(String),
     #[error("execution deadline exceeded")]
     DeadlineExceeded,
+    /// An input, or a turn's inputs together, over the limit every harness can carry.
+    #[error("InputTooLarge: {0}")]
+    InputTooLarge(String),
+    /// The session's history with this turn's inputs would not fit the harness's Start.
+    #[error("HistoryTooLarge: {0}")]
+    HistoryTooLarge(String),
     #[error("SinkClosed: the execution already ended")]
     SinkClosed,
 }
@@ -90,6 +96,8 @@ impl ControllerError {
             | E::HarnessMismatch { .. }
             | E::HarnessVersionMismatch { .. } => Code::FailedPrecondition,
             E::HarnessUnavailable(_) => Code::Unavailable,
+            E::InputTooLarge(_) => Code::InvalidArgument,
+            E::HistoryTooLarge(_) => Code::FailedPrecondition,
             E::Cancelled(_) => Code::Cancelled,
             E::DeadlineExceeded | E::HarnessSilent(_) => Code::DeadlineExceeded,
             E::ReplayDiverged(_)

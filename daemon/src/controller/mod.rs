@@ -101,6 +101,48 @@ impl Turn {
     }
 }
 
+/// The largest single input message, encoded.
+pub const MAX_INPUT_BYTES: usize = 1 << 20;
+/// The largest sum of one turn's inputs, encoded.
+pub const MAX_TURN_INPUT_BYTES: usize = 1 << 20;
+
+/// Every input must reach the harness in its Start, and once journaled it is sent again on
+/// every later turn and replay: one too large for any harness would fail the session for
+/// good. So sizes are checked before anything is written.
+fn check_input_sizes(inputs: &[Message]) -> Result<()> {
+    let mut total = 0;
+    for (i, m) in inputs.iter().enumerate() {
+        let n = prost::Message::encoded_len(m);
+        if n > MAX_INPUT_BYTES {
+            return Err(ControllerError::InputTooLarge(format!(
+                "inputs[{i}] is {n} bytes; an input may be at most {MAX_INPUT_BYTES} bytes"
+            )));
+        }
+        total += n;
+    }
+    if total > MAX_TURN_INPUT_BYTES {
+        return Err(ControllerError::InputTooLarge(format!(
+            "inputs are {total} bytes together; a turn's inputs may be at most \
+             {MAX_TURN_INPUT_BYTES} bytes"
+        )));
+    }
+    Ok(())
+}
+
+/// The Start frame carries the whole history: past `limit` the harness cannot take it.
+fn check_start_size(start: &Start, limit: usize) -> Result<()> {
+    let n = prost::Message::encoded_len(start);
+    if n > limit {
+        return Err(ControllerError::HistoryTooLarge(format!(
+            "this turn's Start (history {} events, inputs, config) would be {n} bytes; this \
+             harness takes at most {limit}. Nothing was journaled: send less, or fork the \
+             session at an earlier seq and continue there",
+            start.history.len()
+        )));
+    }
+    Ok(())
+}
+
 /// What a new execution brings.
 #[derive(Debug, Clone, Default)]
 pub struct NewExecution {
@@ -287,6 +329,16 @@ impl Controller {
             )));
         }
         let expected = new.expected_last_seq.unwrap_or(log.head());
+        check_input_sizes(&new.inputs)?;
+        let history: Vec<Event> = log.records.into_iter().filter_map(|r| r.event).collect();
+        let start = Start {
+            config: new.config.clone(),
+            history,
+            inputs: new.inputs.clone(),
+            identity: identity_context(turn),
+            resume_from_seq: new.resume_from_seq,
+        };
+        check_start_size(&start, turn.endpoint.max_start_bytes())?;
         let execution_id = new_execution_id();
         let mut bodies = vec![(
             EventKind::EventExecutionStart,
@@ -311,13 +363,6 @@ impl Controller {
             expected,
         );
         sink.append(bodies).await?;
-        let start = Start {
-            config: new.config,
-            history: log.records.into_iter().filter_map(|r| r.event).collect(),
-            inputs: new.inputs,
-            identity: identity_context(turn),
-            resume_from_seq: new.resume_from_seq,
-        };
         self.run(turn, sink, start).await
     }
 

@@ -115,6 +115,7 @@ int tg_send_ready(struct tg_sink *out, u64 id)
 		pb_close(&e, i);
 	}
 	pb_put_uint(&e, 6, 1);
+	pb_put_uint(&e, 7, TG_MAX_FRAME);
 	pb_close(&e, m);
 	return finish(&e, f, out);
 }

@@ -469,6 +469,8 @@ fn ready(id: u64, restore_generation: u64, identity: Option<Identity>) -> Envelo
             restore_generation,
             identity,
             harness_running: true,
+            // TG_MAX_FRAME (c/handlers.h): the host keeps its frames below it.
+            max_frame_bytes: 256 * 1024,
         }),
     )
 }

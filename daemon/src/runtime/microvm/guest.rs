@@ -28,6 +28,8 @@ use crate::controller::endpoint::{HarnessEndpoint, HarnessStream};
 
 /// Largest frame accepted from a guest (a harness event carries at most a model message).
 const MAX_FRAME: usize = 4 << 20;
+/// Room for the envelope and HarnessFrame around a Start inside one guest frame.
+const START_ENVELOPE_ROOM: usize = 1024;
 /// A guest that accepted a stream must answer within this.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -60,6 +62,8 @@ pub enum GuestError {
 pub struct GuestConn {
     stream: UnixStream,
     decoder: FrameDecoder,
+    /// The largest frame the guest said it reads (its Ready).
+    guest_max_frame: usize,
     next_id: u64,
     /// The harness stream id the next execution on this connection takes: each has its
     /// own, so nothing late from an earlier one can pass for the next's.
@@ -100,6 +104,7 @@ impl GuestConn {
         Ok(Self {
             stream,
             decoder: FrameDecoder::new(MAX_FRAME),
+            guest_max_frame: agentvm_proto::guest::framing::DEFAULT_MAX_FRAME,
             next_id: 1,
             next_execution: 1,
         })
@@ -137,6 +142,14 @@ impl GuestConn {
                 }
             }
         }
+    }
+
+    /// The largest harness Start this guest can be sent: its frame limit, less room for the
+    /// envelope around the Start, and never more than a harness's gRPC server takes.
+    pub fn max_start_bytes(&self) -> usize {
+        self.guest_max_frame
+            .saturating_sub(START_ENVELOPE_ROOM)
+            .min(crate::controller::endpoint::DEFAULT_MAX_START_BYTES)
     }
 
     /// Whether the guest may still be at the other end: the stream is neither closed nor
@@ -217,7 +230,12 @@ impl GuestConn {
             }))
             .await?
         {
-            Body::Ready(ready) if ready.protocol_version == PROTOCOL_VERSION => Ok(ready),
+            Body::Ready(ready) if ready.protocol_version == PROTOCOL_VERSION => {
+                if ready.max_frame_bytes > 0 {
+                    self.guest_max_frame = ready.max_frame_bytes as usize;
+                }
+                Ok(ready)
+            }
             Body::Ready(ready) => Err(GuestError::Version(ready.protocol_version)),
             other => Err(unexpected("Ready", &other)),
         }
@@ -271,6 +289,8 @@ pub struct GuestEndpoint {
     ready_timeout: Duration,
     vmm_alive: Liveness,
     idle: IdleConn,
+    /// What the guest last said it can take (`GuestConn::max_start_bytes`).
+    max_start: std::sync::atomic::AtomicUsize,
 }
 
 impl GuestEndpoint {
@@ -282,11 +302,16 @@ impl GuestEndpoint {
         vmm_alive: Liveness,
         kept: Option<GuestConn>,
     ) -> Self {
+        let max_start = kept.as_ref().map_or(
+            crate::controller::endpoint::DEFAULT_MAX_START_BYTES,
+            GuestConn::max_start_bytes,
+        );
         Self {
             socket,
             ready_timeout,
             vmm_alive,
             idle: Arc::new(Mutex::new(kept)),
+            max_start: max_start.into(),
         }
     }
 
@@ -296,10 +321,12 @@ impl GuestEndpoint {
         if let Some(conn) = kept.filter(GuestConn::is_open) {
             return Ok(conn);
         }
-        GuestConn::ready(&self.socket, self.ready_timeout, &*self.vmm_alive)
+        let (conn, _) = GuestConn::ready(&self.socket, self.ready_timeout, &*self.vmm_alive)
             .await
-            .map(|(conn, _)| conn)
-            .map_err(to_status)
+            .map_err(to_status)?;
+        self.max_start
+            .store(conn.max_start_bytes(), std::sync::atomic::Ordering::Relaxed);
+        Ok(conn)
     }
 }
 
@@ -314,6 +341,10 @@ impl HarnessEndpoint for GuestEndpoint {
         let descriptor = conn.describe().await.map_err(to_status)?;
         keep(&self.idle, conn);
         Ok(descriptor)
+    }
+
+    fn max_start_bytes(&self) -> usize {
+        self.max_start.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     async fn connect(&self) -> Result<HarnessStream, Status> {
