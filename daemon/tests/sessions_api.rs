@@ -1462,7 +1462,7 @@ async fn bad_requests_name_the_field() {
         })
         .await
         .unwrap_err(),
-        "identity",
+        "ForkRequest.identity",
     );
     field(
         c.fork(ForkRequest {
@@ -1743,4 +1743,69 @@ async fn oversized_input_is_refused_before_it_is_journaled_and_the_session_goes_
     let r = exec(&mut c, exec_req(&uid(&child[0]), &chunk)).await;
     assert_eq!(r.code(), Code::Ok, "{:?}", r.end);
     assert!(head.len() > before.len());
+}
+
+/// Upstream (fork_metadata_test.go): children never inherit the parent's identity, and a
+/// ForkRequest carrying any identity, even an empty one, is refused with upstream's exact
+/// message before the session is even looked up, changing nothing.
+#[tokio::test]
+async fn fork_children_have_no_identity_and_a_supplied_identity_is_refused_first() {
+    let n = start().await;
+    let mut c = n.c();
+    let parent = c
+        .create_session(CreateSessionRequest {
+            session: Some(Session {
+                harness: "echo".into(),
+                identity: Some(IdentityRef {
+                    principal: "agent://parent".into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let id = uid(&parent);
+    assert_eq!(exec(&mut c, exec_req(&id, "hi")).await.code(), Code::Ok);
+    let children = c
+        .fork(ForkRequest {
+            session: id.clone(),
+            count: 2,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .children;
+    for child in &children {
+        assert!(child.identity.is_none(), "{child:?}");
+        assert!(n.get(&uid(child)).await.identity.is_none());
+    }
+    let log = n.replay(&id).await;
+    for target in [id.as_str(), "sess-does-not-exist", ""] {
+        for identity in [
+            IdentityRef {
+                principal: "agent://do-not-leak".into(),
+                ..Default::default()
+            },
+            IdentityRef::default(),
+        ] {
+            let err = c
+                .fork(ForkRequest {
+                    session: target.into(),
+                    count: 2,
+                    identity: Some(identity),
+                    ..Default::default()
+                })
+                .await
+                .unwrap_err();
+            assert_eq!(err.code(), Code::InvalidArgument);
+            assert_eq!(
+                err.message(),
+                "ForkRequest.identity is unsupported: per-child principals are not enforced"
+            );
+        }
+    }
+    assert_eq!(n.replay(&id).await, log, "the parent's log is unchanged");
 }

@@ -66,6 +66,10 @@ impl SessionsService {
     }
 }
 
+/// Upstream's refusal of `ForkRequest.identity`, word for word.
+pub const FORK_IDENTITY_UNSUPPORTED: &str =
+    "ForkRequest.identity is unsupported: per-child principals are not enforced";
+
 fn invalid(field: &str, why: impl std::fmt::Display) -> Status {
     Status::invalid_argument(format!("{field}: {why}"))
 }
@@ -327,6 +331,11 @@ impl Sessions for SessionsService {
     async fn fork(&self, request: Request<ForkRequest>) -> Result<Response<ForkResponse>, Status> {
         let principal = principal_of(&request);
         let req = request.into_inner();
+        // Checked before anything else, with upstream's exact message (its clients match it),
+        // and without echoing what was supplied.
+        if req.identity.is_some() {
+            return Err(Status::invalid_argument(FORK_IDENTITY_UNSUPPORTED));
+        }
         required("session", &req.session)?;
         self.authorize_session(principal.as_ref(), &req.session)?;
         if !(1..=MAX_FORK_CHILDREN).contains(&req.count) {
@@ -343,12 +352,6 @@ impl Sessions for SessionsService {
                     req.child_names.len(),
                     req.count
                 ),
-            ));
-        }
-        if req.identity.is_some() {
-            return Err(invalid(
-                "identity",
-                "children inherit the parent's identity; it may not be set",
             ));
         }
         if req.at_seq < 0 {

@@ -116,10 +116,7 @@ impl SessionHost {
 
         let count = req.count as usize;
         let started = std::time::Instant::now();
-        let provisioned = match self
-            .provision_children(&placement, &parent, &source, count)
-            .await
-        {
+        let provisioned = match self.provision_children(&placement, &source, count).await {
             Ok(p) => p,
             Err((provisioned, e)) => {
                 self.roll_back(&placement, &provisioned, &[]).await;
@@ -167,7 +164,6 @@ impl SessionHost {
     async fn provision_children(
         &self,
         placement: &super::Placement,
-        parent: &SessionRow,
         source: &SnapshotRef,
         count: usize,
     ) -> Result<Provisioned, (Provisioned, Status)> {
@@ -181,7 +177,8 @@ impl SessionHost {
                     session_uid: child.clone(),
                     image: String::new(),
                     harness: placement.harness.clone(),
-                    identity: parent.identity.clone(),
+                    // A child is a new session: it does not act as its parent's principal.
+                    identity: None,
                 },
             };
             let runtime = placement.runtime.clone();
@@ -237,7 +234,7 @@ impl SessionHost {
             labels: req.labels.clone().into_iter().collect(),
             annotations: parent.annotations.clone(),
             origin: parent.origin.clone(),
-            identity: parent.identity.clone(),
+            identity: None,
             parent_uid: parent.uid.clone(),
             fork_seq: at_seq,
             created_at: now,
