@@ -114,25 +114,39 @@ pub fn validate_name(name: &str) -> Result<(), RegistryError> {
     Ok(())
 }
 
-/// Checks a remote placement address: `unix:///abs`, `unix://rel` or `host:port`.
-fn validate_address(address: &str) -> Result<(), RegistryError> {
-    let bad = |reason: &str| {
-        Err(RegistryError::InvalidArgument {
+/// Checks a remote placement address: `unix:///abs`, `unix://rel` or `host:port`. As
+/// upstream has it, an empty address is a bad request, while a form this host cannot dial is
+/// a failed precondition of this host (another host might serve it); either way nothing is
+/// stored.
+fn validate_address(name: &str, address: &str) -> Result<(), RegistryError> {
+    if address.is_empty() {
+        return Err(RegistryError::InvalidArgument {
             field: "spec.remote.address",
-            reason: format!("{address:?} {reason}"),
+            reason: "is required".into(),
+        });
+    }
+    let bad = |reason: String| {
+        Err(RegistryError::FailedPrecondition {
+            name: name.to_owned(),
+            reason: format!("remote address {address:?}: {reason}"),
         })
     };
     if let Some(path) = address.strip_prefix("unix://") {
         if path.is_empty() {
-            return bad("has an empty socket path");
+            return bad("has an empty socket path".into());
         }
         return Ok(());
+    }
+    if let Some((scheme, _)) = address.split_once("://") {
+        return bad(format!(
+            "unsupported scheme {scheme:?}; this host dials unix://PATH or HOST:PORT"
+        ));
     }
     match address.rsplit_once(':') {
         Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0) => {
             Ok(())
         }
-        _ => bad("is neither unix://PATH nor HOST:PORT"),
+        _ => bad("is neither unix://PATH nor HOST:PORT".into()),
     }
 }
 
@@ -188,7 +202,7 @@ impl Registry {
                     reason: "exactly one of remote or substrate is required".into(),
                 });
             }
-            Some(Placement::Remote(r)) => validate_address(&r.address)?,
+            Some(Placement::Remote(r)) => validate_address(name, &r.address)?,
             Some(Placement::Substrate(_)) => {
                 return Err(RegistryError::FailedPrecondition {
                     name: name.to_owned(),

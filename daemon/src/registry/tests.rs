@@ -115,13 +115,29 @@ fn bad_registrations_name_the_field() {
             }),
             "spec.capabilities.resumability",
         ),
-        ("ok", Some(remote("no-port")), "spec.remote.address"),
-        ("ok", Some(remote("unix://")), "spec.remote.address"),
+        ("ok", Some(remote("")), "spec.remote.address"),
     ];
     for (name, spec, field) in cases {
         let err = r.register(name, spec).unwrap_err();
         assert_eq!(err.code(), tonic::Code::InvalidArgument, "{name}: {err}");
         assert!(err.to_string().starts_with(field), "{err}");
+    }
+    // Forms this host cannot dial are its failed precondition, as upstream's placer factory
+    // reports them, and nothing is stored.
+    for (address, says) in [
+        ("http://127.0.0.1:8080", "unsupported scheme \"http\""),
+        ("dns:///harness:443", "unsupported scheme \"dns\""),
+        ("no-port", "neither unix://PATH nor HOST:PORT"),
+        ("unix://", "empty socket path"),
+    ] {
+        let err = r.register("ok", Some(remote(address))).unwrap_err();
+        assert_eq!(
+            err.code(),
+            tonic::Code::FailedPrecondition,
+            "{address}: {err}"
+        );
+        assert!(err.to_string().contains(says), "{address}: {err}");
+        assert!(err.to_string().contains(address), "{err}");
     }
     let err = r.register("echo", Some(remote("127.0.0.1:1"))).unwrap_err();
     assert_eq!(err.code(), tonic::Code::AlreadyExists);
