@@ -106,8 +106,14 @@ pub async fn api_routes_with(
     health_reporter
         .set_service_status("", tonic_health::ServingStatus::Serving)
         .await;
+    // Only what this listener serves: the descriptor set also holds the harness SPI and the
+    // admin-only HarnessRegistry, which must not be advertised here (as upstream keeps them).
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(agentvm_proto::FILE_DESCRIPTOR_SET)
+        .with_service_name("agentsessions.v1.Sessions")
+        .with_service_name("agentvm.node.v1.Node")
+        .with_service_name("grpc.health.v1.Health")
+        .with_service_name("grpc.reflection.v1.ServerReflection")
         .build_v1()
         .context("building the reflection service")?;
     let check = move |mut req: tonic::Request<()>| {

@@ -1809,3 +1809,117 @@ async fn fork_children_have_no_identity_and_a_supplied_identity_is_refused_first
     }
     assert_eq!(n.replay(&id).await, log, "the parent's log is unchanged");
 }
+
+/// Upstream keeps the harness SPI and the admin HarnessRegistry off its Sessions listener;
+/// reflection there lists only what the listener serves.
+#[tokio::test]
+async fn reflection_on_the_sessions_listener_lists_only_its_own_services() {
+    use tonic_reflection::pb::v1::{
+        ServerReflectionRequest, server_reflection_client::ServerReflectionClient,
+        server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
+    };
+    let n = start().await;
+    let mut reflection = ServerReflectionClient::new(n.channel().await);
+    let request = ServerReflectionRequest {
+        message_request: Some(MessageRequest::ListServices(String::new())),
+        ..Default::default()
+    };
+    let mut responses = reflection
+        .server_reflection_info(tokio_stream::once(request))
+        .await
+        .unwrap()
+        .into_inner();
+    let Some(MessageResponse::ListServicesResponse(list)) =
+        responses.message().await.unwrap().unwrap().message_response
+    else {
+        panic!("no ListServices answer");
+    };
+    let mut names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "agentsessions.v1.Sessions",
+            "agentvm.node.v1.Node",
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1.ServerReflection",
+        ]
+    );
+}
+
+/// A registered harness that is not there: the turn fails UNAVAILABLE naming the address
+/// (upstream's TestRemoteHarnessEndToEnd), nothing is journaled, and the session is usable
+/// once the harness is up.
+#[tokio::test]
+async fn an_absent_remote_harness_is_unavailable_naming_its_address() {
+    let n = start().await;
+    let mut c = n.c();
+    let socket = n.dir.join("absent.sock");
+    let spec = HarnessSpec {
+        placement: Some(Placement::Remote(RemotePlacement {
+            address: format!("unix://{}", socket.display()),
+        })),
+        capabilities: agentvm_harnesses::echo::Echo.descriptor().capabilities,
+        descriptor_id: String::new(),
+    };
+    n.node.registry.register("absent", Some(spec)).unwrap();
+    let id = uid(&n.create("absent").await);
+    let r = exec(&mut c, exec_req(&id, "hi")).await;
+    assert_eq!(r.code(), Code::Unavailable, "{:?}", r.end);
+    let message = r.end.unwrap().message().to_owned();
+    assert!(message.contains(&socket.display().to_string()), "{message}");
+    assert!(n.replay(&id).await.is_empty(), "nothing journaled");
+}
+
+/// Upstream's Resume re-drives an interrupted turn and then appends RESUME, whether or not
+/// the session was cold (semantics.md, Resume step 6): the log ends `END, LIFECYCLE(RESUME)`.
+#[tokio::test]
+async fn resuming_an_interrupted_turn_ends_with_end_then_resume() {
+    use agentvm_proto::v1::{Event, ExecutionStart, lifecycle::Kind as LifecycleKind};
+    let n = start().await;
+    let mut c = n.c();
+    let id = uid(&n.create("echo").await);
+    // What a daemon that died mid-turn leaves: EXECUTION_START and INPUT, no END.
+    let event = |kind: EventKind, body: Body| Event {
+        execution_id: "interrupted".into(),
+        kind: kind as i32,
+        body: Some(body),
+        ..Default::default()
+    };
+    let fence = n.node.journal.new_fence(&id).unwrap();
+    n.node
+        .journal
+        .append(
+            &id,
+            0,
+            fence,
+            &[
+                event(
+                    EventKind::EventExecutionStart,
+                    Body::ExecutionStart(ExecutionStart {
+                        input_count: Some(1),
+                        harness: "echo".into(),
+                        ..Default::default()
+                    }),
+                ),
+                event(EventKind::EventInput, Body::Message(text("user", "again"))),
+            ],
+        )
+        .unwrap();
+    c.resume(ResumeRequest {
+        session: id.clone(),
+        boot: false,
+    })
+    .await
+    .unwrap();
+    let records = n.replay(&id).await;
+    assert_eq!(outputs(&records), ["echo:again"]);
+    let tail: Vec<EventKind> = kinds(&records).into_iter().rev().take(2).rev().collect();
+    assert_eq!(tail, [EventKind::EventEnd, EventKind::EventLifecycle]);
+    let Some(Body::Lifecycle(l)) = records.last().unwrap().event.as_ref().unwrap().body.clone()
+    else {
+        panic!("no lifecycle record last");
+    };
+    assert_eq!(l.kind, LifecycleKind::LifecycleResume as i32);
+    verify_chain(&records).unwrap();
+}

@@ -44,6 +44,8 @@ echo "LANE kvm_amd nested=$(cat /sys/module/kvm_amd/parameters/nested 2>/dev/nul
 
 rc=1
 if mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 out /out; then
+    # For symbolizing a hung L1's register dump (the kernel runs with nokaslr).
+    cp /proc/kallsyms /out/l1-kallsyms.txt 2>/dev/null
     # shellcheck disable=SC2046
     /lane/bin/agentvm-lane --bin-dir /lane/bin --images /lane/images --state-dir /var/lib/lane \
         --out /out $(cat /out/lane.args)

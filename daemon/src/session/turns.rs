@@ -423,7 +423,8 @@ impl SessionHost {
     }
 
     /// Resume: bring compute back (restoring the session's own snapshot), re-drive an
-    /// interrupted execution, append RESUME when the session was cold.
+    /// interrupted execution, then append RESUME, whether the session was cold or not, as
+    /// upstream does (semantics.md, Resume step 6): a re-driven turn ends `END, RESUME`.
     pub async fn resume(&self, uid: &str) -> Result<Session, Status> {
         let row = self.active_row(uid)?;
         let held = self
@@ -461,7 +462,6 @@ impl SessionHost {
                 s.message()
             ))
         })?;
-        let was_cold = row.compute_state == ComputeState::ComputeCold;
         let (turn, forward) = self.admit(&row, &placement, &held, None, None).await?;
         let outcome = if pending.is_some() {
             self.controller.resume(&turn).await.map_err(Status::from)?
@@ -475,10 +475,8 @@ impl SessionHost {
             self.park_handoff(uid, head, fence).await?;
             return self.view(uid);
         }
-        if was_cold {
-            let head = self.row(uid)?.last_seq;
-            self.append_lifecycle(uid, head, fence, LifecycleKind::LifecycleResume, "", None)?;
-        }
+        let head = self.row(uid)?.last_seq;
+        self.append_lifecycle(uid, head, fence, LifecycleKind::LifecycleResume, "", None)?;
         tracing::info!(session = %uid, "session resumed");
         self.view(uid)
     }

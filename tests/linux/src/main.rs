@@ -22,7 +22,7 @@ use scenarios::{ALL, Lane};
 
 const USAGE: &str = "usage: agentvm-lane --bin-dir DIR --images DIR --state-dir DIR --out DIR \
                      [--prefix NAME/] [--scenario-timeout-secs N] [--guest-ready-timeout-secs N] \
-                     [SCENARIO…]";
+                     [--done FILE] [SCENARIO…]";
 
 struct Args {
     bin_dir: PathBuf,
@@ -33,6 +33,9 @@ struct Args {
     scenario_timeout: Duration,
     guest_ready_timeout_secs: u64,
     only: Vec<String>,
+    /// results.jsonl of an earlier L1 boot that hung: what passed there is carried over,
+    /// not run again.
+    done: Option<PathBuf>,
 }
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -42,6 +45,7 @@ fn parse_args() -> anyhow::Result<Args> {
     let mut scenario_timeout = Duration::from_secs(300);
     let mut guest_ready_timeout_secs = 90;
     let mut only = Vec::new();
+    let mut done = None;
     while let Some(arg) = it.next() {
         let mut value = || it.next().with_context(|| format!("{arg} needs a value"));
         match arg.as_str() {
@@ -50,6 +54,7 @@ fn parse_args() -> anyhow::Result<Args> {
             "--state-dir" => state_dir = Some(PathBuf::from(value()?)),
             "--out" => out = Some(PathBuf::from(value()?)),
             "--prefix" => prefix = value()?,
+            "--done" => done = Some(PathBuf::from(value()?)),
             "--scenario-timeout-secs" => {
                 scenario_timeout =
                     Duration::from_secs(value()?.parse().context("--scenario-timeout-secs")?)
@@ -77,6 +82,7 @@ fn parse_args() -> anyhow::Result<Args> {
         scenario_timeout,
         guest_ready_timeout_secs,
         only,
+        done,
     })
 }
 
@@ -89,6 +95,10 @@ fn record(out: &std::path::Path, name: &str, passed: bool, seconds: f64, detail:
     })
     .to_string();
     println!("LANE RESULT {line}");
+    append_result(out, &line);
+}
+
+fn append_result(out: &std::path::Path, line: &str) {
     let appended = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -99,8 +109,23 @@ fn record(out: &std::path::Path, name: &str, passed: bool, seconds: f64, detail:
     }
 }
 
+/// The results an earlier boot recorded as passed, by scenario name, as their JSON lines.
+fn passed_before(done: Option<&std::path::Path>) -> Vec<(String, String)> {
+    let Some(text) = done.and_then(|f| std::fs::read_to_string(f).ok()) else {
+        return Vec::new();
+    };
+    text.lines()
+        .filter_map(|line| {
+            let v: serde_json::Value = serde_json::from_str(line).ok()?;
+            let name = v["name"].as_str().filter(|_| v["passed"] == true)?;
+            Some((name.to_owned(), line.to_owned()))
+        })
+        .collect()
+}
+
 async fn run(args: Args) -> anyhow::Result<bool> {
     std::fs::create_dir_all(&args.out)?;
+    let carried = passed_before(args.done.as_deref());
     std::fs::create_dir_all(&args.state_dir)?;
     let daemon_state = args.state_dir.join("agentvmd");
     let collector =
@@ -141,6 +166,11 @@ async fn run(args: Args) -> anyhow::Result<bool> {
             continue;
         }
         let full = format!("{}{name}", args.prefix);
+        if let Some((_, line)) = carried.iter().find(|(n, _)| *n == full) {
+            eprintln!("lane: == {full}: passed in the earlier boot");
+            append_result(&args.out, line);
+            continue;
+        }
         eprintln!("lane: == {full}");
         let t = Instant::now();
         let mut outcome = attempt(&mut lane, *scenario, args.scenario_timeout).await;
