@@ -1272,3 +1272,48 @@ async fn a_start_larger_than_the_guest_reads_is_refused_before_it_is_journaled()
         "the guest and its count are intact"
     );
 }
+
+/// Issue: a draining node (`--shutdown-policy suspend`) suspended one session at a time and
+/// left fork children's VMMs running (children read COLD until their first turn). Every
+/// VMM is covered now, and each session goes on afterwards from where it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn suspend_all_covers_fork_children_and_every_session_goes_on() {
+    require_kvm!();
+    let node = microvm_node().await;
+    let mut c = node.c();
+    let parent = create(&mut c).await;
+    assert_eq!(turn(&mut c, &parent).await, "1");
+    let other = create(&mut c).await;
+    assert_eq!(turn(&mut c, &other).await, "1");
+    assert_eq!(turn(&mut c, &parent).await, "2");
+    let children: Vec<String> = c
+        .fork(ForkRequest {
+            session: parent.clone(),
+            count: 3,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .children
+        .iter()
+        .map(uid)
+        .collect();
+    assert_eq!(turn(&mut c, &parent).await, "3", "the parent runs again");
+    let all: Vec<&String> = children.iter().chain([&parent, &other]).collect();
+    for s in &all {
+        assert!(vm_dir(&node, s).exists(), "{s} runs in a VMM of its own");
+    }
+    let (suspended, failed) = node.node.host.suspend_all(Duration::from_secs(60)).await;
+    assert!(failed.is_empty(), "{failed:?}");
+    assert_eq!(suspended, all.len());
+    for s in &all {
+        assert!(!vm_dir(&node, s).exists(), "{s}'s VMM still runs");
+        assert_eq!(compute(&mut c, s).await, ComputeState::ComputeCold);
+    }
+    assert_eq!(turn(&mut c, &parent).await, "4");
+    assert_eq!(turn(&mut c, &other).await, "2");
+    for child in &children {
+        assert_eq!(turn(&mut c, child).await, "3", "child {child}");
+    }
+}

@@ -31,6 +31,10 @@ fn parse_log(records: Vec<agentvm_proto::v1::LogRecord>) -> Result<SessionLog, S
     SessionLog::parse(records).map_err(Status::from)
 }
 
+/// Sessions a draining node suspends at once: enough to overlap their snapshot writes,
+/// few enough not to flood the disk or starve the turns still finishing.
+const DRAIN_PARALLELISM: usize = 8;
+
 impl SessionHost {
     /// Exec: streams the Session first, then records and deltas, then the final Session.
     /// An error after the first frame is returned for the caller to send as the stream's end.
@@ -403,17 +407,33 @@ impl SessionHost {
 
     /// Suspends every session with running compute, within `budget` (a node shutting down
     /// with `--shutdown-policy suspend`): memory-tier sessions are snapshotted, stateless ones
-    /// just stopped. Returns how many were suspended and the failures.
+    /// just stopped. Fork children count too: they read COLD but run in VMMs of their own
+    /// until their first turn. Several at a time, since each mostly waits on its VMM writing
+    /// a snapshot. Returns how many were suspended and the failures.
     pub async fn suspend_all(&self, budget: std::time::Duration) -> (usize, Vec<(String, String)>) {
+        use futures_util::StreamExt;
         let deadline = tokio::time::Instant::now() + budget;
-        let live = match self.journal.sessions_in_state(ComputeState::ComputeLive) {
-            Ok(live) => live,
-            Err(e) => return (0, vec![(String::new(), e.to_string())]),
-        };
-        let mut done = 0;
         let mut failed = Vec::new();
-        for uid in live {
-            match tokio::time::timeout_at(deadline, self.suspend(&uid)).await {
+        let mut running = Vec::new();
+        for state in [ComputeState::ComputeLive, ComputeState::ComputeCold] {
+            match self.journal.sessions_in_state(state) {
+                Ok(uids) => running.extend(uids.into_iter().filter(|uid| {
+                    state == ComputeState::ComputeLive || self.live_get(uid).is_some()
+                })),
+                Err(e) => failed.push((String::new(), e.to_string())),
+            }
+        }
+        let outcomes: Vec<_> = futures_util::stream::iter(running)
+            .map(|uid| async move {
+                let outcome = tokio::time::timeout_at(deadline, self.suspend(&uid)).await;
+                (uid, outcome)
+            })
+            .buffer_unordered(DRAIN_PARALLELISM)
+            .collect()
+            .await;
+        let mut done = 0;
+        for (uid, outcome) in outcomes {
+            match outcome {
                 Ok(Ok(_)) => done += 1,
                 Ok(Err(s)) => failed.push((uid, s.message().to_owned())),
                 Err(_) => failed.push((uid, "the shutdown budget ran out".to_owned())),

@@ -67,14 +67,31 @@ pub async fn say(c: &mut Client, session: &str, text: &str) -> anyhow::Result<St
     Ok(out)
 }
 
-/// One turn that must fail; how it failed (the status message).
-pub async fn failing_turn(mut c: Client, session: String, text: String) -> anyhow::Result<String> {
+/// One turn that must fail; how it failed (the status message). `started` fires once the
+/// turn's records are durable (its INPUT is journaled: the harness has it).
+pub async fn failing_turn(
+    mut c: Client,
+    session: String,
+    text: String,
+    started: Option<tokio::sync::oneshot::Sender<()>>,
+) -> anyhow::Result<String> {
+    let mut started = started;
     let mut stream = match c.exec(exec_request(&session, &text)).await {
         Err(status) => return Ok(status.message().to_owned()),
         Ok(stream) => stream.into_inner(),
     };
     loop {
         match stream.message().await {
+            Ok(Some(ExecUpdate {
+                update: Some(Update::Record(record)),
+            })) => {
+                let input = record
+                    .event
+                    .is_some_and(|e| e.kind == agentvm_proto::v1::EventKind::EventInput as i32);
+                if input && let Some(started) = started.take() {
+                    let _ = started.send(());
+                }
+            }
             Ok(Some(_)) => continue,
             Ok(None) => bail!("the turn {text:?} on {session} succeeded"),
             Err(status) => return Ok(status.message().to_owned()),
