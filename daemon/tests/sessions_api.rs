@@ -1923,3 +1923,34 @@ async fn resuming_an_interrupted_turn_ends_with_end_then_resume() {
     assert_eq!(l.kind, LifecycleKind::LifecycleResume as i32);
     verify_chain(&records).unwrap();
 }
+
+/// Upstream's approval routing tests: an inputless Exec that recovers a decided approval
+/// runs on the route the execution recorded, even when the request names another harness
+/// (recovery ignores the request's harness, config and cursor).
+#[tokio::test]
+async fn inputless_approval_recovery_keeps_the_recorded_route() {
+    let n = start().await;
+    n.register("approver", Arc::new(Approver));
+    let mut c = n.c();
+    let id = uid(&n.create("approver").await);
+    let r = exec(&mut c, exec_req(&id, "deploy it")).await;
+    assert_eq!(r.code(), Code::Ok, "{:?}", r.end);
+    let pending = r.sessions().pop().unwrap().pending_approval.unwrap();
+    let elsewhere = || ExecRequest {
+        session: id.clone(),
+        harness: "echo".into(),
+        ..Default::default()
+    };
+    // Still pending: the same Session back, nothing written.
+    let head = n.get(&id).await.last_seq;
+    let waiting = exec(&mut c, elsewhere()).await;
+    assert_eq!(waiting.code(), Code::Ok, "{:?}", waiting.end);
+    assert_eq!(n.get(&id).await.last_seq, head);
+    c.approve(approval_of(&id, &pending, false)).await.unwrap();
+    // Decided: the recovery runs on the recorded harness, not on `echo`.
+    let recovered = exec(&mut c, elsewhere()).await;
+    assert_eq!(recovered.code(), Code::Ok, "{:?}", recovered.end);
+    let records = n.replay(&id).await;
+    assert_eq!(outputs(&records), ["refused"]);
+    verify_chain(&records).unwrap();
+}

@@ -36,6 +36,27 @@ fn parse_log(records: Vec<agentvm_proto::v1::LogRecord>) -> Result<SessionLog, S
 const DRAIN_PARALLELISM: usize = 8;
 
 impl SessionHost {
+    /// The harness a new execution runs on: the session's, or the request's where the
+    /// session allows switching (built-in process harnesses only; a registered harness pins
+    /// the session, and none can be switched to).
+    fn turn_harness(&self, row: &SessionRow, requested: &str) -> Result<String, Status> {
+        if requested.is_empty() || requested == row.harness {
+            return Ok(row.harness.clone());
+        }
+        let over = self.place(requested)?;
+        let pinned = self
+            .place(&row.harness)
+            .map(|p| p.registered)
+            .unwrap_or(true);
+        if over.registered || pinned {
+            return Err(Status::failed_precondition(format!(
+                "harness: session {} is pinned to {:?}; a registered harness cannot be switched per turn",
+                row.uid, row.harness
+            )));
+        }
+        Ok(requested.to_owned())
+    }
+
     /// Exec: streams the Session first, then records and deltas, then the final Session.
     /// An error after the first frame is returned for the caller to send as the stream's end.
     pub async fn exec(&self, req: ExecRequest, updates: &Updates) -> Result<(), Status> {
@@ -55,21 +76,6 @@ impl SessionHost {
             expected_last_seq = ?req.expected_last_seq,
             "exec"
         );
-        let mut harness = row.harness.clone();
-        if !req.harness.is_empty() && req.harness != row.harness {
-            let over = self.place(&req.harness)?;
-            let pinned = self
-                .place(&row.harness)
-                .map(|p| p.registered)
-                .unwrap_or(true);
-            if over.registered || pinned {
-                return Err(Status::failed_precondition(format!(
-                    "harness: session {uid} is pinned to {:?}; a registered harness cannot be switched per turn",
-                    row.harness
-                )));
-            }
-            harness = req.harness.clone();
-        }
         let records = self.records(&uid)?;
         if updates
             .send(session_frame(view_of(&row, &records)))
@@ -117,13 +123,17 @@ impl SessionHost {
                 _ => {}
             }
         }
+        // Recovery takes the route the interrupted execution recorded, whatever harness the
+        // request names (as upstream: its config, cursor and harness are ignored).
         let recovering = req.inputs.is_empty() && pending.is_some();
-        if let Some(x) = pending.filter(|_| recovering)
-            && let Some(start) = &x.start
-            && !start.harness.is_empty()
+        let harness = match pending
+            .filter(|_| recovering)
+            .and_then(|x| x.start.as_ref())
         {
-            harness = start.harness.clone();
-        }
+            Some(start) if !start.harness.is_empty() => start.harness.clone(),
+            _ if recovering => row.harness.clone(),
+            _ => self.turn_harness(&row, &req.harness)?,
+        };
         let placement = self.place(&harness).map_err(|s| {
             if recovering {
                 Status::failed_precondition(format!(
