@@ -410,6 +410,21 @@ fn grpcio_python(stubs: &Path) -> Result<PathBuf, String> {
     Ok(python)
 }
 
+/// A test directory with the stubs generated in it and the Python to run them, or `None`
+/// after saying why the test is skipped.
+fn grpcio_fixture() -> Option<(tempfile::TempDir, PathBuf, PathBuf)> {
+    let dir = tempfile::tempdir().unwrap();
+    let stubs = dir.path().join("stubs");
+    std::fs::create_dir_all(&stubs).unwrap();
+    match grpcio_python(&stubs) {
+        Ok(python) => Some((dir, stubs, python)),
+        Err(reason) => {
+            eprintln!("SKIPPED: {reason}");
+            None
+        }
+    }
+}
+
 fn upstream_script(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../tests/upstream")
@@ -474,15 +489,8 @@ async fn register_read_first_harness(dir: &Path, python: &Path, stubs: &Path) ->
 /// response headers (every upstream harness); the turn must complete.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grpcio_harness_that_reads_start_first_answers_the_turn() {
-    let dir = tempfile::tempdir().unwrap();
-    let stubs = dir.path().join("stubs");
-    std::fs::create_dir_all(&stubs).unwrap();
-    let python = match grpcio_python(&stubs) {
-        Ok(p) => p,
-        Err(reason) => {
-            eprintln!("SKIPPED: {reason}");
-            return;
-        }
+    let Some((dir, stubs, python)) = grpcio_fixture() else {
+        return;
     };
     let daemon = start_daemon(dir.path());
     let _harness = register_read_first_harness(dir.path(), &python, &stubs).await;
@@ -553,15 +561,8 @@ async fn a_grpcio_harness_that_reads_start_first_answers_the_turn() {
 /// the server refused the stream. Its default client must be served.
 #[test]
 fn a_grpcio_client_with_its_default_authority_is_served_on_the_unix_socket() {
-    let dir = tempfile::tempdir().unwrap();
-    let stubs = dir.path().join("stubs");
-    std::fs::create_dir_all(&stubs).unwrap();
-    let python = match grpcio_python(&stubs) {
-        Ok(p) => p,
-        Err(reason) => {
-            eprintln!("SKIPPED: {reason}");
-            return;
-        }
+    let Some((dir, stubs, python)) = grpcio_fixture() else {
+        return;
     };
     let daemon = start_daemon(dir.path());
     let out = Command::new(&python)

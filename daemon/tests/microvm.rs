@@ -110,6 +110,22 @@ async fn turn(c: &mut SessionsClient<Channel>, session: &str) -> String {
     out.join("")
 }
 
+/// Fork(`count`) at the head; the children's uids.
+async fn fork(c: &mut SessionsClient<Channel>, parent: &str, count: i32) -> Vec<String> {
+    c.fork(ForkRequest {
+        session: parent.into(),
+        count,
+        ..Default::default()
+    })
+    .await
+    .unwrap_or_else(|s| panic!("Fork({parent}, {count}): {s}"))
+    .into_inner()
+    .children
+    .iter()
+    .map(uid)
+    .collect()
+}
+
 async fn replay(c: &mut SessionsClient<Channel>, session: &str) -> Vec<LogRecord> {
     let mut stream = c
         .replay(ReplayRequest {
@@ -226,19 +242,7 @@ async fn scenario_76_forks_continue_from_the_parent_in_their_own_microvms() {
     let parent = create(&mut c).await;
     assert_eq!(turn(&mut c, &parent).await, "1");
     assert_eq!(turn(&mut c, &parent).await, "2");
-    let children: Vec<String> = c
-        .fork(ForkRequest {
-            session: parent.clone(),
-            count: 3,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .children
-        .iter()
-        .map(uid)
-        .collect();
+    let children = fork(&mut c, &parent, 3).await;
     assert_eq!(children.len(), 3);
     for child in &children {
         assert!(
@@ -1286,19 +1290,7 @@ async fn suspend_all_covers_fork_children_and_every_session_goes_on() {
     let other = create(&mut c).await;
     assert_eq!(turn(&mut c, &other).await, "1");
     assert_eq!(turn(&mut c, &parent).await, "2");
-    let children: Vec<String> = c
-        .fork(ForkRequest {
-            session: parent.clone(),
-            count: 3,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .children
-        .iter()
-        .map(uid)
-        .collect();
+    let children = fork(&mut c, &parent, 3).await;
     assert_eq!(turn(&mut c, &parent).await, "3", "the parent runs again");
     let all: Vec<&String> = children.iter().chain([&parent, &other]).collect();
     for s in &all {
