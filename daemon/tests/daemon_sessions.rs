@@ -151,6 +151,26 @@ fn text(t: &str) -> Message {
     }
 }
 
+/// The session's whole log.
+async fn replay_all(
+    c: &mut SessionsClient<tonic::transport::Channel>,
+    uid: &str,
+) -> Vec<agentvm_proto::v1::LogRecord> {
+    let mut replay = c
+        .replay(ReplayRequest {
+            session: uid.into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut records = Vec::new();
+    while let Some(r) = replay.message().await.unwrap() {
+        records.push(r);
+    }
+    records
+}
+
 async fn sessions(d: &Daemon) -> SessionsClient<tonic::transport::Channel> {
     SessionsClient::new(
         agentvmd::client::connect(&ListenAddr::Unix(d.api.clone()))
@@ -233,18 +253,7 @@ async fn kill_9_during_a_turn_then_exec_without_inputs_completes_it() {
     drop(stream);
     let daemon = start_daemon(dir.path());
     let mut c = sessions(&daemon).await;
-    let mut replay = c
-        .replay(ReplayRequest {
-            session: uid.clone(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let mut after = Vec::new();
-    while let Some(r) = replay.message().await.unwrap() {
-        after.push(r);
-    }
+    let after = replay_all(&mut c, &uid).await;
     assert_eq!(
         after, committed,
         "every committed record survived, byte for byte"
@@ -261,18 +270,7 @@ async fn kill_9_during_a_turn_then_exec_without_inputs_completes_it() {
         .unwrap()
         .into_inner();
     while stream.message().await.unwrap().is_some() {}
-    let mut replay = c
-        .replay(ReplayRequest {
-            session: uid.clone(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let mut all = Vec::new();
-    while let Some(r) = replay.message().await.unwrap() {
-        all.push(r);
-    }
+    let all = replay_all(&mut c, &uid).await;
     let kinds: Vec<i32> = all.iter().map(|r| r.event.as_ref().unwrap().kind).collect();
     assert_eq!(
         kinds,
@@ -542,18 +540,7 @@ async fn a_grpcio_harness_that_reads_start_first_answers_the_turn() {
         .expect("the turn hung: the host waited for headers the harness sends only after Start");
     assert_eq!(said, "py:hello");
     assert_eq!(kinds.last(), Some(&EventKind::EventEnd), "{kinds:?}");
-    let mut replay = c
-        .replay(ReplayRequest {
-            session: uid.clone(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let mut records = Vec::new();
-    while let Some(r) = replay.message().await.unwrap() {
-        records.push(r);
-    }
+    let records = replay_all(&mut c, &uid).await;
     verify_chain(&records).unwrap();
 }
 
