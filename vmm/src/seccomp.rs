@@ -45,6 +45,9 @@ const COMMON: &[libc::c_long] = &[
     libc::SYS_nanosleep,
     libc::SYS_prctl,
     libc::SYS_read,
+    // The kernel makes this call itself when a stopped thread (SIGSTOP/SIGCONT, a debugger, a
+    // cgroup freeze) resumes an interrupted sleep or futex wait: refusing it killed the VMM.
+    libc::SYS_restart_syscall,
     libc::SYS_rseq,
     libc::SYS_rt_sigaction,
     libc::SYS_rt_sigprocmask,

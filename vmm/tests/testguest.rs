@@ -244,3 +244,54 @@ async fn shutdown_and_delete_release_everything() {
     }
     vmm.shutdown().await;
 }
+
+/// Stops the whole VMM process for a moment and lets it go on, as job control, a debugger
+/// or a cgroup freezer does.
+fn stop_and_continue(pid: u32) {
+    for signal in [libc::SIGSTOP, libc::SIGCONT] {
+        // SAFETY: kill(2) on the VMM this test spawned.
+        assert_eq!(unsafe { libc::kill(pid as i32, signal) }, 0);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Issue: SIGSTOP then SIGCONT killed even an idle VMM: the kernel resumes an interrupted
+/// sleep with restart_syscall, which the seccomp filters did not allow (SIGSYS), and the
+/// guest's memory was lost with it. The VMM, before and after boot, and its guest survive.
+#[tokio::test]
+async fn stop_and_continue_leave_the_vmm_and_its_guest_memory_intact() {
+    require_kvm!();
+    let mut vmm = Vmm::spawn().await;
+    stop_and_continue(vmm.pid());
+    assert!(vmm.child.try_wait().unwrap().is_none(), "the idle VMM died");
+    vmm.client.wait_ready(Duration::from_secs(5)).await.unwrap();
+    vmm.boot(&vmm.config(1, 256, "")).await;
+    let mut link = GuestLink::connect(&vmm.vsock_socket(), PORT).unwrap();
+    link.hello();
+    assert_eq!(link.counter_turn(1, "e1"), "1");
+    for _ in 0..3 {
+        stop_and_continue(vmm.pid());
+    }
+    // A debugger attaching and leaving stops and restarts the same calls.
+    let pid = vmm.pid() as i32;
+    // SAFETY: ptrace(2) attach, wait and detach on the VMM this test spawned; no memory is
+    // passed but the status word.
+    unsafe {
+        assert_eq!(libc::ptrace(libc::PTRACE_ATTACH, pid, 0, 0), 0);
+        let mut status = 0;
+        assert_eq!(libc::waitpid(pid, &mut status, libc::__WALL), pid);
+        assert_eq!(libc::ptrace(libc::PTRACE_DETACH, pid, 0, 0), 0);
+        libc::kill(pid, libc::SIGCONT);
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        vmm.child.try_wait().unwrap().is_none(),
+        "the running VMM died"
+    );
+    assert_eq!(
+        link.counter_turn(2, "e2"),
+        "2",
+        "the guest's count survived"
+    );
+    vmm.shutdown().await;
+}
