@@ -45,7 +45,9 @@ fn main() {
     use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
+        // As PID 1 its stderr is the VM's serial console, which the host keeps as a log file:
+        // no colour codes there.
+        .with_ansi(std::io::stderr().is_terminal() && std::process::id() != 1)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
