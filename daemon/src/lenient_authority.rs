@@ -186,10 +186,11 @@ fn headers_frame(stream_id: u32, flags: u8, payload: &[u8]) -> io::Result<Pendin
         let (&pad, rest) = body
             .split_first()
             .ok_or_else(|| invalid("PADDED HEADERS without a pad length"))?;
-        body = rest
-            .get(..rest.len().saturating_sub(pad as usize))
-            .filter(|_| pad as usize <= rest.len())
+        let kept = rest
+            .len()
+            .checked_sub(pad as usize)
             .ok_or_else(|| invalid("HEADERS padding longer than the frame"))?;
+        body = &rest[..kept];
     }
     let priority = if flags & FLAG_PRIORITY != 0 {
         let (p, rest) = body

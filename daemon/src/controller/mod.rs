@@ -330,11 +330,10 @@ impl Controller {
         }
         let expected = new.expected_last_seq.unwrap_or(log.head());
         check_input_sizes(&new.inputs)?;
-        let history: Vec<Event> = log.records.into_iter().filter_map(|r| r.event).collect();
         let start = Start {
-            config: new.config.clone(),
-            history,
-            inputs: new.inputs.clone(),
+            config: new.config,
+            history: log.records.into_iter().filter_map(|r| r.event).collect(),
+            inputs: new.inputs,
             identity: identity_context(turn),
             resume_from_seq: new.resume_from_seq,
         };
@@ -343,15 +342,16 @@ impl Controller {
         let mut bodies = vec![(
             EventKind::EventExecutionStart,
             Body::ExecutionStart(ExecutionStart {
-                config: new.config.clone(),
-                resume_from_seq: new.resume_from_seq,
-                input_count: Some(new.inputs.len() as i64),
+                config: start.config.clone(),
+                resume_from_seq: start.resume_from_seq,
+                input_count: Some(start.inputs.len() as i64),
                 harness: turn.harness.clone(),
                 harness_version: turn.descriptor.version.clone(),
             }),
         )];
         bodies.extend(
-            new.inputs
+            start
+                .inputs
                 .iter()
                 .map(|m| (EventKind::EventInput, Body::Message(m.clone()))),
         );

@@ -135,9 +135,9 @@ impl Drop for Daemon {
     }
 }
 
+/// A zombie's or a gone process's cmdline reads empty.
 pub fn process_alive(pid: i32) -> bool {
-    Path::new(&format!("/proc/{pid}/cmdline")).exists()
-        && std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| !c.is_empty())
+    std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| !c.is_empty())
 }
 
 pub fn signal(pid: i32, signal: i32) {
