@@ -5,6 +5,7 @@ pub mod client;
 pub mod clock;
 pub mod config;
 pub mod controller;
+pub mod crash_point;
 pub mod image;
 pub mod journal;
 pub mod json;

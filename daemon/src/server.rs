@@ -100,8 +100,9 @@ pub async fn api_routes_with(
     node: Option<NodeService>,
     auth: Option<Arc<Authenticator>>,
 ) -> anyhow::Result<Routes> {
-    // Serving starts here, so does noticing compute that dies between requests.
-    host.watch_compute();
+    // Serving starts here: first what a previous daemon left half done is recovered, then
+    // compute that dies between requests is noticed.
+    host.watch_compute().await;
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter
         .set_service_status("", tonic_health::ServingStatus::Serving)

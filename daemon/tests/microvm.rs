@@ -351,17 +351,17 @@ async fn a_restarted_daemon_readopts_running_microvms() {
 }
 
 /// Runs one turn and returns how it failed (its status message); panics if it succeeded.
-async fn failed_turn(mut c: SessionsClient<Channel>, session: String) -> String {
+async fn failed_turn(mut c: SessionsClient<Channel>, session: String) -> tonic::Status {
     let started = c.exec(support::exec_text(session.clone(), "go")).await;
     match started {
-        Err(status) => status.message().to_owned(),
+        Err(status) => status,
         Ok(stream) => {
             let mut stream = stream.into_inner();
             loop {
                 match stream.message().await {
                     Ok(Some(_)) => continue,
                     Ok(None) => panic!("the turn on {session} succeeded"),
-                    Err(status) => break status.message().to_owned(),
+                    Err(status) => break status,
                 }
             }
         }
@@ -392,28 +392,31 @@ async fn a_killed_vmm_fails_the_turn_then_the_session_continues_from_its_last_sn
     tokio::time::sleep(Duration::from_millis(300)).await;
     // SAFETY: as above.
     unsafe { libc::kill(pid, libc::SIGKILL) };
-    let message = in_flight.await.unwrap();
+    let status = in_flight.await.unwrap();
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
     assert!(
-        ["VMM", "vsock", "guest", "harness"]
-            .iter()
-            .any(|word| message.contains(word)),
-        "the failure names its cause: {message}"
+        status.message().contains("compute lost") && status.message().contains("VM"),
+        "the failure names its cause: {status:?}"
     );
-
-    wait_cold(
-        &mut c,
-        &s,
-        Duration::from_secs(10),
-        "the lost VMM was never recorded",
-    )
-    .await;
+    // Issue: the next turn failed 2 times in 3 ("the session's VMM is not running") until
+    // the exit was recorded. It now goes on at once, with no retry.
+    assert_eq!(turn(&mut c, &s).await, "3");
+    // Turn 3's memory died with the VMM: the log says so, before the turn that restored
+    // count 2 and answered 3.
     let records = replay(&mut c, &s).await;
-    let Some(Body::Lifecycle(last)) = records
+    let last_start = records
+        .iter()
+        .rposition(|r| {
+            r.event.as_ref().map(|e| e.kind)
+                == Some(agentvm_proto::v1::EventKind::EventExecutionStart as i32)
+        })
+        .unwrap();
+    let Some(Body::Lifecycle(last)) = records[..last_start]
         .last()
         .and_then(|r| r.event.as_ref())
         .and_then(|e| e.body.clone())
     else {
-        panic!("the last record is not a lifecycle record");
+        panic!("the record before the last turn is not a lifecycle record");
     };
     assert_eq!(last.kind, LifecycleKind::LifecycleSuspend as i32);
     assert!(last.detail.contains("compute lost"), "{}", last.detail);
@@ -421,8 +424,6 @@ async fn a_killed_vmm_fails_the_turn_then_the_session_continues_from_its_last_sn
         last.snapshot_memory,
         "it names the snapshot to continue from"
     );
-    // Turn 3's memory died with the VMM: the next turn restores count 2.
-    assert_eq!(turn(&mut c, &s).await, "3");
     verify_chain(&replay(&mut c, &s).await).unwrap();
 }
 

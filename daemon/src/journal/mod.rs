@@ -70,6 +70,47 @@ impl DeletionState {
     }
 }
 
+/// A lifecycle operation in progress, written before it acts and removed when it is done, so
+/// a daemon that starts after a crash finds every half-done operation and finishes or rolls
+/// it back (`session::recovery`). Ours, not upstream's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Operation {
+    pub kind: OperationKind,
+    pub session: String,
+    /// The sessions the operation creates (a fork's children, named before they exist).
+    pub children: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OperationKind {
+    /// Snapshot the live compute and record SUSPEND (Suspend, a fork's parent, an approval
+    /// park).
+    Suspend,
+    /// Start children from a parent's snapshot and write them. (Starting one session's
+    /// compute needs no row here: its VMM directory, made before the VMM, is that intent.)
+    Fork,
+    Delete,
+}
+
+impl OperationKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OperationKind::Suspend => "SUSPEND",
+            OperationKind::Fork => "FORK",
+            OperationKind::Delete => "DELETE",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "SUSPEND" => OperationKind::Suspend,
+            "FORK" => OperationKind::Fork,
+            "DELETE" => OperationKind::Delete,
+            _ => return None,
+        })
+    }
+}
+
 /// Keyset cursor for listing: strictly after (created_at DESC, uid ASC).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ListCursor {
@@ -177,6 +218,15 @@ pub trait Journal: Send + Sync {
 
     /// Active sessions by their stored compute state (for metrics and node status).
     fn count_by_compute_state(&self) -> Result<Vec<(ComputeState, u64)>>;
+
+    /// Records that `op` is about to act (durably, before it does); returns its id.
+    fn begin_operation(&self, op: &Operation) -> Result<i64>;
+
+    /// The operation `id` is complete, or was rolled back.
+    fn end_operation(&self, id: i64) -> Result<()>;
+
+    /// Operations begun and never ended, oldest first.
+    fn open_operations(&self) -> Result<Vec<(i64, Operation)>>;
 }
 
 /// How one event moves the `compute_state` projection (semantics.md §1.5).

@@ -14,12 +14,14 @@ use prost::Message;
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
 use super::{
-    DeletionState, Journal, JournalError, ListCursor, Result, SessionRow, project_compute_state,
+    DeletionState, Journal, JournalError, ListCursor, Operation, OperationKind, Result, SessionRow,
+    project_compute_state,
 };
 use crate::clock::now_nanos;
 
 /// Stamped in `PRAGMA user_version`; a database with a higher stamp is refused.
-pub const SCHEMA_VERSION: i64 = 1;
+/// 2 added `operations` (lifecycle intents); a version 1 database gains it on open.
+pub const SCHEMA_VERSION: i64 = 2;
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS sessions (
@@ -52,6 +54,13 @@ CREATE TABLE IF NOT EXISTS events (
     event     BLOB NOT NULL,
     PRIMARY KEY (session, seq)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS operations (
+    id         INTEGER PRIMARY KEY AUTOINCREMENT,
+    kind       TEXT NOT NULL,
+    session    TEXT NOT NULL,
+    children   TEXT NOT NULL DEFAULT '',
+    started_at INTEGER NOT NULL
+);
 ";
 
 /// How hard a commit waits for the disk.
@@ -530,6 +539,49 @@ impl Journal for SqliteJournal {
             .map_err(storage(format!("commit fork copy {parent} -> {child}")))
     }
 
+    fn begin_operation(&self, op: &Operation) -> Result<i64> {
+        self.insert_operation(op)
+    }
+
+    fn end_operation(&self, id: i64) -> Result<()> {
+        self.writer()
+            .execute("DELETE FROM operations WHERE id = ?1", params![id])
+            .map_err(storage(format!("end operation {id}")))?;
+        Ok(())
+    }
+
+    fn open_operations(&self) -> Result<Vec<(i64, Operation)>> {
+        let conn = self.reader();
+        let rows = conn
+            .prepare_cached("SELECT id, kind, session, children FROM operations ORDER BY id")
+            .and_then(|mut st| {
+                st.query_map([], |r| {
+                    Ok((
+                        r.get::<_, i64>(0)?,
+                        r.get::<_, String>(1)?,
+                        r.get::<_, String>(2)?,
+                        r.get::<_, String>(3)?,
+                    ))
+                })?
+                .collect::<rusqlite::Result<Vec<_>>>()
+            })
+            .map_err(storage("list open operations"))?;
+        Ok(rows
+            .into_iter()
+            .filter_map(|(id, kind, session, children)| {
+                let kind = OperationKind::parse(&kind)?;
+                Some((
+                    id,
+                    Operation {
+                        kind,
+                        session,
+                        children: children.split_whitespace().map(str::to_owned).collect(),
+                    },
+                ))
+            })
+            .collect())
+    }
+
     fn set_deletion(&self, uid: &str, state: DeletionState) -> Result<()> {
         let conn = self.writer();
         let n = conn
@@ -542,6 +594,29 @@ impl Journal for SqliteJournal {
             return Err(JournalError::NotFound(uid.to_owned()));
         }
         Ok(())
+    }
+}
+
+impl SqliteJournal {
+    fn insert_operation(&self, op: &Operation) -> Result<i64> {
+        let conn = self.writer();
+        conn.prepare_cached(
+            "INSERT INTO operations (kind, session, children, started_at) VALUES (?1, ?2, ?3, ?4)",
+        )
+        .and_then(|mut st| {
+            st.execute(params![
+                op.kind.as_str(),
+                op.session,
+                op.children.join(" "),
+                now_nanos()
+            ])
+        })
+        .map_err(storage(format!(
+            "record the {} intent of {}",
+            op.kind.as_str(),
+            op.session
+        )))?;
+        Ok(conn.last_insert_rowid())
     }
 }
 

@@ -74,6 +74,27 @@ pub enum RuntimeError {
         session: String,
         reason: String,
     },
+    /// A disk or the RAM directory is full: nothing was written, retrying later may work.
+    #[error("{runtime}: session {session}: no space left for {what}")]
+    NoSpace {
+        runtime: &'static str,
+        session: String,
+        what: String,
+    },
+    /// The compute stopped answering within its deadline.
+    #[error("{runtime}: session {session}: {reason}")]
+    Hung {
+        runtime: &'static str,
+        session: String,
+        reason: String,
+    },
+    /// A snapshot failed its digests or cannot be read: it never will be.
+    #[error("{runtime}: session {session}: {reason}")]
+    Corrupt {
+        runtime: &'static str,
+        session: String,
+        reason: String,
+    },
     #[error("{runtime}: snapshot of session {session} was superseded")]
     SnapshotSuperseded {
         runtime: &'static str,
@@ -135,6 +156,27 @@ pub trait Runtime: Send + Sync {
     fn compute_lost(&self) -> Option<tokio::sync::broadcast::Receiver<ComputeLost>> {
         None
     }
+
+    /// Whether the incarnation's compute still exists, as cheaply as the backend can tell
+    /// (no request to it): a turn on compute that died is not even tried.
+    fn alive(&self, _incarnation: &Incarnation) -> bool {
+        true
+    }
+
+    /// Start-up reconciliation of what the runtime keeps on this node (VMMs, their
+    /// directories, snapshots and the records of who uses them) against the journal:
+    /// whatever belongs to no session that `owned` accepts is stopped or removed, and each
+    /// decision is logged. Runs before the node serves anything.
+    async fn reconcile(&self, _owned: &(dyn for<'s> Fn(&'s str) -> bool + Send + Sync)) {}
+
+    /// The memory snapshots this runtime holds of `session_uid`, newest first (a Suspend the
+    /// daemon did not live to record leaves one that no record names).
+    fn snapshots_of(&self, _session_uid: &str) -> Vec<SnapshotRef> {
+        Vec::new()
+    }
+
+    /// Removes a snapshot that no record names and nothing uses.
+    fn discard_snapshot(&self, _snapshot: &SnapshotRef) {}
 
     /// Opens the harness channel of a live incarnation.
     async fn dial(&self, incarnation: &Incarnation) -> Result<Arc<dyn HarnessEndpoint>>;

@@ -11,7 +11,8 @@ use super::{SessionHost, busy};
 use crate::api::status::journal_status;
 use crate::controller::log::SessionLog;
 use crate::controller::{GateState, Interrupt, gate_state, stamp};
-use crate::journal::DeletionState;
+use crate::crash_point;
+use crate::journal::{DeletionState, OperationKind};
 
 fn decision_of(r: &LogRecord) -> Option<(&ApprovalResult, Option<&IdentityRef>)> {
     let e = r.event.as_ref()?;
@@ -202,11 +203,22 @@ impl SessionHost {
             .await
             .map_err(|b| busy(uid, b))?;
         let j = |e| journal_status(&e);
+        let intent = self.intend(OperationKind::Delete, uid, Vec::new())?;
         self.journal
             .set_deletion(uid, DeletionState::Deleting)
             .map_err(j)?;
         // Fence out any writer that survived the preemption.
         self.journal.new_fence(uid).map_err(j)?;
+        crash_point::reached(crash_point::DELETE_BEGUN);
+        self.finish_delete(uid, &row.harness).await?;
+        drop(intent);
+        tracing::info!(session = %uid, "session deleted");
+        self.view(uid)
+    }
+
+    /// The steps of a delete after its durable mark: stop the compute, reclaim snapshots,
+    /// tombstone. Also how recovery finishes a delete a crash interrupted.
+    pub(super) async fn finish_delete(&self, uid: &str, harness: &str) -> Result<(), Status> {
         self.adopt(uid).await?;
         if let Some((inc, runtime)) = self.live_take(uid) {
             runtime.stop(&inc).await.map_err(|e| {
@@ -215,16 +227,16 @@ impl SessionHost {
                 ))
             })?;
         }
-        if let Ok(placement) = self.place(&row.harness)
+        crash_point::reached(crash_point::DELETE_STOPPED);
+        if let Ok(placement) = self.place(harness)
             && let Err(e) = placement.runtime.reclaim(uid).await
         {
             // The session is gone either way; what could not be freed yet stays for later.
             tracing::warn!(session = %uid, error = %e, "reclaiming the session's snapshots");
         }
+        crash_point::reached(crash_point::DELETE_RECLAIMED);
         self.journal
             .set_deletion(uid, DeletionState::Deleted)
-            .map_err(j)?;
-        tracing::info!(session = %uid, "session deleted");
-        self.view(uid)
+            .map_err(|e| journal_status(&e))
     }
 }

@@ -13,7 +13,8 @@ use super::{SessionHost, busy, new_session_uid, resume_point, runtime_status};
 use crate::api::status::journal_status;
 use crate::clock::now_nanos;
 use crate::controller::Interrupt;
-use crate::journal::{DeletionState, SessionRow};
+use crate::crash_point;
+use crate::journal::{DeletionState, OperationKind, SessionRow};
 use crate::runtime::placement::can_place;
 use crate::runtime::{ForkOpts, Incarnation, SessionSpec};
 
@@ -86,7 +87,7 @@ impl SessionHost {
             }
             self.adopt(&uid).await?;
             let snapshot = if self.live_get(&uid).is_some() {
-                let snapshot = self.checkpoint(&uid).await?;
+                let (snapshot, intent) = self.checkpoint(&uid).await?;
                 self.append_lifecycle(
                     &uid,
                     at_seq,
@@ -95,6 +96,8 @@ impl SessionHost {
                     "fork",
                     Some(snapshot.clone()),
                 )?;
+                crash_point::reached(crash_point::SUSPEND_RECORDED);
+                drop(intent);
                 snapshot
             } else {
                 // Cold (suspended, or an earlier fork already parked it): its head is the
@@ -115,8 +118,11 @@ impl SessionHost {
         };
 
         let count = req.count as usize;
+        let uids: Vec<String> = (0..count).map(|_| new_session_uid()).collect();
+        let intent = self.intend(OperationKind::Fork, &uid, uids.clone())?;
+        crash_point::reached(crash_point::FORK_BEGUN);
         let started = std::time::Instant::now();
-        let provisioned = match self.provision_children(&placement, &source, count).await {
+        let provisioned = match self.provision_children(&placement, &source, uids).await {
             Ok(p) => p,
             Err((provisioned, e)) => {
                 self.roll_back(&placement, &provisioned, &[]).await;
@@ -124,6 +130,7 @@ impl SessionHost {
             }
         };
 
+        crash_point::reached(crash_point::FORK_PROVISIONED);
         let provisioned_in = started.elapsed();
         let mut written: Vec<String> = Vec::with_capacity(count);
         for (i, (child, _)) in provisioned.iter().enumerate() {
@@ -132,7 +139,10 @@ impl SessionHost {
             let cloned_from = memory.then(|| source.clone());
             let result = self.write_child(&parent, child, &req, i, at_seq, cloned_from);
             match result {
-                Ok(()) => written.push(child.clone()),
+                Ok(()) => {
+                    written.push(child.clone());
+                    crash_point::reached(crash_point::FORK_CHILD_WRITTEN);
+                }
                 Err(e) => {
                     written.push(child.clone());
                     self.roll_back(&placement, &provisioned, &written).await;
@@ -140,6 +150,7 @@ impl SessionHost {
                 }
             }
         }
+        crash_point::reached(crash_point::FORK_WRITTEN);
         let mut children = Vec::with_capacity(count);
         for (child, inc) in provisioned {
             if let Some(inc) = inc {
@@ -147,6 +158,7 @@ impl SessionHost {
             }
             children.push(self.view(&child)?);
         }
+        drop(intent);
         tracing::info!(
             session = %uid,
             children = children.len(),
@@ -165,12 +177,12 @@ impl SessionHost {
         &self,
         placement: &super::Placement,
         source: &SnapshotRef,
-        count: usize,
+        uids: Vec<String>,
     ) -> Result<Provisioned, (Provisioned, Status)> {
+        let count = uids.len();
         let permits = Arc::new(Semaphore::new(FORK_PARALLELISM));
         let mut set = JoinSet::new();
-        for index in 0..count {
-            let child = new_session_uid();
+        for (index, child) in uids.into_iter().enumerate() {
             let opts = ForkOpts {
                 child_session_uid: child.clone(),
                 spec: SessionSpec {

@@ -8,11 +8,13 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use agentvm_proto::v1::lifecycle::Kind as LifecycleKind;
+use agentvm_proto::v1::{ComputeState, SnapshotRef, event::Body};
 use tokio::sync::broadcast::error::RecvError;
+use tonic::Status;
 
 use super::guard::Hold;
 use super::{SessionHost, resume_point};
-use crate::runtime::ComputeLost;
+use crate::runtime::{ComputeLost, Runtime};
 
 /// How long a report waits for a turn on the lost compute to end by itself (it fails as
 /// soon as its harness channel does).
@@ -20,16 +22,23 @@ const BUSY_WAIT: Duration = Duration::from_secs(30);
 const BUSY_POLL: Duration = Duration::from_millis(20);
 
 impl SessionHost {
-    /// Starts recording every runtime's lost-compute reports. Needs a tokio runtime; calling
-    /// it again does nothing.
-    pub fn watch_compute(self: &Arc<Self>) {
-        if self.watching.swap(true, Ordering::SeqCst) {
-            return;
-        }
+    /// Each runtime of this node once.
+    pub(super) fn runtimes(&self) -> Vec<Arc<dyn Runtime>> {
         let mut runtimes: Vec<_> = self.builtin_runtimes.values().cloned().collect();
         runtimes.sort_by_key(|r| Arc::as_ptr(r) as *const () as usize);
         runtimes.dedup_by_key(|r| Arc::as_ptr(r) as *const () as usize);
-        for runtime in runtimes {
+        runtimes
+    }
+
+    /// Recovers what a previous daemon left half done (`recovery`), then starts recording
+    /// every runtime's lost-compute reports. Runs before the node serves; calling it again
+    /// does nothing.
+    pub async fn watch_compute(self: &Arc<Self>) {
+        if self.watching.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        self.recover().await;
+        for runtime in self.runtimes() {
             let Some(mut reports) = runtime.compute_lost() else {
                 continue;
             };
@@ -83,7 +92,77 @@ impl SessionHost {
             return;
         }
         self.live_take(uid);
-        self.record_lost(uid, row.fork_seq, &lost.reason);
+        // Cold sessions claim no compute (a fork child that never ran a turn is still its
+        // FORK snapshot): nothing was lost that the log does not already say.
+        if row.compute_state != ComputeState::ComputeLive {
+            return;
+        }
+        if let Err(e) =
+            self.settle_lost_compute(uid, row.fork_seq, &placement.runtime, &lost.reason)
+        {
+            tracing::error!(session = %uid, reason = %lost.reason, error = %e,
+                "compute lost and could not be recorded");
+        }
+    }
+
+    /// A LIVE session's compute is gone; before anything runs on an older state, the log must
+    /// say so. A complete snapshot that a Suspend took but did not live to record is that
+    /// state (nothing is lost): it is recorded as the SUSPEND. Otherwise the loss is.
+    pub(super) fn settle_lost_compute(
+        &self,
+        uid: &str,
+        fork_seq: i64,
+        runtime: &Arc<dyn Runtime>,
+        reason: &str,
+    ) -> Result<(), Status> {
+        let records = self.records(uid)?;
+        let recorded = |s: &SnapshotRef| {
+            records
+                .iter()
+                .any(|r| match r.event.as_ref().and_then(|e| e.body.as_ref()) {
+                    Some(Body::Lifecycle(l)) => l.snapshot_external_uri == s.external_uri,
+                    _ => false,
+                })
+        };
+        let held = runtime.snapshots_of(uid);
+        // Only the newest snapshot can be the session's state; an unrecorded older one is a
+        // leftover of a Suspend that failed before its record.
+        let adopt = held.first().filter(|s| !recorded(s)).cloned();
+        for stale in held.iter().skip(1).filter(|s| !recorded(s)) {
+            runtime.discard_snapshot(stale);
+        }
+        let head = self.row(uid)?.last_seq;
+        let fence = self
+            .journal
+            .new_fence(uid)
+            .map_err(|e| crate::api::status::journal_status(&e))?;
+        match adopt {
+            Some(snapshot) => {
+                self.append_lifecycle(
+                    uid,
+                    head,
+                    fence,
+                    LifecycleKind::LifecycleSuspend,
+                    "suspend completed after a restart: its snapshot was taken, not yet recorded",
+                    Some(snapshot),
+                )?;
+                tracing::warn!(session = %uid, "adopted the snapshot of an interrupted suspend");
+            }
+            None => {
+                let snapshot = resume_point(&records, fork_seq);
+                self.append_lifecycle(
+                    uid,
+                    head,
+                    fence,
+                    LifecycleKind::LifecycleSuspend,
+                    &format!("compute lost: {reason}"),
+                    snapshot,
+                )?;
+                tracing::warn!(session = %uid, %reason,
+                    "compute lost; the session continues from its last snapshot");
+            }
+        }
+        Ok(())
     }
 
     /// Appends the SUSPEND that records lost compute; the caller holds the session.

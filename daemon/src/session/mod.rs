@@ -6,7 +6,9 @@
 mod decisions;
 mod fork;
 pub mod guard;
+mod intent;
 mod lost;
+mod recovery;
 mod turns;
 
 use std::collections::{BTreeMap, HashMap};
@@ -108,7 +110,19 @@ fn runtime_status(e: &RuntimeError) -> Status {
     match e {
         RuntimeError::Unsupported { .. } => Status::failed_precondition(e.to_string()),
         RuntimeError::SnapshotSuperseded { .. } => Status::aborted(e.to_string()),
+        RuntimeError::NoSpace { .. } => Status::resource_exhausted(e.to_string()),
+        RuntimeError::Hung { .. } => Status::deadline_exceeded(e.to_string()),
+        RuntimeError::Corrupt { .. } => Status::data_loss(e.to_string()),
         RuntimeError::Failed { .. } => Status::unavailable(e.to_string()),
+    }
+}
+
+/// A failed snapshot: what cannot clear by retrying keeps its own code, anything else is
+/// the host's fault (the session's compute runs on; see `Runtime::snapshot`).
+fn snapshot_status(uid: &str, e: &RuntimeError) -> Status {
+    match e {
+        RuntimeError::Failed { .. } => Status::internal(format!("snapshot of session {uid}: {e}")),
+        _ => runtime_status(e),
     }
 }
 

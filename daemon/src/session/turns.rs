@@ -9,13 +9,18 @@ use tonic::Status;
 use tracing::Instrument;
 
 use super::guard::{Held, Hold};
-use super::{NewSession, Placement, SessionHost, busy, resume_point, runtime_status, view_of};
+use super::intent::Intent;
+use super::{
+    NewSession, Placement, SessionHost, busy, resume_point, runtime_status, snapshot_status,
+    view_of,
+};
 use crate::api::status::journal_status;
 use crate::controller::log::SessionLog;
 use crate::controller::{
     GateState, Interrupt, NewExecution, Turn, TurnOutcome, gate_state, inherited_open_intent, stamp,
 };
-use crate::journal::SessionRow;
+use crate::crash_point;
+use crate::journal::{OperationKind, SessionRow};
 use crate::runtime::placement::can_place;
 use crate::runtime::{Incarnation, SessionSpec, SnapshotKind};
 
@@ -167,7 +172,7 @@ impl SessionHost {
         let fence = turn.fence;
         drop(turn);
         let _ = forward.await;
-        match outcome.map_err(Status::from)? {
+        match outcome.map_err(|e| self.turn_failure(&uid, Status::from(e)))? {
             Some(TurnOutcome::Parked { head, .. }) => {
                 self.park_handoff(&uid, head, fence).await?;
             }
@@ -183,6 +188,19 @@ impl SessionHost {
         );
         let _ = updates.send(session_frame(view)).await;
         Ok(())
+    }
+
+    /// A failed turn whose compute died under it says so (UNAVAILABLE: the next turn
+    /// brings the session back), whatever broken stream the harness side saw first.
+    fn turn_failure(&self, uid: &str, status: Status) -> Status {
+        match self.live_get(uid) {
+            Some((inc, runtime)) if !runtime.alive(&inc) => Status::unavailable(format!(
+                "compute lost: the session's VM exited during the turn ({}); the next turn \
+                 continues from the session's last snapshot",
+                status.message()
+            )),
+            _ => status,
+        }
     }
 
     /// CanPlace, compute (attach, restore or create), dial, Describe, then a fresh fence.
@@ -215,6 +233,7 @@ impl SessionHost {
         let (endpoint, descriptor) = match self.describe(placement, &incarnation).await {
             Ok(d) => d,
             Err(s) => {
+                let s = self.turn_failure(&row.uid, s);
                 // A compute we cannot reach is not kept as the session's incarnation; a
                 // memory-tier session's RAM goes with it, which its log then says.
                 if let Some((inc, rt)) = self.live_take(&row.uid) {
@@ -278,8 +297,13 @@ impl SessionHost {
         row: &SessionRow,
         placement: &Placement,
     ) -> Result<(Incarnation, &'static str), Status> {
-        if let Some((inc, _)) = self.live_get(&row.uid) {
-            return Ok((inc, "attached"));
+        if let Some((inc, runtime)) = self.live_get(&row.uid) {
+            if runtime.alive(&inc) {
+                return Ok((inc, "attached"));
+            }
+            // Died since the last turn, before its exit was recorded: record it here, so this
+            // turn goes on from the session's last state instead of failing on a dead VM.
+            self.live_take(&row.uid);
         }
         if let Some(inc) = placement
             .runtime
@@ -297,25 +321,28 @@ impl SessionHost {
             identity: row.identity.clone(),
         };
         // Memory tier: suspended, or its compute is gone (a VMM killed, a node restarted
-        // without it) — either way the last snapshot is the state to continue from.
+        // without it) — either way the last snapshot is the state to continue from, and a
+        // loss is recorded before anything runs on that older state.
         let snapshot = if placement.memory_tier() {
-            let last = resume_point(&self.records(&row.uid)?, row.fork_seq);
             if row.compute_state == ComputeState::ComputeLive {
-                tracing::warn!(
-                    session = %row.uid,
-                    snapshot = last.as_ref().map(|r| r.external_uri.as_str()).unwrap_or("none"),
-                    "the session's compute is gone; continuing from its last snapshot"
-                );
+                self.settle_lost_compute(
+                    &row.uid,
+                    row.fork_seq,
+                    &placement.runtime,
+                    "its VMM was gone when the next turn came",
+                )?;
             }
-            last
+            resume_point(&self.records(&row.uid)?, row.fork_seq)
         } else {
             None
         };
+        crash_point::reached(crash_point::START_BEGUN);
         let (inc, how) = match snapshot {
             Some(r) => (placement.runtime.restore(&r, &spec).await, "restored"),
             None => (placement.runtime.create(&spec).await, "created"),
         };
         let inc = inc.map_err(|e| runtime_status(&e))?;
+        crash_point::reached(crash_point::START_READY);
         self.live_put(&row.uid, inc.clone(), placement.runtime.clone());
         Ok((inc, how))
     }
@@ -323,7 +350,7 @@ impl SessionHost {
     /// After a park: close the harness, take the external snapshot and append SUSPEND at the
     /// head the park left, under the execution's fence.
     async fn park_handoff(&self, uid: &str, head: i64, fence: i64) -> Result<(), Status> {
-        let snapshot = self.checkpoint(uid).await?;
+        let (snapshot, intent) = self.checkpoint(uid).await?;
         self.append_lifecycle(
             uid,
             head,
@@ -332,23 +359,32 @@ impl SessionHost {
             "approval park",
             Some(snapshot),
         )?;
+        crash_point::reached(crash_point::SUSPEND_RECORDED);
+        drop(intent);
         Ok(())
     }
 
     /// Snapshot(EXTERNAL) of the live compute (freeing it); a session without live compute
-    /// has nothing in memory, so its reference is the session itself.
-    pub(super) async fn checkpoint(&self, uid: &str) -> Result<SnapshotRef, Status> {
+    /// has nothing in memory, so its reference is the session itself. The caller records
+    /// the SUSPEND, then ends the returned intent.
+    pub(super) async fn checkpoint(&self, uid: &str) -> Result<(SnapshotRef, Intent), Status> {
         self.adopt(uid).await?;
-        match self.live_take(uid) {
-            Some((inc, runtime)) => runtime
-                .snapshot(&inc, SnapshotKind::External)
-                .await
-                .map_err(|e| Status::internal(format!("snapshot of session {uid}: {e}"))),
-            None => Ok(SnapshotRef {
+        let Some((inc, runtime)) = self.live_get(uid) else {
+            let local = SnapshotRef {
                 local: uid.to_owned(),
                 ..Default::default()
-            }),
-        }
+            };
+            return Ok((local, Intent::none(self.journal.clone())));
+        };
+        let intent = self.intend(OperationKind::Suspend, uid, Vec::new())?;
+        crash_point::reached(crash_point::SUSPEND_BEGUN);
+        self.live_take(uid);
+        let snapshot = runtime
+            .snapshot(&inc, SnapshotKind::External)
+            .await
+            .map_err(|e| snapshot_status(uid, &e))?;
+        crash_point::reached(crash_point::SUSPEND_SNAPSHOTTED);
+        Ok((snapshot, intent))
     }
 
     pub(super) fn append_lifecycle(
@@ -397,7 +433,7 @@ impl SessionHost {
         if row.compute_state == ComputeState::ComputeCold && self.live_get(uid).is_none() {
             return self.view(uid);
         }
-        let snapshot = self.checkpoint(uid).await?;
+        let (snapshot, intent) = self.checkpoint(uid).await?;
         let fence = self
             .journal
             .new_fence(uid)
@@ -411,6 +447,8 @@ impl SessionHost {
             "",
             Some(snapshot),
         )?;
+        crash_point::reached(crash_point::SUSPEND_RECORDED);
+        drop(intent);
         tracing::info!(session = %uid, "session suspended");
         self.view(uid)
     }

@@ -360,15 +360,77 @@ fn newer_schema_is_refused() {
     let path = dir.path().join("journal.db");
     Connection::open(&path)
         .unwrap()
-        .execute_batch("PRAGMA user_version = 2")
+        .execute_batch("PRAGMA user_version = 3")
         .unwrap();
     assert!(matches!(
         SqliteJournal::open(&path, Durability::Full),
         Err(JournalError::SchemaTooNew {
-            found: 2,
-            supported: 1
+            found: 3,
+            supported: 2
         })
     ));
+}
+
+/// A version 1 database (no `operations`) opens, gains the table and is stamped 2.
+#[test]
+fn a_version_1_journal_gains_the_operations_table() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("journal.db");
+    {
+        let j = open(&dir);
+        j.create_session(&session("s1", "p", 1)).unwrap();
+        let conn = j.writer();
+        conn.execute_batch("DROP TABLE operations; PRAGMA user_version = 1")
+            .unwrap();
+    }
+    let j = SqliteJournal::open(&path, Durability::Full).unwrap();
+    assert!(j.get_session("s1").unwrap().is_some());
+    assert!(j.open_operations().unwrap().is_empty());
+    let version: i64 = j
+        .reader()
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(version, SCHEMA_VERSION);
+}
+
+/// Intents survive a reopen (a crash) until ended, in the order they were begun.
+#[test]
+fn operations_are_durable_until_ended() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = {
+        let j = open(&dir);
+        let a = j
+            .begin_operation(&Operation {
+                kind: OperationKind::Fork,
+                session: "parent".into(),
+                children: vec!["c1".into(), "c2".into()],
+            })
+            .unwrap();
+        let b = j
+            .begin_operation(&Operation {
+                kind: OperationKind::Suspend,
+                session: "parent".into(),
+                children: vec![],
+            })
+            .unwrap();
+        (a, b)
+    };
+    let j = open(&dir);
+    let open_ops = j.open_operations().unwrap();
+    assert_eq!(open_ops.len(), 2);
+    assert_eq!(open_ops[0].0, a);
+    assert_eq!(open_ops[0].1.kind, OperationKind::Fork);
+    assert_eq!(open_ops[0].1.children, ["c1", "c2"]);
+    assert_eq!(open_ops[1].1.kind, OperationKind::Suspend);
+    j.end_operation(a).unwrap();
+    assert_eq!(
+        j.open_operations()
+            .unwrap()
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect::<Vec<_>>(),
+        [b]
+    );
 }
 
 const CHILD_DB_ENV: &str = "AGENTVM_TEST_APPENDER_DB";

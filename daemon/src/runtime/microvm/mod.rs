@@ -133,11 +133,45 @@ fn limits(config: &MicrovmConfig) -> Limits {
     }
 }
 
+/// A failure, by what it means for the caller. The VMM and the snapshot store report theirs
+/// as text (over HTTP, through the jail), so the kinds that need their own status are told
+/// apart by the messages those produce.
 fn failed(session: &str, reason: impl Into<String>) -> RuntimeError {
-    RuntimeError::Failed {
-        runtime: NAME,
-        session: session.to_owned(),
-        reason: reason.into(),
+    let reason = reason.into();
+    let session = session.to_owned();
+    const NO_SPACE: [&str; 2] = ["No space left on device", "os error 28"];
+    const HUNG: [&str; 1] = ["no answer within"];
+    const CORRUPT: [&str; 4] = [
+        "does not match its digest",
+        "is listed in the manifest but missing",
+        "the manifest says",
+        "manifest.json:",
+    ];
+    let has = |needles: &[&str]| needles.iter().any(|n| reason.contains(n));
+    if has(&NO_SPACE) {
+        RuntimeError::NoSpace {
+            runtime: NAME,
+            session,
+            what: reason,
+        }
+    } else if has(&CORRUPT) {
+        RuntimeError::Corrupt {
+            runtime: NAME,
+            session,
+            reason,
+        }
+    } else if has(&HUNG) {
+        RuntimeError::Hung {
+            runtime: NAME,
+            session,
+            reason,
+        }
+    } else {
+        RuntimeError::Failed {
+            runtime: NAME,
+            session,
+            reason,
+        }
     }
 }
 
@@ -275,8 +309,22 @@ impl MicrovmRuntime {
             .await
             .ok()?
             .ok()?;
-        if state != agentvm_vmm_api::VmState::Running {
-            return None;
+        match state {
+            agentvm_vmm_api::VmState::Running => {}
+            // Paused by an operation that never finished (the daemon died mid-Suspend): its
+            // memory is intact, so it runs on rather than being replaced.
+            agentvm_vmm_api::VmState::Paused => {
+                tokio::time::timeout(Duration::from_secs(10), dir.client().resume_idempotent())
+                    .await
+                    .ok()?
+                    .ok()?;
+                let _ = std::fs::remove_dir_all(dir.snapshot_outbox());
+                tracing::info!(
+                    session,
+                    "resumed a VM left paused by an interrupted operation"
+                );
+            }
+            _ => return None,
         }
         if let Some(pid) = vmm_process::pid_of(&dir) {
             self.exits.watch(dir, pid);
@@ -337,6 +385,7 @@ impl MicrovmRuntime {
             self.discard(session, &dir);
             return Err(failed(session, e));
         }
+        crate::crash_point::reached(crate::crash_point::START_SPAWNED);
         match start(dir.clone()).await {
             Ok(()) => Ok(self.incarnation(session)),
             Err(reason) => {
@@ -446,6 +495,54 @@ impl MicrovmRuntime {
             let _ = self.store.release(&id, session);
         }
     }
+}
+
+impl MicrovmRuntime {
+    /// Releases uses of snapshots by sessions that are gone, then deletes the snapshots of
+    /// gone sessions that nothing uses any more (layers before their bases).
+    fn reconcile_snapshots(&self, owned: &(dyn for<'s> Fn(&'s str) -> bool + Send + Sync)) {
+        let ids = self.store.list().unwrap_or_default();
+        for id in &ids {
+            for holder in self.store.holders(id).unwrap_or_default() {
+                if !owned(&holder) || !self.vmm_dir(&holder).vmm_alive() {
+                    tracing::info!(snapshot = %id, holder = %holder,
+                        "reconcile: releasing a use by a VMM that is gone");
+                    let _ = self.store.release(id, &holder);
+                }
+            }
+        }
+        let mut orphans: Vec<&String> = ids
+            .iter()
+            .filter(|id| snapshot_owner(id).is_some_and(|owner| !owned(owner)))
+            .collect();
+        loop {
+            let before = orphans.len();
+            orphans.retain(|id| match self.store.delete(id) {
+                Ok(()) => {
+                    tracing::info!(snapshot = %id,
+                        "reconcile: deleted a snapshot of a session that does not exist or is deleted");
+                    false
+                }
+                Err(_) => true,
+            });
+            if orphans.len() == before {
+                break;
+            }
+        }
+        for id in orphans {
+            tracing::info!(snapshot = %id, "reconcile: snapshot of a gone session kept: still in use");
+        }
+    }
+}
+
+/// The session a snapshot id (`SESSION-PID-N`) was taken of.
+fn snapshot_owner(id: &str) -> Option<&str> {
+    let mut parts = id.rsplitn(3, '-');
+    let n = parts.next()?;
+    let pid = parts.next()?;
+    let session = parts.next()?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    (digits(n) && digits(pid)).then_some(session)
 }
 
 /// An empty `outbox` in `dir`, owned like `dir` (by the VMM's uid when jailed).
@@ -582,6 +679,7 @@ impl Runtime for MicrovmRuntime {
             .pause_idempotent()
             .await
             .map_err(|e| failed(session, format!("vm.pause: {e}")))?;
+        crate::crash_point::reached(crate::crash_point::SUSPEND_PAUSED);
         let id = format!(
             "{session}-{}-{}",
             std::process::id(),
@@ -609,6 +707,7 @@ impl Runtime for MicrovmRuntime {
         crate::metrics::global()
             .vmm_snapshot
             .observe(started.elapsed());
+        crate::crash_point::reached(crate::crash_point::SUSPEND_STORED);
         self.stop_vmm(session, &dir).await;
         self.release_snapshots(session);
         Ok(SnapshotRef {
@@ -692,6 +791,75 @@ impl Runtime for MicrovmRuntime {
         let reports = self.exits.subscribe();
         self.take_stock();
         Some(reports)
+    }
+
+    fn alive(&self, incarnation: &Incarnation) -> bool {
+        self.vmm_dir(&incarnation.id).vmm_alive()
+    }
+
+    async fn reconcile(&self, owned: &(dyn for<'s> Fn(&'s str) -> bool + Send + Sync)) {
+        for session in vmm_process::sessions(&self.config.run_dir) {
+            let dir = self.vmm_dir(&session);
+            if !owned(&session) {
+                tracing::warn!(
+                    session,
+                    alive = dir.vmm_alive(),
+                    "reconcile: reaping a VMM directory whose session does not exist or is deleted"
+                );
+                self.stop_vmm(&session, &dir).await;
+                self.release_snapshots(&session);
+                continue;
+            }
+            if dir.vmm_alive() && self.running(&session).await.is_none() {
+                // Alive but neither running nor resumable: a boot or restore the daemon did
+                // not live to finish. Its session never had it as compute.
+                tracing::warn!(
+                    session,
+                    "reconcile: stopping a VMM that never finished starting"
+                );
+                self.stop_vmm(&session, &dir).await;
+                self.release_snapshots(&session);
+            }
+        }
+        self.reconcile_snapshots(owned);
+    }
+
+    fn snapshots_of(&self, session_uid: &str) -> Vec<SnapshotRef> {
+        let mut found: Vec<(SystemTime, PathBuf)> = self
+            .store
+            .list()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|id| snapshot_owner(id) == Some(session_uid))
+            .filter_map(|id| {
+                // In the store means complete: a VMM's snapshot moves in only once written.
+                let dir = self.store.dir(&id).ok()?;
+                let made = std::fs::metadata(&dir).and_then(|m| m.modified()).ok()?;
+                Some((made, dir))
+            })
+            .collect();
+        found.sort_by_key(|(made, _)| std::cmp::Reverse(*made));
+        found
+            .into_iter()
+            .map(|(_, dir)| SnapshotRef {
+                local: session_uid.to_owned(),
+                external_uri: format!("file://{}", dir.display()),
+                memory: true,
+                sealed: false,
+            })
+            .collect()
+    }
+
+    fn discard_snapshot(&self, snapshot: &SnapshotRef) {
+        let Some(id) = snapshot_dir(snapshot)
+            .and_then(|d| d.file_name().and_then(|n| n.to_str()).map(str::to_owned))
+        else {
+            return;
+        };
+        match self.store.delete(&id) {
+            Ok(()) => tracing::info!(snapshot = %id, "discarded a snapshot no record names"),
+            Err(e) => tracing::warn!(snapshot = %id, error = %e, "could not discard a snapshot"),
+        }
     }
 
     async fn dial(&self, incarnation: &Incarnation) -> Result<Arc<dyn HarnessEndpoint>> {

@@ -1,0 +1,64 @@
+//! Named crash points on the step boundaries of lifecycle operations, for the crash
+//! consistency test (`tests/crash_points.rs`): a debug build started with
+//! `AGENTVM_CRASH_POINT=NAME` SIGKILLs itself, as `kill -9` would, the first time it reaches
+//! NAME. Release builds compile every point to nothing.
+
+/// Every point, in the order an operation reaches them. The crash test covers each one.
+pub const ALL: &[&str] = &[
+    // VMM start (Exec on a session without compute, Resume): booted or restored.
+    START_BEGUN,
+    START_SPAWNED,
+    START_READY,
+    // Suspend: snapshot the live VM, record SUSPEND.
+    SUSPEND_BEGUN,
+    SUSPEND_PAUSED,
+    SUSPEND_STORED,
+    SUSPEND_SNAPSHOTTED,
+    SUSPEND_RECORDED,
+    // Fork: children started, then written one by one.
+    FORK_BEGUN,
+    FORK_PROVISIONED,
+    FORK_CHILD_WRITTEN,
+    FORK_WRITTEN,
+    // Delete: marked, compute stopped, snapshots reclaimed, tombstoned.
+    DELETE_BEGUN,
+    DELETE_STOPPED,
+    DELETE_RECLAIMED,
+];
+
+pub const START_BEGUN: &str = "start.begun";
+pub const START_SPAWNED: &str = "start.spawned";
+pub const START_READY: &str = "start.ready";
+pub const SUSPEND_BEGUN: &str = "suspend.begun";
+pub const SUSPEND_PAUSED: &str = "suspend.paused";
+pub const SUSPEND_STORED: &str = "suspend.stored";
+pub const SUSPEND_SNAPSHOTTED: &str = "suspend.snapshotted";
+pub const SUSPEND_RECORDED: &str = "suspend.recorded";
+pub const FORK_BEGUN: &str = "fork.begun";
+pub const FORK_PROVISIONED: &str = "fork.provisioned";
+pub const FORK_CHILD_WRITTEN: &str = "fork.child_written";
+pub const FORK_WRITTEN: &str = "fork.written";
+pub const DELETE_BEGUN: &str = "delete.begun";
+pub const DELETE_STOPPED: &str = "delete.stopped";
+pub const DELETE_RECLAIMED: &str = "delete.reclaimed";
+
+/// The variable naming the point a debug build dies at.
+pub const ENV: &str = "AGENTVM_CRASH_POINT";
+
+#[cfg(debug_assertions)]
+pub fn reached(name: &'static str) {
+    static WANTED: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    debug_assert!(
+        ALL.contains(&name),
+        "crash point {name} is not listed in ALL"
+    );
+    if WANTED.get_or_init(|| std::env::var(ENV).ok()).as_deref() == Some(name) {
+        eprintln!("agentvmd: crash point {name} reached; SIGKILL");
+        // SAFETY: kill(2) on this process's own pid; it takes no pointers.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+}
+
+#[cfg(not(debug_assertions))]
+#[inline(always)]
+pub fn reached(_name: &'static str) {}
