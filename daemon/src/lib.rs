@@ -6,6 +6,7 @@ pub mod clock;
 pub mod config;
 pub mod controller;
 pub mod crash_point;
+pub mod disk;
 pub mod image;
 pub mod journal;
 pub mod json;

@@ -13,6 +13,7 @@ use crate::api::node_service::{NodeFacts, NodeService};
 use crate::config;
 use crate::controller::Controller;
 use crate::controller::tools::ToolExecutor;
+use crate::disk::DiskReserve;
 use crate::journal::Journal;
 use crate::journal::sqlite::{Durability, SqliteJournal};
 use crate::metrics::exposition::NodeState;
@@ -66,6 +67,8 @@ pub struct NodeConfig {
     pub guest_ready_timeout: std::time::Duration,
     /// How long a harness may stay silent while the host waits on it, before its turn fails.
     pub harness_idle_timeout: std::time::Duration,
+    /// Free space kept in the state and RAM directories (`crate::disk`); 0: no reserve.
+    pub min_free_disk_mib: u64,
 }
 
 /// Ready within this, or the guest is taken for stuck: a Linux guest boots in well under a
@@ -90,6 +93,7 @@ impl NodeConfig {
             vmm_memory_limit_mib: None,
             guest_ready_timeout: DEFAULT_GUEST_READY_TIMEOUT,
             harness_idle_timeout: crate::controller::DEFAULT_HARNESS_IDLE_TIMEOUT,
+            min_free_disk_mib: crate::disk::DEFAULT_MIN_FREE_MIB,
         }
     }
 }
@@ -203,6 +207,7 @@ pub struct Node {
     pub microvm: Option<Arc<MicrovmRuntime>>,
     pub facts: NodeFacts,
     pub auth: Option<Arc<Authenticator>>,
+    pub disk: DiskReserve,
 }
 
 impl Node {
@@ -310,12 +315,23 @@ impl Node {
             )
             .with_harness_idle_timeout(cfg.harness_idle_timeout),
         );
-        let host = Arc::new(SessionHost::new(
-            journal.clone(),
-            registry.clone(),
-            controller,
-            builtin_runtimes,
-        ));
+        let mut dirs = vec![("state", cfg.state_dir.clone())];
+        if microvm.is_some() {
+            dirs.push(("ram", cfg.ram_dir.clone()));
+        }
+        let disk = DiskReserve {
+            dirs,
+            min_free_bytes: cfg.min_free_disk_mib.saturating_mul(1 << 20),
+        };
+        let host = Arc::new(
+            SessionHost::new(
+                journal.clone(),
+                registry.clone(),
+                controller,
+                builtin_runtimes,
+            )
+            .with_disk_reserve(disk.clone()),
+        );
         Ok(Node {
             journal,
             registry,
@@ -323,6 +339,7 @@ impl Node {
             microvm,
             facts,
             auth: cfg.auth.clone(),
+            disk,
         })
     }
 }
@@ -335,6 +352,7 @@ impl Node {
             journal: Arc::clone(&self.journal),
             registry: Arc::clone(&self.registry),
             microvm: self.microvm.clone(),
+            disk: self.disk.clone(),
         }
     }
 
@@ -342,7 +360,9 @@ impl Node {
     pub fn state_fn(&self) -> StateFn {
         let journal = Arc::clone(&self.journal);
         let microvm = self.microvm.clone();
+        let disk = self.disk.clone();
         Arc::new(move || NodeState {
+            disk_free: disk.free(),
             sessions: journal
                 .count_by_compute_state()
                 .unwrap_or_default()

@@ -161,6 +161,11 @@ pub struct Settings {
     /// Default: 600.
     #[arg(long)]
     pub harness_idle_timeout_secs: Option<u64>,
+    /// Free space, in MiB, the node keeps in its state and RAM directories: below it, new
+    /// sessions, suspends and forks are refused with RESOURCE_EXHAUSTED (running sessions go
+    /// on). 0 turns the reserve off. Default: 256.
+    #[arg(long)]
+    pub min_free_disk_mib: Option<u64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -225,6 +230,7 @@ impl Settings {
             shutdown_timeout_secs,
             guest_ready_timeout_secs,
             harness_idle_timeout_secs,
+            min_free_disk_mib,
             tls_cert,
             tls_key,
             tls_client_ca,
@@ -295,6 +301,7 @@ impl Settings {
             ("shutdown_timeout_secs", self.shutdown_timeout_secs),
             ("guest_ready_timeout_secs", self.guest_ready_timeout_secs),
             ("harness_idle_timeout_secs", self.harness_idle_timeout_secs),
+            ("min_free_disk_mib", self.min_free_disk_mib),
             ("vm_uid_base", self.vm_uid_base.map(u64::from)),
         ] {
             if let Some(v) = v {

@@ -139,6 +139,7 @@ impl Drop for Daemon {
         while !vmm_processes(&self.dir).is_empty() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
         }
+        support::reap_vmms(&self.dir.join("state").join("vms"));
     }
 }
 

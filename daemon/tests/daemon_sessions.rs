@@ -316,6 +316,13 @@ fn node_status_reports_what_a_scheduler_needs() {
             .unwrap()
             > 0
     );
+    let bytes = |field: &str| s[field].as_str().unwrap_or("0").parse::<u64>().unwrap();
+    assert!(bytes("state_dir_free_bytes") > 0, "{s}");
+    assert_eq!(
+        bytes("min_free_disk_bytes"),
+        256 << 20,
+        "the default reserve: {s}"
+    );
     let kvm = s["kvm_flavour"].as_str().unwrap();
     assert!(
         ["vmx", "svm", "pvm", "none", "unknown"].contains(&kvm),
@@ -344,6 +351,7 @@ fn node_status_reports_what_a_scheduler_needs() {
     // Human output too.
     let (ok, out, _) = cli(&d, &["node", "status"]);
     assert!(ok && out.contains("sessions    1"), "{out}");
+    assert!(out.contains("disk free   state "), "{out}");
     if has_microvm {
         assert!(out.contains("isolation   "), "{out}");
     }

@@ -427,6 +427,69 @@ async fn a_killed_vmm_fails_the_turn_then_the_session_continues_from_its_last_sn
     verify_chain(&replay(&mut c, &s).await).unwrap();
 }
 
+/// Issue: a corrupt snapshot answered UNAVAILABLE, a retryable code, for a condition that
+/// never clears. Its digests catch it, the turn answers DATA_LOSS, the log records it once,
+/// and the session can still be deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_snapshot_is_data_loss_recorded_once() {
+    require_kvm!();
+    let node = microvm_node().await;
+    let mut c = node.c();
+    let s = create(&mut c).await;
+    assert_eq!(turn(&mut c, &s).await, "1");
+    c.suspend(SuspendRequest { session: s.clone() })
+        .await
+        .unwrap();
+    let records = replay(&mut c, &s).await;
+    let Some(Body::Lifecycle(suspend)) = records
+        .last()
+        .and_then(|r| r.event.as_ref())
+        .and_then(|e| e.body.clone())
+    else {
+        panic!("no SUSPEND");
+    };
+    let memory = PathBuf::from(
+        suspend
+            .snapshot_external_uri
+            .strip_prefix("file://")
+            .unwrap(),
+    )
+    .join(agentvm_snapshot::manifest::MEMORY_FILE);
+    {
+        use std::io::{Seek, Write};
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&memory, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&memory)
+            .unwrap();
+        f.seek(std::io::SeekFrom::Start(1 << 20)).unwrap();
+        f.write_all(&[0x5a; 4096]).unwrap();
+    }
+    for attempt in 0..2 {
+        let status = failed_turn(c.clone(), s.clone()).await;
+        assert_eq!(
+            status.code(),
+            tonic::Code::DataLoss,
+            "attempt {attempt}: {status:?}"
+        );
+        assert!(status.message().contains("digest"), "{status:?}");
+    }
+    let after = replay(&mut c, &s).await;
+    let unusable: Vec<_> = after
+        .iter()
+        .filter(|r| {
+            matches!(r.event.as_ref().and_then(|e| e.body.as_ref()),
+                Some(Body::Lifecycle(l)) if l.detail.starts_with("snapshot unusable"))
+        })
+        .collect();
+    assert_eq!(unusable.len(), 1, "recorded once: {after:?}");
+    verify_chain(&after).unwrap();
+    c.delete_session(agentvm_proto::v1::DeleteSessionRequest { uid: s })
+        .await
+        .unwrap();
+}
+
 /// A fork child whose VM dies before it ever suspends continues from the snapshot it was
 /// cloned from (its FORK record names it), not from scratch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

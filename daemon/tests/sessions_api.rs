@@ -1745,6 +1745,144 @@ async fn oversized_input_is_refused_before_it_is_journaled_and_the_session_goes_
     assert!(head.len() > before.len());
 }
 
+/// Issue (crash consistency, disk pressure): below the node's free-space reserve, new work
+/// that writes (a session, a suspend's snapshot, a fork) is refused with RESOURCE_EXHAUSTED
+/// naming the directory, and changes nothing; sessions already running keep taking turns.
+#[tokio::test]
+async fn below_the_disk_reserve_new_work_is_refused_and_running_sessions_go_on() {
+    let n = start().await;
+    let id = uid(&n.create("echo").await);
+    assert_eq!(
+        exec(&mut n.c(), exec_req(&id, "one")).await.code(),
+        Code::Ok
+    );
+    // More free space than any disk has.
+    let n = n.restart(|cfg| cfg.min_free_disk_mib = u64::MAX).await;
+    let mut c = n.c();
+    let before = n.replay(&id).await;
+    let refused = |code: Code, message: &str| {
+        code == Code::ResourceExhausted
+            && message.contains("state directory")
+            && message.contains("--min-free-disk-mib")
+    };
+    let create = c
+        .create_session(CreateSessionRequest {
+            session: Some(Session {
+                harness: "echo".into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap_err();
+    assert!(refused(create.code(), create.message()), "{create:?}");
+    let implicit = exec(&mut c, exec_req("", "new")).await;
+    let end = implicit.end.unwrap();
+    assert!(refused(end.code(), end.message()), "{end:?}");
+    let fork = c
+        .fork(ForkRequest {
+            session: id.clone(),
+            count: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert!(refused(fork.code(), fork.message()), "{fork:?}");
+    assert_eq!(n.replay(&id).await, before, "refusals changed nothing");
+    let listed = c
+        .list_sessions(ListSessionsRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .sessions;
+    assert_eq!(listed.len(), 1, "no session was created");
+    // The running session goes on.
+    let r = exec(&mut c, exec_req(&id, "two")).await;
+    assert_eq!(r.code(), Code::Ok, "{:?}", r.end);
+    let suspend = c
+        .suspend(SuspendRequest {
+            session: id.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert!(refused(suspend.code(), suspend.message()), "{suspend:?}");
+}
+
+/// A small filesystem mounted for one test, unmounted when dropped.
+struct Tmpfs(std::path::PathBuf);
+
+impl Tmpfs {
+    fn mount(at: &std::path::Path, size: &str) -> Result<Tmpfs, String> {
+        std::fs::create_dir_all(at).unwrap();
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(at)
+            .output()
+            .map_err(|e| format!("mount: {e}"))?;
+        if !out.status.success() {
+            return Err(String::from_utf8_lossy(&out.stderr).trim().to_owned());
+        }
+        Ok(Tmpfs(at.to_owned()))
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+/// Issue: a full disk gave INTERNAL ("database or disk is full"). It is RESOURCE_EXHAUSTED
+/// naming the journal, nothing acknowledged is lost, and turns work again once there is room.
+#[tokio::test]
+async fn a_full_journal_disk_is_resource_exhausted_and_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let _fs = match Tmpfs::mount(&dir.path().join("state"), "4m") {
+        Ok(fs) => fs,
+        Err(why) => {
+            eprintln!("SKIPPED: cannot mount a small tmpfs here ({why}); this test needs root");
+            return;
+        }
+    };
+    let n = support::start_in(dir, |cfg| cfg.min_free_disk_mib = 0).await;
+    let mut c = n.c();
+    let id = uid(&n.create("echo").await);
+    assert_eq!(exec(&mut c, exec_req(&id, "fits")).await.code(), Code::Ok);
+    let filler = n.dir.join("state").join("filler");
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&filler).unwrap();
+        let block = vec![0xa5u8; 64 << 10];
+        while f.write_all(&block).is_ok() {}
+        let _ = f.sync_all();
+    }
+    // Each turn writes its records; until one does not fit. None may fail otherwise.
+    let mut full = None;
+    for i in 0..200 {
+        let r = exec(&mut c, exec_req(&id, &"w".repeat(16 << 10))).await;
+        match r.code() {
+            Code::Ok => continue,
+            Code::ResourceExhausted => {
+                full = r.end;
+                break;
+            }
+            other => panic!("turn {i} on a full disk: {other:?} {:?}", r.end),
+        }
+    }
+    let full = full.expect("the disk never filled");
+    assert!(full.message().contains("disk is full"), "{full:?}");
+    let acknowledged = n.replay(&id).await;
+    verify_chain(&acknowledged).unwrap();
+    std::fs::remove_file(&filler).unwrap();
+    let r = exec(&mut c, exec_req(&id, "room again")).await;
+    assert_eq!(r.code(), Code::Ok, "{:?}", r.end);
+    let after = n.replay(&id).await;
+    assert_eq!(after[..acknowledged.len()], acknowledged[..]);
+    verify_chain(&after).unwrap();
+}
+
 /// Upstream (fork_metadata_test.go): children never inherit the parent's identity, and a
 /// ForkRequest carrying any identity, even an empty one, is refused with upstream's exact
 /// message before the session is even looked up, changing nothing.

@@ -86,6 +86,7 @@ pub struct NodeService {
     pub journal: Arc<SqliteJournal>,
     pub registry: Arc<Registry>,
     pub microvm: Option<Arc<MicrovmRuntime>>,
+    pub disk: crate::disk::DiskReserve,
 }
 
 impl NodeService {
@@ -129,7 +130,12 @@ impl NodeService {
             .filter(|e| !matches!(e, Entry::Static(s) if !s.unservable_reason.is_empty()))
             .map(|e| entry_name(e).to_owned())
             .collect();
+        let free = self.disk.free();
+        let free_of = |label: &str| free.iter().find(|(l, _)| *l == label).map_or(0, |f| f.1);
         Ok(NodeStatus {
+            state_dir_free_bytes: free_of("state"),
+            ram_dir_free_bytes: free_of("ram"),
+            min_free_disk_bytes: self.disk.min_free_bytes,
             agentvmd_version: env!("CARGO_PKG_VERSION").to_owned(),
             hostname: self.facts.hostname.clone(),
             kvm_flavour: self.facts.kvm_flavour.clone(),

@@ -5,16 +5,20 @@ use tonic::{Code, Status};
 use crate::journal::JournalError;
 
 /// CAS conflicts and fencing are retryable (ABORTED); a missing session is NOT_FOUND; a
-/// record that does not canonicalize is the caller's bad input; the rest is INTERNAL.
+/// record that does not canonicalize is the caller's bad input; a full disk is
+/// RESOURCE_EXHAUSTED (nothing was written; it clears when space does); a stored record that
+/// no longer decodes is DATA_LOSS; the rest is INTERNAL.
 pub fn journal_status(err: &JournalError) -> Status {
+    if err.is_disk_full() {
+        return Status::resource_exhausted(format!("the journal's disk is full: {err}"));
+    }
     let code = match err {
         JournalError::Conflict { .. } | JournalError::Fenced { .. } => Code::Aborted,
         JournalError::NotFound(_) => Code::NotFound,
         JournalError::AlreadyExists(_) => Code::AlreadyExists,
         JournalError::Canon { .. } => Code::InvalidArgument,
-        JournalError::CorruptRecord { .. }
-        | JournalError::SchemaTooNew { .. }
-        | JournalError::Storage { .. } => Code::Internal,
+        JournalError::CorruptRecord { .. } => Code::DataLoss,
+        JournalError::SchemaTooNew { .. } | JournalError::Storage { .. } => Code::Internal,
     };
     Status::new(code, err.to_string())
 }

@@ -84,6 +84,9 @@ fn node_config(s: &Settings) -> anyhow::Result<(NodeConfig, ListenAddr, ListenAd
     if let Some(base) = s.vm_uid_base {
         node_config.vm_uid_base = base;
     }
+    if let Some(mib) = s.min_free_disk_mib {
+        node_config.min_free_disk_mib = mib;
+    }
     if let Some(secs) = s.guest_ready_timeout_secs {
         anyhow::ensure!(secs > 0, "guest_ready_timeout_secs: must be at least 1");
         node_config.guest_ready_timeout = std::time::Duration::from_secs(secs);

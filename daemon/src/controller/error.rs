@@ -83,8 +83,11 @@ impl ControllerError {
         use ControllerError as E;
         match self {
             E::Journal(j) => match j {
+                _ if j.is_disk_full() => Code::ResourceExhausted,
                 JournalError::Conflict { .. } | JournalError::Fenced { .. } => Code::Aborted,
                 JournalError::NotFound(_) => Code::NotFound,
+                JournalError::CorruptRecord { .. } => Code::DataLoss,
+                // A record the harness produced that does not canonicalize is not the caller's.
                 _ => Code::Internal,
             },
             E::Superseded(_) => Code::Aborted,

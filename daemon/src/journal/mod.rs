@@ -161,6 +161,13 @@ pub enum JournalError {
 }
 
 impl JournalError {
+    /// The database could not grow (SQLITE_FULL): nothing was written.
+    pub fn is_disk_full(&self) -> bool {
+        matches!(self, JournalError::Storage {
+            source: rusqlite::Error::SqliteFailure(e, _), ..
+        } if e.code == rusqlite::ErrorCode::DiskFull)
+    }
+
     /// Conflicts and fencing are the caller's cue to re-read and retry.
     pub fn is_retryable(&self) -> bool {
         matches!(

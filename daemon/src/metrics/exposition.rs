@@ -12,6 +12,8 @@ pub struct NodeState {
     pub sessions: Vec<(String, u64)>,
     /// Running VMMs: (session, proportional set size in bytes).
     pub vmms: Vec<(String, u64)>,
+    /// Free bytes of the directories the node writes (`state`, `ram`).
+    pub disk_free: Vec<(&'static str, u64)>,
 }
 
 fn escape(v: &str) -> String {
@@ -85,6 +87,15 @@ pub fn render(m: &Metrics, state: &NodeState) -> String {
             "agentvm_vmm_memory_pss_bytes{{session=\"{}\"}} {pss}",
             escape(session)
         );
+    }
+    family(
+        &mut out,
+        "agentvm_disk_free_bytes",
+        "gauge",
+        "Free space of the directories the node writes (state: journal and snapshots; ram: guest memory).",
+    );
+    for (dir, free) in &state.disk_free {
+        let _ = writeln!(out, "agentvm_disk_free_bytes{{dir=\"{dir}\"}} {free}");
     }
     histogram(
         &mut out,
@@ -169,9 +180,11 @@ mod tests {
             &NodeState {
                 sessions: vec![("live".into(), 2)],
                 vmms: vec![("we\"ird\\".into(), 1024)],
+                disk_free: vec![("state", 4096)],
             },
         );
         assert!(text.contains("agentvm_sessions{compute_state=\"live\"} 2"));
+        assert!(text.contains("agentvm_disk_free_bytes{dir=\"state\"} 4096"));
         assert!(text.contains("session=\"we\\\"ird\\\\\"} 1024"), "{text}");
         assert!(text.contains("agentvm_journal_append_seconds_bucket{le=\"+Inf\"} 1"));
         assert!(text.contains("agentvm_executions_total{outcome=\"completed\"} 1"));

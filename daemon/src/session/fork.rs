@@ -42,6 +42,7 @@ impl SessionHost {
     async fn fork_children(&self, req: ForkRequest) -> Result<Vec<Session>, Status> {
         let parent = self.active_row(&req.session)?;
         let uid = parent.uid.clone();
+        self.admit_disk("a fork")?;
         let placement = self.place(&parent.harness)?;
         can_place(
             &placement.capabilities,

@@ -165,6 +165,45 @@ impl SessionHost {
         Ok(())
     }
 
+    /// The snapshot a session continues from failed its digests or cannot be read: that never
+    /// clears, so the log says it once (a SUSPEND naming the same snapshot, so the session
+    /// stays where it was) and every turn answers DATA_LOSS until the session is forked from
+    /// an earlier point or deleted. The caller holds the session.
+    pub(super) fn record_unusable_snapshot(&self, uid: &str, snapshot: &SnapshotRef, reason: &str) {
+        let detail = format!("snapshot unusable: {reason}");
+        let result = (|| {
+            let records = self.records(uid)?;
+            let said = records.last().is_some_and(|r| {
+                matches!(r.event.as_ref().and_then(|e| e.body.as_ref()),
+                    Some(Body::Lifecycle(l)) if l.detail == detail)
+            });
+            if said {
+                return Ok(());
+            }
+            let fence = self
+                .journal
+                .new_fence(uid)
+                .map_err(|e| crate::api::status::journal_status(&e))?;
+            let head = self.row(uid)?.last_seq;
+            self.append_lifecycle(
+                uid,
+                head,
+                fence,
+                LifecycleKind::LifecycleSuspend,
+                &detail,
+                Some(snapshot.clone()),
+            )
+            .map(|_| ())
+        })();
+        match result {
+            Ok(()) => {
+                tracing::error!(session = %uid, %reason, "the session's snapshot is unusable")
+            }
+            Err(e) => tracing::error!(session = %uid, %reason, error = %e,
+                "the session's snapshot is unusable, and that could not be recorded"),
+        }
+    }
+
     /// Appends the SUSPEND that records lost compute; the caller holds the session.
     pub(super) fn record_lost(&self, uid: &str, fork_seq: i64, reason: &str) {
         let result = (|| {

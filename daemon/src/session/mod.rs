@@ -88,6 +88,8 @@ pub struct SessionHost {
     live: Mutex<HashMap<String, Live>>,
     /// Set once the runtimes' lost-compute reports are being recorded.
     watching: std::sync::atomic::AtomicBool,
+    /// Free space new work must leave in the node's directories.
+    disk: Option<crate::disk::DiskReserve>,
 }
 
 /// A session uid: `sess-` and 24 lowercase hex characters.
@@ -141,7 +143,18 @@ impl SessionHost {
             guards: Arc::default(),
             live: Mutex::default(),
             watching: Default::default(),
+            disk: None,
         }
+    }
+
+    pub fn with_disk_reserve(mut self, disk: crate::disk::DiskReserve) -> Self {
+        self.disk = Some(disk);
+        self
+    }
+
+    /// RESOURCE_EXHAUSTED when `what` would write below the node's disk reserve.
+    fn admit_disk(&self, what: &str) -> Result<(), Status> {
+        self.disk.as_ref().map_or(Ok(()), |d| d.admit(what))
     }
 
     pub fn controller(&self) -> &Controller {
@@ -296,6 +309,7 @@ impl SessionHost {
             new.harness
         };
         let placement = self.place(&harness)?;
+        self.admit_disk("a new session")?;
         if placement.retired {
             return Err(Status::failed_precondition(format!(
                 "harness {harness:?} is retired and takes no new sessions"

@@ -22,7 +22,7 @@ use crate::controller::{
 use crate::crash_point;
 use crate::journal::{OperationKind, SessionRow};
 use crate::runtime::placement::can_place;
-use crate::runtime::{Incarnation, SessionSpec, SnapshotKind};
+use crate::runtime::{Incarnation, RuntimeError, SessionSpec, SnapshotKind};
 
 pub type Updates = mpsc::Sender<Result<ExecUpdate, Status>>;
 
@@ -338,7 +338,13 @@ impl SessionHost {
         };
         crash_point::reached(crash_point::START_BEGUN);
         let (inc, how) = match snapshot {
-            Some(r) => (placement.runtime.restore(&r, &spec).await, "restored"),
+            Some(r) => {
+                let restored = placement.runtime.restore(&r, &spec).await;
+                if let Err(RuntimeError::Corrupt { reason, .. }) = &restored {
+                    self.record_unusable_snapshot(&row.uid, &r, reason);
+                }
+                (restored, "restored")
+            }
             None => (placement.runtime.create(&spec).await, "created"),
         };
         let inc = inc.map_err(|e| runtime_status(&e))?;
@@ -433,6 +439,7 @@ impl SessionHost {
         if row.compute_state == ComputeState::ComputeCold && self.live_get(uid).is_none() {
             return self.view(uid);
         }
+        self.admit_disk("a suspend (its snapshot)")?;
         let (snapshot, intent) = self.checkpoint(uid).await?;
         let fence = self
             .journal

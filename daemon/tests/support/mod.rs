@@ -31,34 +31,43 @@ impl Drop for TestNode {
     }
 }
 
-/// SIGKILLs every VMM recorded under `vms` (`SESSION/vmm.pid`) that is still that VMM, and
-/// waits until each is gone.
+/// SIGKILLs every VMM recorded under `vms` (`SESSION/vmm.pid`) that is still that VMM, waits
+/// until each is gone, and removes the private RAM directory each had (`agentvm-SESSION` in
+/// whichever RAM directory the tests give nodes).
 pub fn reap_vmms(vms: &std::path::Path) {
     let Ok(entries) = std::fs::read_dir(vms) else {
         return;
     };
     for entry in entries.flatten() {
-        let Some(pid) = std::fs::read_to_string(entry.path().join("vmm.pid"))
+        if let Some(pid) = std::fs::read_to_string(entry.path().join("vmm.pid"))
             .ok()
             .and_then(|p| p.trim().parse::<i32>().ok())
-        else {
-            continue;
-        };
-        let is_vmm = || {
-            std::fs::read(format!("/proc/{pid}/cmdline"))
-                .is_ok_and(|c| c.windows(b"agentvm-vmm".len()).any(|w| w == b"agentvm-vmm"))
-        };
+        {
+            kill_vmm(pid);
+        }
+        let ram_name = format!("agentvm-{}", entry.file_name().to_string_lossy());
+        for ram_dir in [std::path::PathBuf::from("/dev/shm"), std::env::temp_dir()] {
+            let _ = std::fs::remove_dir_all(ram_dir.join(&ram_name));
+        }
+    }
+}
+
+/// SIGKILLs `pid` if it is an agentvm-vmm, and waits until it is gone.
+fn kill_vmm(pid: i32) {
+    let is_vmm = || {
+        std::fs::read(format!("/proc/{pid}/cmdline"))
+            .is_ok_and(|c| c.windows(b"agentvm-vmm".len()).any(|w| w == b"agentvm-vmm"))
+    };
+    if !is_vmm() {
+        return;
+    }
+    // SAFETY: kill(2) with a pid that was just checked to be one of this node's VMMs.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    for _ in 0..500 {
         if !is_vmm() {
-            continue;
+            break;
         }
-        // SAFETY: kill(2) with a pid that was just checked to be one of this node's VMMs.
-        unsafe { libc::kill(pid, libc::SIGKILL) };
-        for _ in 0..500 {
-            if !is_vmm() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 

@@ -47,6 +47,15 @@ pub async fn status(
         mib(s.memory_available_bytes),
         mib(s.memory_total_bytes)
     );
+    let ram = match s.microvm_unavailable.is_empty() {
+        true => format!(", ram {}", mib(s.ram_dir_free_bytes)),
+        false => String::new(),
+    };
+    println!(
+        "disk free   state {}{ram} (reserve {})",
+        mib(s.state_dir_free_bytes),
+        mib(s.min_free_disk_bytes)
+    );
     println!("sessions    {} ({} live)", s.sessions, s.sessions_live);
     println!("vmms        {} holding {}", s.vmms, mib(s.vmm_memory_bytes));
     println!(
