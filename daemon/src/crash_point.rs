@@ -1,7 +1,7 @@
 //! Named crash points on the step boundaries of lifecycle operations, for the crash
 //! consistency test (`tests/crash_points.rs`): a debug build started with
-//! `AGENTVM_CRASH_POINT=NAME` SIGKILLs itself, as `kill -9` would, the first time it reaches
-//! NAME. Release builds compile every point to nothing.
+//! `AGENTVM_CRASH_POINT=NAME` (or `NAME@N`) SIGKILLs itself, as `kill -9` would, the first
+//! (or Nth) time it reaches NAME. Release builds compile every point to nothing.
 
 /// Every point, in the order an operation reaches them. The crash test covers each one.
 pub const ALL: &[&str] = &[
@@ -47,12 +47,25 @@ pub const ENV: &str = "AGENTVM_CRASH_POINT";
 
 #[cfg(debug_assertions)]
 pub fn reached(name: &'static str) {
-    static WANTED: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    use std::sync::atomic::{AtomicU32, Ordering};
+    /// `NAME` or `NAME@N`: die at the Nth time NAME is reached (first by default).
+    static WANTED: std::sync::OnceLock<Option<(String, u32)>> = std::sync::OnceLock::new();
+    static TIMES: AtomicU32 = AtomicU32::new(0);
     debug_assert!(
         ALL.contains(&name),
         "crash point {name} is not listed in ALL"
     );
-    if WANTED.get_or_init(|| std::env::var(ENV).ok()).as_deref() == Some(name) {
+    let wanted = WANTED.get_or_init(|| {
+        let value = std::env::var(ENV).ok()?;
+        Some(match value.split_once('@') {
+            Some((point, nth)) => (point.to_owned(), nth.parse().unwrap_or(1)),
+            None => (value, 1),
+        })
+    });
+    let Some((point, nth)) = wanted else {
+        return;
+    };
+    if point == name && TIMES.fetch_add(1, Ordering::SeqCst) + 1 == *nth {
         eprintln!("agentvmd: crash point {name} reached; SIGKILL");
         // SAFETY: kill(2) on this process's own pid; it takes no pointers.
         unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };

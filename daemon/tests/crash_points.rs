@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 use agentvm_proto::v1::sessions_client::SessionsClient;
 use agentvm_proto::v1::{
     ComputeState, CreateSessionRequest, DeleteSessionRequest, ForkRequest, ListSessionsRequest,
-    LogRecord, ReplayRequest, Session, SuspendRequest, event::Body, exec_update::Update,
-    lifecycle::Kind as LifecycleKind, part,
+    LogRecord, ReplayRequest, ResumeRequest, Session, SuspendRequest, event::Body,
+    exec_update::Update, lifecycle::Kind as LifecycleKind, part,
 };
 use agentvmd::config::ListenAddr;
 use agentvmd::crash_point;
@@ -269,16 +269,35 @@ impl Known {
     }
 }
 
+/// How a start is reached: a new session's first turn boots a VM, a Resume restores one.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Via {
+    Boot,
+    Restore,
+}
+
 /// Drives the operation that reaches `point` against a daemon that dies there.
-async fn crash(point: &str, c: &mut SessionsClient<Channel>, known: &mut Known) {
+async fn crash(point: &str, via: Via, c: &mut SessionsClient<Channel>, known: &mut Known) {
     let s = create(c).await;
     let family = point.split('.').next().unwrap();
-    if family != "start" {
+    if family != "start" || via == Via::Restore {
         let (records, answer) = turn(c, &s).await;
         known.saw(&s, records);
         known.counted(&s, &answer.unwrap());
     }
+    if via == Via::Restore {
+        c.suspend(SuspendRequest { session: s.clone() })
+            .await
+            .unwrap();
+    }
     let outcome = match family {
+        "start" if via == Via::Restore => c
+            .resume(ResumeRequest {
+                session: s,
+                boot: false,
+            })
+            .await
+            .map(|_| ()),
         "start" => turn(c, &s).await.1.map(|_| ()),
         "suspend" => c.suspend(SuspendRequest { session: s }).await.map(|_| ()),
         "fork" => c
@@ -404,16 +423,30 @@ async fn every_crash_point_recovers_with_nothing_lost_or_leaked() {
         return;
     }
     let mut failures = Vec::new();
-    for point in crash_point::ALL {
+    let restores = crash_point::ALL
+        .iter()
+        .filter(|p| p.starts_with("start."))
+        .map(|p| (*p, Via::Restore));
+    let cases: Vec<(&str, Via)> = crash_point::ALL
+        .iter()
+        .map(|p| (*p, Via::Boot))
+        .chain(restores)
+        .collect();
+    for (point, via) in cases {
         let started = Instant::now();
         let dir = tempfile::tempdir().unwrap();
         let mut known = Known::default();
         {
-            let mut d = Daemon::start(dir.path(), Some(point));
+            // A restore is the second start of its session: its first turn booted it.
+            let armed = match via {
+                Via::Boot => point.to_owned(),
+                Via::Restore => format!("{point}@2"),
+            };
+            let mut d = Daemon::start(dir.path(), Some(&armed));
             let mut c = d.client().await;
-            crash(point, &mut c, &mut known).await;
+            crash(point, via, &mut c, &mut known).await;
             if !d.died_by_sigkill() {
-                failures.push(format!("{point}: the daemon never reached it"));
+                failures.push(format!("{point} ({via:?}): the daemon never reached it"));
                 continue;
             }
             // Its VMMs run on, as after a real kill -9, for the next daemon to deal with.
@@ -423,7 +456,7 @@ async fn every_crash_point_recovers_with_nothing_lost_or_leaked() {
         let mut c = d.client().await;
         let wrong = check(&d, &mut c, &known).await;
         eprintln!(
-            "{point}: {} in {:?}",
+            "{point} ({via:?}): {} in {:?}",
             if wrong.is_empty() { "ok" } else { "WRONG" },
             started.elapsed()
         );
@@ -431,7 +464,7 @@ async fn every_crash_point_recovers_with_nothing_lost_or_leaked() {
             let log = std::fs::read_to_string(dir.path().join("agentvmd.log")).unwrap_or_default();
             let tail: Vec<&str> = log.lines().rev().take(40).collect();
             failures.push(format!(
-                "{point}:\n  {}\n  daemon log, last lines first:\n    {}",
+                "{point} ({via:?}):\n  {}\n  daemon log, last lines first:\n    {}",
                 wrong.join("\n  "),
                 tail.join("\n    ")
             ));
@@ -439,7 +472,7 @@ async fn every_crash_point_recovers_with_nothing_lost_or_leaked() {
         drop(d);
         assert!(
             vmm_processes(dir.path()).is_empty(),
-            "{point}: VMMs outlived the test"
+            "{point} ({via:?}): VMMs outlived the test"
         );
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));

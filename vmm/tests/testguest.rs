@@ -255,6 +255,133 @@ fn stop_and_continue(pid: u32) {
     }
 }
 
+/// A freezer cgroup holding one process: cgroup v1's `freezer` hierarchy where mounted (as on
+/// our machines), else cgroup v2's `cgroup.freeze`. Removed when dropped.
+struct Freezer {
+    dir: std::path::PathBuf,
+    v1: bool,
+}
+
+impl Freezer {
+    fn holding(pid: u32) -> Result<Freezer, String> {
+        let name = format!("agentvm-freeze-test-{}", std::process::id());
+        let (dir, v1) = if std::path::Path::new("/sys/fs/cgroup/freezer/freezer.state").exists()
+            || std::path::Path::new("/sys/fs/cgroup/freezer/tasks").exists()
+        {
+            (
+                std::path::Path::new("/sys/fs/cgroup/freezer").join(&name),
+                true,
+            )
+        } else if std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
+            (std::path::Path::new("/sys/fs/cgroup").join(&name), false)
+        } else {
+            return Err("no cgroup freezer (v1 freezer hierarchy or cgroup v2) is mounted".into());
+        };
+        std::fs::create_dir(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        let freezer = Freezer { dir, v1 };
+        std::fs::write(freezer.dir.join("cgroup.procs"), pid.to_string())
+            .map_err(|e| format!("moving the VMM into {}: {e}", freezer.dir.display()))?;
+        Ok(freezer)
+    }
+
+    fn set(&self, frozen: bool) {
+        let (file, value, settled) = match (self.v1, frozen) {
+            (true, true) => ("freezer.state", "FROZEN", "FROZEN"),
+            (true, false) => ("freezer.state", "THAWED", "THAWED"),
+            (false, true) => ("cgroup.freeze", "1", "frozen 1"),
+            (false, false) => ("cgroup.freeze", "0", "frozen 0"),
+        };
+        std::fs::write(self.dir.join(file), value).unwrap();
+        let check = if self.v1 {
+            "freezer.state"
+        } else {
+            "cgroup.events"
+        };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !std::fs::read_to_string(self.dir.join(check))
+            .unwrap_or_default()
+            .contains(settled)
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the freezer never reached {value}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Freezer {
+    fn drop(&mut self) {
+        self.set(false);
+        // Back to the root cgroup, so the directory can go.
+        if let Ok(procs) = std::fs::read_to_string(self.dir.join("cgroup.procs")) {
+            let root = self.dir.parent().unwrap().join("cgroup.procs");
+            for pid in procs.lines() {
+                let _ = std::fs::write(&root, pid);
+            }
+        }
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// Issue (item 1): a cgroup freeze and thaw, and a stop and continue while a turn is waiting
+/// on the guest, leave the VMM and its guest's memory intact; the waiting turn completes.
+#[tokio::test]
+async fn a_freeze_and_thaw_or_a_stop_mid_turn_leave_the_guest_intact() {
+    require_kvm!();
+    let mut vmm = Vmm::spawn().await;
+    vmm.boot(&vmm.config(1, 256, "")).await;
+    let mut link = GuestLink::connect(&vmm.vsock_socket(), PORT).unwrap();
+    link.hello();
+    assert_eq!(link.counter_turn(1, "e1"), "1");
+    let freezer = match Freezer::holding(vmm.pid()) {
+        Ok(f) => Some(f),
+        Err(why) => {
+            eprintln!("SKIPPED (freeze part): {why}");
+            None
+        }
+    };
+    if let Some(freezer) = &freezer {
+        // Idle: frozen and thawed.
+        freezer.set(true);
+        std::thread::sleep(Duration::from_millis(200));
+        freezer.set(false);
+        assert_eq!(link.counter_turn(2, "e2"), "2");
+        // Mid-turn: the turn is sent while the VMM is frozen and answers after the thaw.
+        freezer.set(true);
+        let waiting = std::thread::spawn(move || {
+            let answer = link.counter_turn(3, "e3");
+            (link, answer)
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(!waiting.is_finished(), "a frozen VM answered");
+        freezer.set(false);
+        let (returned, answer) = waiting.join().unwrap();
+        link = returned;
+        assert_eq!(answer, "3");
+    }
+    // Mid-turn stop and continue.
+    let pid = vmm.pid();
+    // SAFETY: kill(2) on the VMM this test spawned.
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGSTOP) }, 0);
+    let waiting = std::thread::spawn(move || {
+        let answer = link.counter_turn(4, "e4");
+        (link, answer)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGCONT) }, 0);
+    let (mut link, answer) = waiting.join().unwrap();
+    let expected = if freezer.is_some() { "4" } else { "2" };
+    assert_eq!(answer, expected, "the count went on across the stop");
+    assert!(vmm.child.try_wait().unwrap().is_none(), "the VMM died");
+    let next = if freezer.is_some() { "5" } else { "3" };
+    assert_eq!(link.counter_turn(5, "e5"), next);
+    drop(freezer);
+    vmm.shutdown().await;
+}
+
 /// Issue: SIGSTOP then SIGCONT killed even an idle VMM: the kernel resumes an interrupted
 /// sleep with restart_syscall, which the seccomp filters did not allow (SIGSYS), and the
 /// guest's memory was lost with it. The VMM, before and after boot, and its guest survive.
