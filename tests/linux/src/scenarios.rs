@@ -64,6 +64,9 @@ pub const ALL: &[(&str, Scenario)] = &[
     ("daemon-restart-readopts", |l| {
         Box::pin(daemon_restart_readopts(l))
     }),
+    ("daemon-killed-mid-suspend", |l| {
+        Box::pin(daemon_killed_mid_suspend(l))
+    }),
 ];
 
 fn expect(got: &str, want: &str, what: &str) -> anyhow::Result<()> {
@@ -410,6 +413,58 @@ async fn daemon_restart_readopts(lane: &mut Lane) -> anyhow::Result<String> {
     Ok(format!(
         "agentvmd killed and back in {}; VMM {pid} adopted, answered 3",
         secs(restarted)
+    ))
+}
+
+/// kill -9 of agentvmd while it writes a Linux VM's snapshot (its VMM's outbox exists), then
+/// a restart: the counter goes on from 2 (the paused VM resumed and re-adopted, or the
+/// finished snapshot recorded), or the log says its memory was lost; no VMM or VMM
+/// directory is left without its session, and the log verifies.
+async fn daemon_killed_mid_suspend(lane: &mut Lane) -> anyhow::Result<String> {
+    let s = lane.create("linux-counter").await?;
+    let mut c = lane.c().await?;
+    expect(&session::say(&mut c, &s, "go").await?, "1", "turn 1")?;
+    expect(&session::say(&mut c, &s, "go").await?, "2", "turn 2")?;
+    let outbox = lane.daemon.vm_dir(&s).join("snapshot");
+    let suspending = {
+        let mut c = c.clone();
+        let s = s.clone();
+        tokio::spawn(async move { session::suspend(&mut c, &s).await })
+    };
+    let t = Instant::now();
+    let mut caught = false;
+    while t.elapsed() < Duration::from_secs(60) && !suspending.is_finished() {
+        if outbox.exists() {
+            caught = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    lane.daemon.crash_and_restart().await?;
+    let _ = suspending.await;
+    let mut c = lane.c().await?;
+    let answer = session::say(&mut c, &s, "go").await?;
+    let records = session::replay(&mut c, &s).await?;
+    let lost = records.iter().any(|r| {
+        matches!(r.event.as_ref().and_then(|e| e.body.as_ref()),
+            Some(Body::Lifecycle(l)) if l.detail.starts_with("compute lost"))
+    });
+    ensure!(
+        answer == "3" || lost,
+        "counted {answer} after 2 and the log records no loss"
+    );
+    for entry in std::fs::read_dir(lane.daemon.vms_dir())?.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        ensure!(
+            name.starts_with('.') || lane.sessions.contains(&name),
+            "vms/{name} belongs to no session of this scenario"
+        );
+    }
+    let n = session::verify(&mut c, &s).await?;
+    Ok(format!(
+        "killed {} the snapshot was being written; answered {answer}{}; {n} records verified",
+        if caught { "while" } else { "after" },
+        if lost { " (loss recorded)" } else { "" }
     ))
 }
 
