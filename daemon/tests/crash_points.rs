@@ -79,7 +79,10 @@ impl Daemon {
             .arg("--vmm-binary")
             .arg(vmm_binary())
             .env_remove(crash_point::ENV)
-            .env("RUST_LOG", "agentvmd=info");
+            .env(
+                "RUST_LOG",
+                std::env::var("AGENTVM_CRASH_LOG").unwrap_or_else(|_| "agentvmd=info".into()),
+            );
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -458,7 +461,12 @@ async fn every_crash_point_recovers_with_nothing_lost_or_leaked() {
         .map(|(p, via)| (p, via, "testguest"))
         .chain(processes)
         .collect();
+    // AGENTVM_CRASH_CASES=SUBSTRING runs only the matching points (when working on one).
+    let only = std::env::var("AGENTVM_CRASH_CASES").unwrap_or_default();
     for (point, via, harness) in cases {
+        if !point.contains(only.as_str()) {
+            continue;
+        }
         let started = Instant::now();
         let dir = tempfile::tempdir().unwrap();
         let mut known = Known::default();
@@ -496,6 +504,12 @@ async fn every_crash_point_recovers_with_nothing_lost_or_leaked() {
                 wrong.join("\n  "),
                 tail.join("\n    ")
             ));
+        }
+        if std::env::var_os("AGENTVM_CRASH_KEEP_LOGS").is_some() {
+            let _ = std::fs::copy(
+                dir.path().join("agentvmd.log"),
+                format!("/tmp/crash-{point}-{harness}.log"),
+            );
         }
         drop(d);
         assert!(

@@ -145,9 +145,19 @@ pub fn pid_of(dir: &VmmDir) -> Option<u32> {
         .and_then(|s| s.trim().parse().ok())
 }
 
+/// Whether `pid` still runs. A zombie does not: a VMM adopted from a dead daemon has init
+/// (or a subreaper) as its parent, which may take its time to reap it.
 pub fn alive(pid: u32) -> bool {
     // SAFETY: signal 0 only checks that the process exists and may be signalled.
-    pid != 0 && unsafe { libc::kill(pid as i32, 0) } == 0
+    pid != 0 && unsafe { libc::kill(pid as i32, 0) } == 0 && !zombie(pid)
+}
+
+/// `/proc/PID/stat`'s state field (after the parenthesised name, which may hold spaces) is Z.
+fn zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+    })
 }
 
 pub fn kill(pid: u32) {
@@ -172,7 +182,9 @@ pub async fn stop(dir: &VmmDir, watch: &ExitWatch) {
     if let Some(pid) = pid {
         watch.expect_exit(pid);
     }
+    let started = std::time::Instant::now();
     let polite = tokio::time::timeout(STOP_TIMEOUT, dir.client().shutdown_vmm()).await;
+    let asked = started.elapsed();
     if let Some(pid) = pid {
         let deadline = tokio::time::Instant::now() + STOP_TIMEOUT;
         while alive(pid) && tokio::time::Instant::now() < deadline && matches!(polite, Ok(Ok(()))) {
@@ -183,4 +195,11 @@ pub async fn stop(dir: &VmmDir, watch: &ExitWatch) {
         }
     }
     remove_files(dir);
+    tracing::debug!(
+        dir = %dir.dir.display(),
+        polite = matches!(polite, Ok(Ok(()))),
+        asked_ms = asked.as_millis() as u64,
+        total_ms = started.elapsed().as_millis() as u64,
+        "VMM stopped"
+    );
 }
