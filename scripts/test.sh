@@ -10,6 +10,15 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --locked --workspace --all-targets -- -D warnings
+# What VMMs leave on the host (their cgroups, their RAM directories), counted before the
+# tests so a node's own sessions are not blamed on them.
+vm_leftovers() {
+    {
+        find /sys/fs/cgroup -path '*/agentvm-vms/*' -type d 2>/dev/null || true
+        find /dev/shm "${TMPDIR:-/tmp}" -maxdepth 1 -name 'agentvm-sess-*' 2>/dev/null || true
+    } | sort
+}
+before_tests=$(vm_leftovers)
 # Benchmarks are built and run once in quick mode so they cannot rot.
 echo "== benches (quick mode)"
 cargo test --locked --workspace --benches
@@ -27,5 +36,12 @@ leftover=$(ps -eo pid=,args= | awk '$2 ~ /agentvm-vmm$/' || true)
 if [ -n "$leftover" ]; then
     echo "these agentvm-vmm processes outlived the tests:"
     echo "$leftover"
+    exit 1
+fi
+echo "== leftover VMM cgroups and RAM directories"
+left=$(comm -13 <(echo "$before_tests") <(vm_leftovers))
+if [ -n "$left" ]; then
+    echo "the tests left these behind:"
+    echo "$left"
     exit 1
 fi

@@ -490,6 +490,57 @@ async fn a_corrupt_snapshot_is_data_loss_recorded_once() {
         .unwrap();
 }
 
+/// Issue (item 4): a VMM that hangs mid-turn (SIGSTOP: alive, answering nothing) failed only
+/// after 30 s with INTERNAL, and held the session. The turn now ends at the harness idle
+/// deadline with DEADLINE_EXCEEDED, the hung VM is stopped and its loss recorded, and the
+/// very next turn answers from the last snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_vmm_fails_the_turn_at_the_idle_deadline_and_the_next_turn_recovers() {
+    require_kvm!();
+    let binary = vmm_binary();
+    let node = start_with(|cfg| {
+        cfg.vmm_binary = Some(binary);
+        cfg.harness_idle_timeout = Duration::from_secs(2);
+    })
+    .await;
+    let mut c = node.c();
+    let s = create(&mut c).await;
+    assert_eq!(turn(&mut c, &s).await, "1");
+    c.suspend(SuspendRequest { session: s.clone() })
+        .await
+        .unwrap();
+    assert_eq!(turn(&mut c, &s).await, "2");
+    let pid = vmm_pid(&node, &s);
+    // SAFETY: SIGSTOP to the VMM this test's node started.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let started = std::time::Instant::now();
+    let status = failed_turn(c.clone(), s.clone()).await;
+    assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "it waited {:?}",
+        started.elapsed()
+    );
+    // Found at the turn's Describe or, had that answered, at the harness idle deadline.
+    assert!(status.message().contains("hung"), "{status:?}");
+    let gone = (0..500).any(|_| {
+        std::thread::sleep(Duration::from_millis(10));
+        std::fs::read(format!("/proc/{pid}/cmdline")).map_or(true, |c| c.is_empty())
+    });
+    assert!(gone, "the hung VMM {pid} was left running");
+    // Count 2 lived only in the hung VM: the next turn restores 1 and answers 2.
+    assert_eq!(turn(&mut c, &s).await, "2");
+    let records = replay(&mut c, &s).await;
+    assert!(
+        records.iter().any(|r| matches!(
+            r.event.as_ref().and_then(|e| e.body.as_ref()),
+            Some(Body::Lifecycle(l)) if l.detail.starts_with("compute lost")
+        )),
+        "the loss is recorded"
+    );
+    verify_chain(&records).unwrap();
+}
+
 /// A fork child whose VM dies before it ever suspends continues from the snapshot it was
 /// cloned from (its FORK record names it), not from scratch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -779,6 +830,9 @@ async fn a_new_runtime_watches_surviving_vmms_and_reports_dead_ones() {
         "{}",
         second.reason
     );
+    // Its cgroups and RAM directory too (s-dies's directory went with its report).
+    support::reap_vmms(&dir.path().join("vms"));
+    support::remove_vm_cgroups("s-dies");
     let _ = std::fs::remove_dir_all(dir.path().join("vms/s-lives"));
 }
 

@@ -294,6 +294,11 @@ impl Controller {
         self
     }
 
+    /// How long a harness may stay silent while the host waits on it.
+    pub fn harness_idle_timeout(&self) -> std::time::Duration {
+        self.harness_idle_timeout
+    }
+
     pub fn counters(&self) -> &Counters {
         &self.counters
     }

@@ -91,7 +91,17 @@ impl SessionHost {
         if let Ok(Some(_)) = placement.runtime.attach(uid).await {
             return;
         }
-        self.live_take(uid);
+        // What the dead compute left (its VMM directory, cgroups, snapshot uses) goes now:
+        // holding the session, no new compute of it is starting.
+        let dead = self.live_take(uid).map(|(inc, _)| inc).unwrap_or_else(|| {
+            crate::runtime::Incarnation {
+                id: uid.to_owned(),
+                ..Default::default()
+            }
+        });
+        if let Err(e) = placement.runtime.stop(&dead).await {
+            tracing::warn!(session = %uid, error = %e, "clearing up after lost compute");
+        }
         // Cold sessions claim no compute (a fork child that never ran a turn is still its
         // FORK snapshot): nothing was lost that the log does not already say.
         if row.compute_state != ComputeState::ComputeLive {

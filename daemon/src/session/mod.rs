@@ -426,7 +426,9 @@ impl SessionHost {
         Status,
     > {
         let endpoint = self.dial(placement, incarnation).await?;
-        let descriptor = match tokio::time::timeout(DESCRIBE_TIMEOUT, endpoint.describe()).await {
+        // Bounded like every wait on a harness, by the node's idle deadline where it is lower.
+        let bound = DESCRIBE_TIMEOUT.min(self.controller.harness_idle_timeout());
+        let descriptor = match tokio::time::timeout(bound, endpoint.describe()).await {
             Ok(Ok(d)) => d,
             Ok(Err(s)) => {
                 return Err(Status::unavailable(format!(
@@ -436,8 +438,8 @@ impl SessionHost {
                 )));
             }
             Err(_) => {
-                return Err(Status::unavailable(format!(
-                    "HarnessDescribeFailed: harness {:?} did not answer Describe within {DESCRIBE_TIMEOUT:?}",
+                return Err(Status::deadline_exceeded(format!(
+                    "HarnessDescribeFailed: harness {:?} did not answer Describe within {bound:?}",
                     placement.harness
                 )));
             }

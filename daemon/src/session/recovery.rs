@@ -1,8 +1,9 @@
 //! Start-up recovery, before the node serves anything: every lifecycle operation a previous
 //! daemon left open (its intent is still in the journal) is finished or rolled back, then
 //! each runtime reconciles what it keeps on the node — VMMs, their directories, snapshots and
-//! their users — against the journal, so each belongs to a session or is removed. Every
-//! decision is logged.
+//! their users — against the journal, so each belongs to a session or is removed, and every
+//! memory-tier session that says LIVE either has its VM (adopted) or gets its loss recorded.
+//! Every decision is logged.
 //!
 //! | open intent | what recovery finds | what it does |
 //! |---|---|---|
@@ -13,7 +14,7 @@
 //! | Fork | otherwise | tombstones the written children; the sweep stops their VMMs |
 //! | Delete | the session is still DELETING | finishes it (stop, reclaim, tombstone) |
 
-use agentvm_proto::v1::{event::Body, lifecycle::Kind as LifecycleKind};
+use agentvm_proto::v1::{ComputeState, event::Body, lifecycle::Kind as LifecycleKind};
 use tonic::Status;
 
 use super::SessionHost;
@@ -57,6 +58,44 @@ impl SessionHost {
         };
         for runtime in self.runtimes() {
             runtime.reconcile(&owned).await;
+        }
+        self.settle_live_sessions().await;
+    }
+
+    /// A memory-tier session that says LIVE has its VM, adopted now; or its VM went while no
+    /// daemon watched (or was never finished) and the log says so before anything is served.
+    async fn settle_live_sessions(&self) {
+        let live = match self.journal.sessions_in_state(ComputeState::ComputeLive) {
+            Ok(live) => live,
+            Err(e) => {
+                tracing::error!(error = %e, "recovery: cannot list the LIVE sessions");
+                return;
+            }
+        };
+        for uid in live {
+            let Ok(row) = self.row(&uid) else { continue };
+            let Ok(placement) = self.place(&row.harness) else {
+                continue;
+            };
+            if !placement.memory_tier() {
+                continue;
+            }
+            match placement.runtime.attach(&uid).await {
+                Ok(Some(inc)) => self.live_put(&uid, inc, placement.runtime.clone()),
+                Ok(None) => {
+                    if let Err(e) = self.settle_lost_compute(
+                        &uid,
+                        row.fork_seq,
+                        &placement.runtime,
+                        "its VMM was gone when this daemon started",
+                    ) {
+                        tracing::error!(session = %uid, error = %e.message(),
+                            "recovery: a LIVE session without its VM could not be settled");
+                    }
+                }
+                Err(e) => tracing::warn!(session = %uid, error = %e,
+                    "recovery: could not look for the session's VM"),
+            }
         }
     }
 

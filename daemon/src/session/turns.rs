@@ -15,6 +15,7 @@ use super::{
     view_of,
 };
 use crate::api::status::journal_status;
+use crate::controller::error::ControllerError;
 use crate::controller::log::SessionLog;
 use crate::controller::{
     GateState, Interrupt, NewExecution, Turn, TurnOutcome, gate_state, inherited_open_intent, stamp,
@@ -172,7 +173,11 @@ impl SessionHost {
         let fence = turn.fence;
         drop(turn);
         let _ = forward.await;
-        match outcome.map_err(|e| self.turn_failure(&uid, Status::from(e)))? {
+        let outcome = match outcome {
+            Ok(outcome) => outcome,
+            Err(e) => return Err(self.turn_failed(&row, &placement, e).await),
+        };
+        match outcome {
             Some(TurnOutcome::Parked { head, .. }) => {
                 self.park_handoff(&uid, head, fence).await?;
             }
@@ -188,6 +193,38 @@ impl SessionHost {
         );
         let _ = updates.send(session_frame(view)).await;
         Ok(())
+    }
+
+    /// A turn failed. A harness that went silent past the idle deadline is taken for hung:
+    /// its compute is stopped (a memory-tier session's loss recorded), so the next turn
+    /// starts from the session's last state instead of waiting on it again.
+    async fn turn_failed(
+        &self,
+        row: &SessionRow,
+        placement: &Placement,
+        e: ControllerError,
+    ) -> Status {
+        if let ControllerError::HarnessSilent(idle) = &e
+            && let Some((inc, runtime)) = self.live_take(&row.uid)
+        {
+            if let Err(stop) = runtime.stop(&inc).await {
+                tracing::warn!(session = %row.uid, error = %stop, "stopping hung compute");
+            }
+            if placement.memory_tier() {
+                self.record_lost(
+                    &row.uid,
+                    row.fork_seq,
+                    &format!(
+                        "the guest stopped answering (nothing for {idle:?}); its VM was stopped"
+                    ),
+                );
+            }
+            return Status::deadline_exceeded(format!(
+                "{e}; the session's compute was stopped as hung and the next turn continues \
+                 from the session's last state (--harness-idle-timeout-secs sets the deadline)"
+            ));
+        }
+        self.turn_failure(&row.uid, Status::from(e))
     }
 
     /// A failed turn whose compute died under it says so (UNAVAILABLE: the next turn
@@ -233,7 +270,7 @@ impl SessionHost {
         let (endpoint, descriptor) = match self.describe(placement, &incarnation).await {
             Ok(d) => d,
             Err(s) => {
-                let s = self.turn_failure(&row.uid, s);
+                let mut s = self.turn_failure(&row.uid, s);
                 // A compute we cannot reach is not kept as the session's incarnation; a
                 // memory-tier session's RAM goes with it, which its log then says.
                 if let Some((inc, rt)) = self.live_take(&row.uid) {
@@ -244,6 +281,13 @@ impl SessionHost {
                             row.fork_seq,
                             &format!("unreachable: {}", s.message()),
                         );
+                    }
+                    if s.code() == tonic::Code::DeadlineExceeded {
+                        s = Status::deadline_exceeded(format!(
+                            "{}; the session's compute was stopped as hung and the next turn \
+                             continues from the session's last state",
+                            s.message()
+                        ));
                     }
                 }
                 return Err(s);
@@ -539,7 +583,10 @@ impl SessionHost {
         })?;
         let (turn, forward) = self.admit(&row, &placement, &held, None, None).await?;
         let outcome = if pending.is_some() {
-            self.controller.resume(&turn).await.map_err(Status::from)?
+            match self.controller.resume(&turn).await {
+                Ok(outcome) => outcome,
+                Err(e) => return Err(self.turn_failed(&row, &placement, e).await),
+            }
         } else {
             None
         };

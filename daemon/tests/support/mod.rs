@@ -45,26 +45,80 @@ pub fn reap_vmms(vms: &std::path::Path) {
         {
             kill_vmm(pid);
         }
-        let ram_name = format!("agentvm-{}", entry.file_name().to_string_lossy());
+        let session = entry.file_name().to_string_lossy().into_owned();
+        let ram_name = format!("agentvm-{session}");
         for ram_dir in [std::path::PathBuf::from("/dev/shm"), std::env::temp_dir()] {
             let _ = std::fs::remove_dir_all(ram_dir.join(&ram_name));
+        }
+        remove_vm_cgroups(&session);
+    }
+}
+
+/// Removes the cgroups a node in this process (or a daemon it started, which inherits its
+/// cgroups) made for `session`'s VMM: `agentvm-vms/SESSION` under this process's own cgroup
+/// of each hierarchy.
+pub fn remove_vm_cgroups(session: &str) {
+    let Ok(own) = std::fs::read_to_string("/proc/self/cgroup") else {
+        return;
+    };
+    for line in own.lines() {
+        let mut fields = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) =
+            (fields.next(), fields.next(), fields.next())
+        else {
+            continue;
+        };
+        let path = path.trim_start_matches('/');
+        let mounts: Vec<String> = if controllers.is_empty() {
+            vec![String::new(), "unified".into()]
+        } else {
+            std::iter::once(controllers.to_owned())
+                .chain(controllers.split(',').map(str::to_owned))
+                .collect()
+        };
+        for mount in mounts {
+            let dir = std::path::Path::new("/sys/fs/cgroup")
+                .join(mount)
+                .join(path)
+                .join("agentvm-vms")
+                .join(session);
+            // KVM's worker threads of a killed VM hold its cgroups until the VM is torn down.
+            for _ in 0..300 {
+                match std::fs::remove_dir(&dir) {
+                    Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                        std::thread::sleep(Duration::from_millis(10))
+                    }
+                    _ => break,
+                }
+            }
         }
     }
 }
 
-/// SIGKILLs `pid` if it is an agentvm-vmm, and waits until it is gone.
+/// SIGKILLs `pid` if it is an agentvm-vmm, and waits until every thread of it is gone (a
+/// thread still exiting holds its cgroups).
 fn kill_vmm(pid: i32) {
-    let is_vmm = || {
-        std::fs::read(format!("/proc/{pid}/cmdline"))
-            .is_ok_and(|c| c.windows(b"agentvm-vmm".len()).any(|w| w == b"agentvm-vmm"))
+    let is_vmm = std::fs::read(format!("/proc/{pid}/cmdline"))
+        .is_ok_and(|c| c.windows(b"agentvm-vmm".len()).any(|w| w == b"agentvm-vmm"));
+    let zombie = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| {
+            s.rsplit_once(')')
+                .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+        })
     };
-    if !is_vmm() {
+    if is_vmm {
+        // SAFETY: kill(2) with a pid that was just checked to be one of this node's VMMs.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    } else if !zombie() {
+        // Gone, and the pid is something else's now.
         return;
     }
-    // SAFETY: kill(2) with a pid that was just checked to be one of this node's VMMs.
-    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let running = || {
+        let threads = std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |t| t.count());
+        !zombie() || threads > 1
+    };
     for _ in 0..500 {
-        if !is_vmm() {
+        if !running() {
             break;
         }
         std::thread::sleep(Duration::from_millis(10));

@@ -183,10 +183,39 @@ impl Cgroups {
         Ok(procs)
     }
 
-    /// Removes `session`'s cgroups (they must be empty: the VMM has exited).
-    pub fn remove(&self, session: &str) {
+    /// Removes `session`'s cgroups (they must be empty: the VMM has exited). Returns the ones
+    /// still busy.
+    pub fn remove(&self, session: &str) -> Vec<PathBuf> {
+        let mut busy = Vec::new();
         for (_, dir) in self.dirs(session) {
-            let _ = std::fs::remove_dir(&dir);
+            match std::fs::remove_dir(&dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => busy.push(dir),
+                Err(e) => tracing::warn!(dir = %dir.display(), error = %e,
+                    "a VMM's cgroup could not be removed"),
+            }
+        }
+        busy
+    }
+
+    /// `remove`, waiting out what outlives a VMM's last thread for a moment: KVM's own
+    /// worker threads of the VM, which sit in its cgroups until the VM is torn down.
+    pub async fn remove_settled(&self, session: &str) {
+        const SETTLE: std::time::Duration = std::time::Duration::from_secs(3);
+        let deadline = tokio::time::Instant::now() + SETTLE;
+        loop {
+            let busy = self.remove(session);
+            if busy.is_empty() {
+                return;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                for dir in busy {
+                    tracing::warn!(dir = %dir.display(), "a VMM's cgroup is still busy; left");
+                }
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
     }
 }

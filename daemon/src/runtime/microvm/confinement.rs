@@ -104,6 +104,14 @@ impl Confinement {
         }
     }
 
+    /// `remove_cgroups` once the VM's last traces in them are gone (see
+    /// `Cgroups::remove_settled`).
+    pub async fn remove_cgroups_settled(&self, session: &str) {
+        if let Some(cgroups) = &self.cgroups {
+            cgroups.remove_settled(session).await;
+        }
+    }
+
     /// What confines VMMs of `flavour` here (the node status's `vmm_isolation`).
     pub fn isolation(&self, flavour: VmmFlavour) -> Vec<String> {
         let mut out = Vec::new();

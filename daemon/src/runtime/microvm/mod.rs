@@ -474,7 +474,7 @@ impl MicrovmRuntime {
     async fn stop_vmm(&self, session: &str, dir: &VmmDir) {
         self.take_ready_conn(session);
         vmm_process::stop(dir, &self.exits).await;
-        self.confinement.remove_cgroups(session);
+        self.confinement.remove_cgroups_settled(session).await;
     }
 
     /// Removes what a VMM that never started, or died unwatched, left: its files and cgroups.
@@ -743,6 +743,9 @@ impl Runtime for MicrovmRuntime {
     /// Deletes the session's snapshots that nothing uses any more (a fork's children keep
     /// theirs alive until they are gone too).
     async fn reclaim(&self, session_uid: &str) -> Result<()> {
+        // Whatever a VMM of the session left behind (one that died unasked leaves its
+        // directory and cgroups for the next start, which a deleted session never has).
+        self.stop_vmm(session_uid, &self.vmm_dir(session_uid)).await;
         let prefix = format!("{session_uid}-");
         let mut left: Vec<String> = self
             .store

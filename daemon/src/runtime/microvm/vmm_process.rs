@@ -145,19 +145,22 @@ pub fn pid_of(dir: &VmmDir) -> Option<u32> {
         .and_then(|s| s.trim().parse().ok())
 }
 
-/// Whether `pid` still runs. A zombie does not: a VMM adopted from a dead daemon has init
-/// (or a subreaper) as its parent, which may take its time to reap it.
+/// Whether `pid` still runs. A finished zombie does not: a VMM adopted from a dead daemon
+/// has init (or a subreaper) as its parent, which may take its time to reap it.
 pub fn alive(pid: u32) -> bool {
     // SAFETY: signal 0 only checks that the process exists and may be signalled.
-    pid != 0 && unsafe { libc::kill(pid as i32, 0) } == 0 && !zombie(pid)
+    pid != 0 && unsafe { libc::kill(pid as i32, 0) } == 0 && !finished_zombie(pid)
 }
 
-/// `/proc/PID/stat`'s state field (after the parenthesised name, which may hold spaces) is Z.
-fn zombie(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+/// The process is a zombie with no thread left: its leader's state (after the parenthesised
+/// name, which may hold spaces) is Z and its task list holds only the leader. A leader that
+/// exited first reads Z while its other threads still run (and still hold its cgroups).
+fn finished_zombie(pid: u32) -> bool {
+    let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
         stat.rsplit_once(')')
             .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
-    })
+    });
+    zombie && std::fs::read_dir(format!("/proc/{pid}/task")).is_ok_and(|tasks| tasks.count() <= 1)
 }
 
 pub fn kill(pid: u32) {
