@@ -6,8 +6,12 @@
 //!
 //! A restored or forked VM maps snapshot memory files `MAP_PRIVATE` instead: pages load
 //! from the page cache when touched and writes stay private, so every VM restored from one
-//! snapshot shares its clean pages. Layers (files holding only pages changed since their
-//! base) are mapped over the base where they hold data.
+//! snapshot shares its clean pages. Only the file's data extents are mapped from it, over
+//! anonymous memory: a hole in the file (guest RAM never written) reads as the zero page and
+//! costs the page cache nothing, where a file mapping would read it in as zero-filled page
+//! cache (whole large folios at a time), so a restored VM would hold its full RAM size in
+//! cache. Layers (files holding only pages changed since their base) are mapped over the
+//! base where they hold data.
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -166,12 +170,14 @@ impl GuestRam {
                 found,
             });
         }
-        let memory = map(&base, size, libc::MAP_PRIVATE, options)?;
+        let memory = map_over(&base, base_path, size, options)?;
         for layer_path in &chain[1..] {
             let layer = open(layer_path)?;
-            overlay(&memory, size, &layer).map_err(|source| MemoryError::Snapshot {
-                path: layer_path.display().to_string(),
-                source,
+            overlay(&memory, size, &layer, Over::Layer).map_err(|source| {
+                MemoryError::Snapshot {
+                    path: layer_path.display().to_string(),
+                    source,
+                }
             })?;
         }
         Ok(Self {
@@ -218,15 +224,22 @@ impl GuestRam {
     }
 
     /// Writes the pages a `Private` VM changed since its base to `dest`, a layer file of the
-    /// VM's size (zero pages included: in a layer they override the base). Returns the
-    /// layer digest and page count.
-    pub fn write_layer(&self, dest: &Path) -> Result<(String, u64), MemoryError> {
+    /// VM's size (zero pages included where a file of `chain`, base first, holds data: in a
+    /// layer they override it). Returns the layer digest and page count.
+    pub fn write_layer(
+        &self,
+        dest: &Path,
+        chain: &[PathBuf],
+    ) -> Result<(String, u64), MemoryError> {
         let out = create_new(dest)?;
         let write_err = |source| MemoryError::Write {
             path: dest.display().to_string(),
             source,
         };
         out.set_len(self.size).map_err(write_err)?;
+        // A hole the guest only read maps the zero page, which looks changed; a zero page
+        // over a hole changes nothing and is left out.
+        let backed = chain_pages(chain).map_err(write_err)?;
         let mut hasher = PageHasher::default();
         let mut page = vec![0u8; PAGE_SIZE as usize];
         for region in regions(self.size) {
@@ -237,6 +250,9 @@ impl GuestRam {
                     .read_slice(&mut page, GuestAddress(gpa))
                     .map_err(|e| write_err(io::Error::other(e.to_string())))?;
                 let file_page = region.file_offset / PAGE_SIZE + index;
+                if pages::is_zero(&page) && !backed.contains(&file_page) {
+                    continue;
+                }
                 out.write_all_at(&page, file_page * PAGE_SIZE)
                     .map_err(write_err)?;
                 hasher.stored_page(file_page, &page);
@@ -260,19 +276,7 @@ impl GuestRam {
             source,
         };
         out.set_len(self.size).map_err(write_err)?;
-        let files = chain
-            .iter()
-            .map(|p| {
-                File::open(p).map_err(|source| MemoryError::Snapshot {
-                    path: p.display().to_string(),
-                    source,
-                })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let mut candidates: std::collections::BTreeSet<u64> = pages::owners(&files)
-            .map_err(write_err)?
-            .into_keys()
-            .collect();
+        let mut candidates = chain_pages(chain).map_err(write_err)?;
         for region in regions(self.size) {
             let host = self.host_address(region.gpa);
             let first = region.file_offset / PAGE_SIZE;
@@ -394,8 +398,97 @@ fn map(
     GuestMemoryMmap::from_regions(out).map_err(|e| MemoryError::Collection(e.to_string()))
 }
 
+/// The pages (file offsets / page size) any memory file of `chain` holds data for.
+fn chain_pages(chain: &[PathBuf]) -> io::Result<std::collections::BTreeSet<u64>> {
+    let files = chain
+        .iter()
+        .map(|p| {
+            File::open(p).map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", p.display())))
+        })
+        .collect::<io::Result<Vec<_>>>()?;
+    Ok(pages::owners(&files)?.into_keys().collect())
+}
+
+/// Guest RAM of `size` bytes, copy-on-write over `base` (a memory file of that size): the
+/// regions are anonymous memory with `base`'s data extents mapped over them.
+fn map_over(
+    base: &File,
+    base_path: &Path,
+    size: u64,
+    options: RamOptions,
+) -> Result<GuestMemoryMmap, MemoryError> {
+    let mut out = Vec::new();
+    for region in regions(size) {
+        let mapping = MmapRegion::build(
+            None,
+            region.len as usize,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+        )
+        .map_err(|source| MemoryError::Map {
+            addr: region.gpa,
+            size: region.len,
+            source,
+        })?;
+        out.push(
+            GuestRegionMmap::new(mapping, GuestAddress(region.gpa))
+                .ok_or(MemoryError::Region(region.gpa))?,
+        );
+    }
+    let memory =
+        GuestMemoryMmap::from_regions(out).map_err(|e| MemoryError::Collection(e.to_string()))?;
+    for region in memory.iter() {
+        small_pages(region.as_ptr(), region.size());
+    }
+    overlay(&memory, size, base, Over::Base).map_err(|source| MemoryError::Snapshot {
+        path: base_path.display().to_string(),
+        source,
+    })?;
+    for region in memory.iter() {
+        advise_private(region.as_ptr(), region.size(), options);
+    }
+    Ok(memory)
+}
+
+/// Extents closer than this are mapped as one, holes and all: fewer mappings (the kernel
+/// allows 65530 per process) for a few zero-filled cache pages if the guest reads that gap.
+const MIN_HOLE: u64 = 16 * PAGE_SIZE;
+/// At most this many file mappings per memory file; past it, gaps merge more eagerly.
+const MAX_EXTENTS: usize = 16_384;
+
+/// `extents` with gaps under `MIN_HOLE` merged, and larger ones too while there are more
+/// than `MAX_EXTENTS`.
+fn coalesce(extents: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut gap = MIN_HOLE;
+    loop {
+        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(extents.len());
+        for &(offset, len) in extents {
+            match merged.last_mut() {
+                Some((start, span)) if offset <= *start + *span + gap => {
+                    *span = (offset + len).max(*start + *span) - *start;
+                }
+                _ => merged.push((offset, len)),
+            }
+        }
+        if merged.len() <= MAX_EXTENTS {
+            return merged;
+        }
+        gap *= 4;
+    }
+}
+
+/// Which memory file `overlay` maps.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Over {
+    /// The bottom file, over anonymous memory: its holes read as zero either way, so nearby
+    /// extents may be mapped as one, holes included.
+    Base,
+    /// A layer over its base: a hole means "the base's page", so only data is mapped.
+    Layer,
+}
+
 /// Maps the data extents of `layer` over the matching pages of `memory`, copy-on-write.
-fn overlay(memory: &GuestMemoryMmap, size: u64, layer: &File) -> io::Result<()> {
+fn overlay(memory: &GuestMemoryMmap, size: u64, layer: &File, over: Over) -> io::Result<()> {
     let len = layer.metadata()?.len();
     if len != size {
         return Err(io::Error::other(format!(
@@ -403,6 +496,10 @@ fn overlay(memory: &GuestMemoryMmap, size: u64, layer: &File) -> io::Result<()> 
         )));
     }
     let extents = pages::data_extents(layer)?;
+    let extents = match over {
+        Over::Base => coalesce(&extents),
+        Over::Layer => extents,
+    };
     for region in regions(size) {
         let host = memory
             .get_host_address(GuestAddress(region.gpa))
@@ -430,35 +527,77 @@ fn overlay(memory: &GuestMemoryMmap, size: u64, layer: &File) -> io::Result<()> 
             if mapped == libc::MAP_FAILED {
                 return Err(io::Error::last_os_error());
             }
+            // Fault in only the page touched: readahead would bring neighbours (holes
+            // included) into the cache, large folios at a time.
+            // SAFETY: exactly the range just mapped; madvise changes no contents.
+            unsafe { libc::madvise(mapped, (end - start) as usize, libc::MADV_RANDOM) };
         }
     }
     Ok(())
 }
 
-/// Replaces a shared RAM mapping with a private one of `base` at the same addresses.
+/// Replaces a shared RAM mapping with a private one over `base` at the same addresses:
+/// anonymous memory with `base`'s data extents mapped over it (see `map_over`).
 fn remap_private(memory: &GuestMemoryMmap, size: u64, base: &File) -> io::Result<()> {
     for region in regions(size) {
         let host = memory
             .get_host_address(GuestAddress(region.gpa))
             .map_err(|e| io::Error::other(e.to_string()))?;
         // SAFETY: the range is exactly this region's live mapping; the VM is paused, so no
-        // vCPU or device touches it while it is swapped for a private mapping of the same
-        // file contents. KVM follows through its MMU notifier.
+        // vCPU or device touches it while it is swapped for fresh anonymous memory, onto
+        // which the file's contents are mapped back below before it runs again. KVM follows
+        // through its MMU notifier.
         let mapped = unsafe {
             libc::mmap(
                 host.cast(),
                 region.len as usize,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_FIXED | libc::MAP_NORESERVE,
-                base.as_raw_fd(),
-                region.file_offset as libc::off_t,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                -1,
+                0,
             )
         };
         if mapped == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
+        small_pages(host, region.len as usize);
     }
-    Ok(())
+    overlay(memory, size, base, Over::Base)
+}
+
+/// Anonymous guest RAM stays in small pages: a huge page would turn one written page of a
+/// hole into 2 MiB of private memory per VM.
+fn small_pages(host: *mut u8, len: usize) {
+    // SAFETY: the range is one whole guest RAM mapping of this process; the advice changes
+    // no contents.
+    unsafe { libc::madvise(host.cast(), len, libc::MADV_NOHUGEPAGE) };
+}
+
+/// The caller's options on a private RAM mapping (see `advise`), by address.
+fn advise_private(host: *mut u8, len: usize, options: RamOptions) {
+    let advice = [
+        (options.mergeable, libc::MADV_MERGEABLE, "MADV_MERGEABLE"),
+        // Populating a private mapping for writing would copy every page: read instead.
+        (
+            options.prefault,
+            libc::MADV_POPULATE_READ,
+            "MADV_POPULATE_READ",
+        ),
+    ];
+    for (wanted, advice, name) in advice {
+        if !wanted {
+            continue;
+        }
+        // SAFETY: as above.
+        let rc = unsafe { libc::madvise(host.cast(), len, advice) };
+        if rc != 0 {
+            tracing::warn!(
+                advice = name,
+                error = %io::Error::last_os_error(),
+                "madvise on guest RAM failed; continuing without it"
+            );
+        }
+    }
 }
 
 /// Pages (index from `host`) of a private mapping that the process wrote to since it was

@@ -148,13 +148,13 @@ impl Vm {
             (Backing::Private { top }, _) => {
                 let top = Snapshot::open(&top)?;
                 let chain = top.chain()?;
+                let files: Vec<PathBuf> = chain.iter().map(|s| s.path(MEMORY_FILE)).collect();
                 if chain.len() >= FLATTEN_AT {
                     // Long chains cost restore time and pin every base: start afresh.
-                    let files: Vec<PathBuf> = chain.iter().map(|s| s.path(MEMORY_FILE)).collect();
                     let (digest, pages) = self.ram.write_flattened(&files, &memory_path)?;
                     (DigestKind::Pages, digest, pages, false, None)
                 } else {
-                    let (digest, pages) = self.ram.write_layer(&memory_path)?;
+                    let (digest, pages) = self.ram.write_layer(&memory_path, &files)?;
                     (
                         DigestKind::LayerPages,
                         digest,
