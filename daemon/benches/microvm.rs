@@ -1,7 +1,8 @@
 //! Sessions on microVMs, measured through the Sessions API with the test guest's counter:
 //! first turn (create → VM booted → answered), warm turn latency, suspend, resume → first
 //! event, fork fan-out 1/16/64/128 → every child answered, memory per idle session and
-//! sessions per GiB. Prints a table and writes the figures as JSON (`AGENTVM_BENCH_JSON`,
+//! sessions per GiB, and density: host memory (MemAvailable) and page cache per idle
+//! session for 200 booted, resumed and forked sessions. Prints a table and writes the figures as JSON (`AGENTVM_BENCH_JSON`,
 //! default `target/bench-microvm.json`).
 //!
 //! `cargo build --release -p agentvm-vmm && cargo bench -p agentvmd --bench microvm`
@@ -110,6 +111,132 @@ fn pss_mib(state: &std::path::Path, sessions: &[String]) -> Vec<f64> {
                 .map(|kib| kib / 1024.0)
         })
         .collect()
+}
+
+/// (MemAvailable, Cached) of the host, in MiB.
+fn meminfo_mib() -> (f64, f64) {
+    let text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|kib| kib.parse::<f64>().ok())
+            .map_or(0.0, |kib| kib / 1024.0)
+    };
+    (field("MemAvailable:"), field("Cached:"))
+}
+
+/// Runs `each` over `items`, eight at a time.
+async fn eight_at_a_time<T, F, Fut>(items: Vec<T>, each: F)
+where
+    F: Fn(T) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    use futures_util::StreamExt;
+    futures_util::stream::iter(items)
+        .for_each_concurrent(8, each)
+        .await;
+}
+
+/// Density: `n` sessions booted; all suspended, then resumed; then `n` fork children of one
+/// parent. After each phase, with every session idle after answering a turn, the host memory
+/// each costs (the drop in MemAvailable over `n`) and the page cache each adds (Cached).
+async fn density(
+    c: &SessionsClient<Channel>,
+    n: usize,
+    out: &mut serde_json::Map<String, serde_json::Value>,
+) {
+    let settle = || tokio::time::sleep(Duration::from_millis(500));
+    let per = |before: (f64, f64), after: (f64, f64)| {
+        (
+            (before.0 - after.0) / n as f64,
+            (after.1 - before.1) / n as f64,
+        )
+    };
+    let mut report = |phase: &str, (memory, cache): (f64, f64)| {
+        println!(
+            "{:<44} {:>8.2} MiB host memory each, {:>8.2} MiB page cache each  (n={n})",
+            format!("density: {phase}"),
+            memory,
+            cache
+        );
+        out.insert(
+            format!("density_{phase}"),
+            json!({"n": n, "host_mib_each": memory, "page_cache_mib_each": cache}),
+        );
+    };
+    settle().await;
+    let start = meminfo_mib();
+    let mut sessions = Vec::with_capacity(n);
+    for _ in 0..n {
+        sessions.push(create(&mut c.clone()).await);
+    }
+    eight_at_a_time(sessions.clone(), |s| {
+        let mut c = c.clone();
+        async move {
+            turn(&mut c, &s).await;
+        }
+    })
+    .await;
+    settle().await;
+    let booted = meminfo_mib();
+    report("booted", per(start, booted));
+    eight_at_a_time(sessions.clone(), |s| {
+        let mut c = c.clone();
+        async move {
+            c.suspend(SuspendRequest { session: s }).await.unwrap();
+        }
+    })
+    .await;
+    settle().await;
+    let suspended = meminfo_mib();
+    eight_at_a_time(sessions.clone(), |s| {
+        let mut c = c.clone();
+        async move {
+            turn(&mut c, &s).await;
+        }
+    })
+    .await;
+    settle().await;
+    let resumed = meminfo_mib();
+    report("resumed", per(suspended, resumed));
+
+    let parent = sessions[0].clone();
+    let mut children = Vec::with_capacity(n);
+    while children.len() < n {
+        let count = (n - children.len()).min(128) as i32;
+        let forked = c
+            .clone()
+            .fork(ForkRequest {
+                session: parent.clone(),
+                count,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .children;
+        children.extend(forked.into_iter().map(|s| s.metadata.unwrap().uid));
+    }
+    eight_at_a_time(children.clone(), |s| {
+        let mut c = c.clone();
+        async move {
+            turn(&mut c, &s).await;
+        }
+    })
+    .await;
+    settle().await;
+    let forked = meminfo_mib();
+    report("forked", per(resumed, forked));
+    eight_at_a_time(sessions.into_iter().chain(children).collect(), |s| {
+        let mut c = c.clone();
+        async move {
+            c.delete_session(DeleteSessionRequest { uid: s })
+                .await
+                .unwrap();
+        }
+    })
+    .await;
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -248,6 +375,8 @@ async fn main() {
             .unwrap();
         }
     }
+    density(&c, if quick { 4 } else { 200 }, &mut out).await;
+
     let path = std::env::var_os("AGENTVM_BENCH_JSON")
         .map(PathBuf::from)
         .unwrap_or_else(|| {

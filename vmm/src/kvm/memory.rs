@@ -776,10 +776,14 @@ mod tests {
         stamp(&child, 2, 777);
         stamp(&child, 3, 0);
         stamp(&child, 700, 5);
+        // Reading a page the base has no data for maps the zero page: not a change.
+        assert_eq!(read(&child, 500), 0);
         let layer_dir = shm.path().join("layer");
         std::fs::create_dir(&layer_dir).unwrap();
-        let (_, layer_pages) = child.write_layer(&layer_dir.join("memory")).unwrap();
-        assert_eq!(layer_pages, 3);
+        let (_, layer_pages) = child
+            .write_layer(&layer_dir.join("memory"), &chain)
+            .unwrap();
+        assert_eq!(layer_pages, 3, "two stamps and a zero over the base's data");
 
         // A grandchild composes base + layer.
         let chain = vec![base_dir.join("memory"), layer_dir.join("memory")];
