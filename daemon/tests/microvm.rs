@@ -581,8 +581,26 @@ async fn a_fork_child_whose_vmm_dies_continues_from_the_fork_snapshot() {
         assert!(std::time::Instant::now() < deadline, "never recorded");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(turn(&mut c, &child).await, "3");
     assert_eq!(turn(&mut c, &parent).await, "3");
+    // The parent going does not take the snapshot the child's FORK record names: the child
+    // still holds it, though its VM that was restored from it is gone.
+    c.delete_session(agentvm_proto::v1::DeleteSessionRequest {
+        uid: parent.clone(),
+    })
+    .await
+    .unwrap();
+    assert_eq!(turn(&mut c, &child).await, "3");
+    // With the child gone too, nothing of either is left.
+    c.delete_session(agentvm_proto::v1::DeleteSessionRequest { uid: child })
+        .await
+        .unwrap();
+    let snapshots: Vec<_> = std::fs::read_dir(node.dir.join("state/snapshots"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| !n.starts_with('.'))
+        .collect();
+    assert!(snapshots.is_empty(), "left: {snapshots:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

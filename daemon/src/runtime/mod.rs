@@ -144,8 +144,12 @@ pub trait Runtime: Send + Sync {
     async fn stop(&self, incarnation: &Incarnation) -> Result<()>;
 
     /// Frees what the runtime keeps for a deleted session (its snapshots), except what
-    /// another session still uses.
-    async fn reclaim(&self, _session_uid: &str) -> Result<()> {
+    /// another session still uses; `owned` tells which sessions still exist.
+    async fn reclaim(
+        &self,
+        _session_uid: &str,
+        _owned: &(dyn for<'s> Fn(&'s str) -> bool + Send + Sync),
+    ) -> Result<()> {
         Ok(())
     }
 

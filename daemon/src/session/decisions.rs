@@ -228,8 +228,9 @@ impl SessionHost {
             })?;
         }
         crash_point::reached(crash_point::DELETE_STOPPED);
+        let owned = |s: &str| s != uid && self.is_active(s);
         if let Ok(placement) = self.place(harness)
-            && let Err(e) = placement.runtime.reclaim(uid).await
+            && let Err(e) = placement.runtime.reclaim(uid, &owned).await
         {
             // The session is gone either way; what could not be freed yet stays for later.
             tracing::warn!(session = %uid, error = %e, "reclaiming the session's snapshots");

@@ -286,6 +286,16 @@ impl SessionHost {
         Ok(row)
     }
 
+    /// Whether `uid` is a session that may still be worked on (what runtimes keep for it
+    /// stays). A journal that cannot answer keeps everything.
+    pub(crate) fn is_active(&self, uid: &str) -> bool {
+        match self.journal.get_session(uid) {
+            Ok(Some(row)) => row.deletion == DeletionState::Active,
+            Ok(None) => false,
+            Err(_) => true,
+        }
+    }
+
     fn records(&self, uid: &str) -> Result<Vec<LogRecord>, Status> {
         self.journal.read(uid, 1, 0).map_err(|e| journal_status(&e))
     }

@@ -52,10 +52,7 @@ impl SessionHost {
                     session = %op.session, error = %e.message(), "recovery failed"),
             }
         }
-        let owned = |uid: &str| {
-            matches!(self.journal.get_session(uid),
-                Ok(Some(row)) if row.deletion == DeletionState::Active)
-        };
+        let owned = |uid: &str| self.is_active(uid);
         for runtime in self.runtimes() {
             runtime.reconcile(&owned).await;
         }

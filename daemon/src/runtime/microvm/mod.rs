@@ -504,9 +504,9 @@ impl MicrovmRuntime {
         let ids = self.store.list().unwrap_or_default();
         for id in &ids {
             for holder in self.store.holders(id).unwrap_or_default() {
-                if !owned(&holder) || !self.vmm_dir(&holder).vmm_alive() {
+                if !owned(&holder) {
                     tracing::info!(snapshot = %id, holder = %holder,
-                        "reconcile: releasing a use by a VMM that is gone");
+                        "reconcile: releasing a use by a session that is gone");
                     let _ = self.store.release(id, &holder);
                 }
             }
@@ -709,7 +709,6 @@ impl Runtime for MicrovmRuntime {
             .observe(started.elapsed());
         crate::crash_point::reached(crate::crash_point::SUSPEND_STORED);
         self.stop_vmm(session, &dir).await;
-        self.release_snapshots(session);
         Ok(SnapshotRef {
             local: session.clone(),
             external_uri: format!("file://{}", target.display()),
@@ -733,26 +732,35 @@ impl Runtime for MicrovmRuntime {
             .map(Some)
     }
 
+    /// Stops the VM. The snapshots it was restored from stay held by its session: the log
+    /// names them (a fork child's FORK record, the SUSPEND it resumed from) as the state to
+    /// go back to should its next VM be lost, so they go only with the session (`reclaim`).
     async fn stop(&self, incarnation: &Incarnation) -> Result<()> {
         self.stop_vmm(&incarnation.id, &self.vmm_dir(&incarnation.id))
             .await;
-        self.release_snapshots(&incarnation.id);
         Ok(())
     }
 
-    /// Deletes the session's snapshots that nothing uses any more (a fork's children keep
-    /// theirs alive until they are gone too).
-    async fn reclaim(&self, session_uid: &str) -> Result<()> {
+    /// Deletes the session's snapshots that nothing uses any more, and those of sessions
+    /// already gone that only it still held (a fork's children keep their parent's alive
+    /// until they are gone too).
+    async fn reclaim(
+        &self,
+        session_uid: &str,
+        owned: &(dyn for<'s> Fn(&'s str) -> bool + Send + Sync),
+    ) -> Result<()> {
         // Whatever a VMM of the session left behind (one that died unasked leaves its
         // directory and cgroups for the next start, which a deleted session never has).
         self.stop_vmm(session_uid, &self.vmm_dir(session_uid)).await;
-        let prefix = format!("{session_uid}-");
+        self.release_snapshots(session_uid);
         let mut left: Vec<String> = self
             .store
             .list()
             .unwrap_or_default()
             .into_iter()
-            .filter(|id| id.starts_with(&prefix))
+            .filter(|id| {
+                snapshot_owner(id).is_some_and(|owner| owner == session_uid || !owned(owner))
+            })
             .collect();
         // Layers go before the bases under them: repeat while a pass frees something.
         loop {
@@ -821,7 +829,6 @@ impl Runtime for MicrovmRuntime {
                     "reconcile: stopping a VMM that never finished starting"
                 );
                 self.stop_vmm(&session, &dir).await;
-                self.release_snapshots(&session);
             }
         }
         self.reconcile_snapshots(owned);
