@@ -15,10 +15,9 @@ pub const ALL: &[&str] = &[
     SUSPEND_STORED,
     SUSPEND_SNAPSHOTTED,
     SUSPEND_RECORDED,
-    // Fork: children started, then written one by one.
+    // Fork: children started, then written (all in one transaction).
     FORK_BEGUN,
     FORK_PROVISIONED,
-    FORK_CHILD_WRITTEN,
     FORK_WRITTEN,
     // Delete: marked, compute stopped, snapshots reclaimed, tombstoned.
     DELETE_BEGUN,
@@ -36,7 +35,6 @@ pub const SUSPEND_SNAPSHOTTED: &str = "suspend.snapshotted";
 pub const SUSPEND_RECORDED: &str = "suspend.recorded";
 pub const FORK_BEGUN: &str = "fork.begun";
 pub const FORK_PROVISIONED: &str = "fork.provisioned";
-pub const FORK_CHILD_WRITTEN: &str = "fork.child_written";
 pub const FORK_WRITTEN: &str = "fork.written";
 pub const DELETE_BEGUN: &str = "delete.begun";
 pub const DELETE_STOPPED: &str = "delete.stopped";

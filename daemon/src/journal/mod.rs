@@ -218,6 +218,16 @@ pub trait Journal: Send + Sync {
     /// empty.
     fn copy_prefix(&self, parent: &str, child: &str, upto_seq: i64, fence: i64) -> Result<()>;
 
+    /// Writes a fork's children in one durable transaction, all or none: for each, its row,
+    /// a copy of `parent`'s records up to `upto_seq` (as `copy_prefix`, under fence 1) and its
+    /// own first record `event` after them.
+    fn create_children(
+        &self,
+        parent: &str,
+        upto_seq: i64,
+        children: &[(SessionRow, Event)],
+    ) -> Result<()>;
+
     fn set_deletion(&self, uid: &str, state: DeletionState) -> Result<()>;
 
     /// Active sessions whose stored compute state is `state`.

@@ -190,7 +190,7 @@ struct Head {
     compute_state: ComputeState,
 }
 
-fn read_head(tx: &rusqlite::Transaction<'_>, uid: &str) -> Result<Head> {
+fn read_head(tx: &Connection, uid: &str) -> Result<Head> {
     tx.prepare_cached(
         "SELECT fence, last_seq, head_hash, compute_state FROM sessions WHERE session = ?1",
     )
@@ -230,6 +230,179 @@ fn decode_record(
         fence,
         event: Some(event),
     })
+}
+
+fn insert_session(conn: &Connection, row: &SessionRow) -> Result<()> {
+    let inserted = conn
+        .prepare_cached(
+            "INSERT INTO sessions (session, fence, project, name, harness, model, parent_uid,
+                fork_seq, compute_state, created_at, updated_at, labels, annotations, origin,
+                identity, deletion_state, last_seq, head_hash)
+             VALUES (?1, 0, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, 0, '')
+             ON CONFLICT (session) DO NOTHING",
+        )
+        .and_then(|mut st| {
+            st.execute(params![
+                row.uid,
+                row.project,
+                row.name,
+                row.harness,
+                row.model,
+                row.parent_uid,
+                row.fork_seq,
+                row.compute_state as i32,
+                row.created_at,
+                row.updated_at,
+                json_map(&row.labels),
+                json_map(&row.annotations),
+                row.origin.as_ref().map(Message::encode_to_vec),
+                row.identity.as_ref().map(Message::encode_to_vec),
+                row.deletion.as_str(),
+            ])
+        })
+        .map_err(storage(format!("create session {}", row.uid)))?;
+    if inserted == 0 {
+        return Err(JournalError::AlreadyExists(row.uid.clone()));
+    }
+    Ok(())
+}
+
+/// Appends `events` to `uid`'s log inside the caller's transaction: CAS on the head, then
+/// the fence, then each record chained to the one before.
+fn append_events(
+    tx: &Connection,
+    uid: &str,
+    expected_last_seq: i64,
+    fence: i64,
+    events: &[Event],
+) -> Result<Vec<LogRecord>> {
+    let head = read_head(tx, uid)?;
+    // CAS first, then the fence: a stale caller learns it is stale before it learns
+    // it was superseded (semantics.md §1.4).
+    if expected_last_seq != head.last_seq {
+        return Err(JournalError::Conflict {
+            session: uid.to_owned(),
+            expected: expected_last_seq,
+            head: head.last_seq,
+        });
+    }
+    if fence < head.fence {
+        return Err(JournalError::Fenced {
+            session: uid.to_owned(),
+            fence,
+            current: head.fence,
+        });
+    }
+    let mut records = Vec::with_capacity(events.len());
+    let mut prev = head.head_hash;
+    let mut seq = head.last_seq;
+    let mut compute = head.compute_state;
+    {
+        let mut insert = tx
+            .prepare_cached(
+                "INSERT INTO events (session, seq, prev_hash, hash, fence, event)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            )
+            .map_err(storage(format!("prepare append to {uid}")))?;
+        for event in events {
+            seq += 1;
+            let hash =
+                canon::content_hash(seq, &prev, event).map_err(|source| JournalError::Canon {
+                    session: uid.to_owned(),
+                    source,
+                })?;
+            insert
+                .execute(params![uid, seq, prev, hash, fence, event.encode_to_vec()])
+                .map_err(|e| match e {
+                    // A primary-key clash means another writer got there first.
+                    rusqlite::Error::SqliteFailure(f, _)
+                        if f.code == rusqlite::ErrorCode::ConstraintViolation =>
+                    {
+                        JournalError::Conflict {
+                            session: uid.to_owned(),
+                            expected: expected_last_seq,
+                            head: seq,
+                        }
+                    }
+                    e => storage(format!("append seq {seq} to {uid}"))(e),
+                })?;
+            compute = project_compute_state(compute, event);
+            records.push(LogRecord {
+                seq,
+                prev_hash: std::mem::replace(&mut prev, hash.clone()),
+                content_hash: hash,
+                fence,
+                event: Some(event.clone()),
+            });
+        }
+    }
+    tx.prepare_cached(
+        "UPDATE sessions SET last_seq = ?2, head_hash = ?3, compute_state = ?4,
+         updated_at = ?5 WHERE session = ?1",
+    )
+    .and_then(|mut st| st.execute(params![uid, seq, prev, compute as i32, now_nanos()]))
+    .map_err(storage(format!("advance head of {uid}")))?;
+    Ok(records)
+}
+
+/// Copies `parent`'s records 1..=`upto_seq` into `child` (empty) inside the caller's
+/// transaction, byte for byte, and moves the child's head and fence to match.
+fn copy_events(
+    tx: &Connection,
+    parent: &str,
+    child: &str,
+    upto_seq: i64,
+    fence: i64,
+) -> Result<()> {
+    let parent_head = read_head(tx, parent)?;
+    let child_head = read_head(tx, child)?;
+    if child_head.last_seq != 0 {
+        return Err(JournalError::Conflict {
+            session: child.to_owned(),
+            expected: 0,
+            head: child_head.last_seq,
+        });
+    }
+    if upto_seq > parent_head.last_seq || upto_seq < 0 {
+        return Err(JournalError::Conflict {
+            session: parent.to_owned(),
+            expected: upto_seq,
+            head: parent_head.last_seq,
+        });
+    }
+    let copied = tx
+        .prepare_cached(
+            "INSERT INTO events (session, seq, prev_hash, hash, fence, event)
+             SELECT ?2, seq, prev_hash, hash, ?4, event FROM events
+             WHERE session = ?1 AND seq <= ?3",
+        )
+        .and_then(|mut st| st.execute(params![parent, child, upto_seq, fence]))
+        .map_err(storage(format!("copy {parent}@{upto_seq} into {child}")))?;
+    if copied as i64 != upto_seq {
+        // The parent's log has a hole: refuse rather than fork a broken chain.
+        return Err(JournalError::CorruptRecord {
+            session: parent.to_owned(),
+            seq: upto_seq,
+            reason: format!("expected {upto_seq} records up to seq {upto_seq}, found {copied}"),
+        });
+    }
+    let head_hash: String = if upto_seq == 0 {
+        String::new()
+    } else {
+        tx.query_row(
+            "SELECT hash FROM events WHERE session = ?1 AND seq = ?2",
+            params![parent, upto_seq],
+            |r| r.get(0),
+        )
+        .map_err(storage(format!("read {parent}@{upto_seq}")))?
+    };
+    tx.execute(
+        "UPDATE sessions SET last_seq = ?2, head_hash = ?3, updated_at = ?4,
+             fence = MAX(fence, ?5) WHERE session = ?1",
+        params![child, upto_seq, head_hash, now_nanos(), fence],
+    )
+    .map_err(storage(format!("advance head of {child}")))?;
+    Ok(())
 }
 
 impl Journal for SqliteJournal {
@@ -272,39 +445,7 @@ impl Journal for SqliteJournal {
     }
 
     fn create_session(&self, row: &SessionRow) -> Result<()> {
-        let conn = self.writer();
-        let inserted = conn
-            .prepare_cached(
-                "INSERT INTO sessions (session, fence, project, name, harness, model, parent_uid,
-                    fork_seq, compute_state, created_at, updated_at, labels, annotations, origin,
-                    identity, deletion_state, last_seq, head_hash)
-                 VALUES (?1, 0, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, 0, '')
-                 ON CONFLICT (session) DO NOTHING",
-            )
-            .and_then(|mut st| {
-                st.execute(params![
-                    row.uid,
-                    row.project,
-                    row.name,
-                    row.harness,
-                    row.model,
-                    row.parent_uid,
-                    row.fork_seq,
-                    row.compute_state as i32,
-                    row.created_at,
-                    row.updated_at,
-                    json_map(&row.labels),
-                    json_map(&row.annotations),
-                    row.origin.as_ref().map(Message::encode_to_vec),
-                    row.identity.as_ref().map(Message::encode_to_vec),
-                    row.deletion.as_str(),
-                ])
-            })
-            .map_err(storage(format!("create session {}", row.uid)))?;
-        if inserted == 0 {
-            return Err(JournalError::AlreadyExists(row.uid.clone()));
-        }
-        Ok(())
+        insert_session(&self.writer(), row)
     }
 
     fn get_session(&self, uid: &str) -> Result<Option<SessionRow>> {
@@ -377,73 +518,7 @@ impl Journal for SqliteJournal {
             let tx = conn
                 .transaction_with_behavior(TransactionBehavior::Immediate)
                 .map_err(storage(format!("begin append to {uid}")))?;
-            let head = read_head(&tx, uid)?;
-            // CAS first, then the fence: a stale caller learns it is stale before it learns
-            // it was superseded (semantics.md §1.4).
-            if expected_last_seq != head.last_seq {
-                return Err(JournalError::Conflict {
-                    session: uid.to_owned(),
-                    expected: expected_last_seq,
-                    head: head.last_seq,
-                });
-            }
-            if fence < head.fence {
-                return Err(JournalError::Fenced {
-                    session: uid.to_owned(),
-                    fence,
-                    current: head.fence,
-                });
-            }
-            let mut records = Vec::with_capacity(events.len());
-            let mut prev = head.head_hash;
-            let mut seq = head.last_seq;
-            let mut compute = head.compute_state;
-            {
-                let mut insert = tx
-                    .prepare_cached(
-                        "INSERT INTO events (session, seq, prev_hash, hash, fence, event)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-                    )
-                    .map_err(storage(format!("prepare append to {uid}")))?;
-                for event in events {
-                    seq += 1;
-                    let hash = canon::content_hash(seq, &prev, event).map_err(|source| {
-                        JournalError::Canon {
-                            session: uid.to_owned(),
-                            source,
-                        }
-                    })?;
-                    insert
-                        .execute(params![uid, seq, prev, hash, fence, event.encode_to_vec()])
-                        .map_err(|e| match e {
-                            // A primary-key clash means another writer got there first.
-                            rusqlite::Error::SqliteFailure(f, _)
-                                if f.code == rusqlite::ErrorCode::ConstraintViolation =>
-                            {
-                                JournalError::Conflict {
-                                    session: uid.to_owned(),
-                                    expected: expected_last_seq,
-                                    head: seq,
-                                }
-                            }
-                            e => storage(format!("append seq {seq} to {uid}"))(e),
-                        })?;
-                    compute = project_compute_state(compute, event);
-                    records.push(LogRecord {
-                        seq,
-                        prev_hash: std::mem::replace(&mut prev, hash.clone()),
-                        content_hash: hash,
-                        fence,
-                        event: Some(event.clone()),
-                    });
-                }
-            }
-            tx.prepare_cached(
-                "UPDATE sessions SET last_seq = ?2, head_hash = ?3, compute_state = ?4,
-                 updated_at = ?5 WHERE session = ?1",
-            )
-            .and_then(|mut st| st.execute(params![uid, seq, prev, compute as i32, now_nanos()]))
-            .map_err(storage(format!("advance head of {uid}")))?;
+            let records = append_events(&tx, uid, expected_last_seq, fence, events)?;
             tx.commit()
                 .map_err(storage(format!("commit append to {uid}")))?;
             Ok(records)
@@ -487,56 +562,29 @@ impl Journal for SqliteJournal {
         let tx = conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
             .map_err(storage(format!("begin fork copy {parent} -> {child}")))?;
-        let parent_head = read_head(&tx, parent)?;
-        let child_head = read_head(&tx, child)?;
-        if child_head.last_seq != 0 {
-            return Err(JournalError::Conflict {
-                session: child.to_owned(),
-                expected: 0,
-                head: child_head.last_seq,
-            });
-        }
-        if upto_seq > parent_head.last_seq || upto_seq < 0 {
-            return Err(JournalError::Conflict {
-                session: parent.to_owned(),
-                expected: upto_seq,
-                head: parent_head.last_seq,
-            });
-        }
-        let copied = tx
-            .prepare_cached(
-                "INSERT INTO events (session, seq, prev_hash, hash, fence, event)
-                 SELECT ?2, seq, prev_hash, hash, ?4, event FROM events
-                 WHERE session = ?1 AND seq <= ?3",
-            )
-            .and_then(|mut st| st.execute(params![parent, child, upto_seq, fence]))
-            .map_err(storage(format!("copy {parent}@{upto_seq} into {child}")))?;
-        if copied as i64 != upto_seq {
-            // The parent's log has a hole: refuse rather than fork a broken chain.
-            return Err(JournalError::CorruptRecord {
-                session: parent.to_owned(),
-                seq: upto_seq,
-                reason: format!("expected {upto_seq} records up to seq {upto_seq}, found {copied}"),
-            });
-        }
-        let head_hash: String = if upto_seq == 0 {
-            String::new()
-        } else {
-            tx.query_row(
-                "SELECT hash FROM events WHERE session = ?1 AND seq = ?2",
-                params![parent, upto_seq],
-                |r| r.get(0),
-            )
-            .map_err(storage(format!("read {parent}@{upto_seq}")))?
-        };
-        tx.execute(
-            "UPDATE sessions SET last_seq = ?2, head_hash = ?3, updated_at = ?4,
-                 fence = MAX(fence, ?5) WHERE session = ?1",
-            params![child, upto_seq, head_hash, now_nanos(), fence],
-        )
-        .map_err(storage(format!("advance head of {child}")))?;
+        copy_events(&tx, parent, child, upto_seq, fence)?;
         tx.commit()
             .map_err(storage(format!("commit fork copy {parent} -> {child}")))
+    }
+
+    fn create_children(
+        &self,
+        parent: &str,
+        upto_seq: i64,
+        children: &[(SessionRow, Event)],
+    ) -> Result<()> {
+        let mut conn = self.writer();
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(storage(format!("begin writing the children of {parent}")))?;
+        for (row, first) in children {
+            insert_session(&tx, row)?;
+            // The child's first writer: fence 1, as `new_fence` would mint it.
+            copy_events(&tx, parent, &row.uid, upto_seq, 1)?;
+            append_events(&tx, &row.uid, upto_seq, 1, std::slice::from_ref(first))?;
+        }
+        tx.commit()
+            .map_err(storage(format!("commit the children of {parent}")))
     }
 
     fn begin_operation(&self, op: &Operation) -> Result<i64> {

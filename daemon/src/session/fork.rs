@@ -9,12 +9,13 @@ use tonic::Status;
 use tracing::Instrument;
 
 use super::guard::Hold;
+use super::turns::lifecycle_event;
 use super::{SessionHost, busy, new_session_uid, resume_point, runtime_status};
 use crate::api::status::journal_status;
 use crate::clock::now_nanos;
 use crate::controller::Interrupt;
 use crate::crash_point;
-use crate::journal::{DeletionState, OperationKind, SessionRow};
+use crate::journal::{OperationKind, SessionRow};
 use crate::runtime::placement::can_place;
 use crate::runtime::{ForkOpts, Incarnation, SessionSpec};
 
@@ -126,30 +127,34 @@ impl SessionHost {
         let provisioned = match self.provision_children(&placement, &source, uids).await {
             Ok(p) => p,
             Err((provisioned, e)) => {
-                self.roll_back(&placement, &provisioned, &[]).await;
+                self.roll_back(&placement, &provisioned).await;
                 return Err(e);
             }
         };
 
         crash_point::reached(crash_point::FORK_PROVISIONED);
         let provisioned_in = started.elapsed();
-        let mut written: Vec<String> = Vec::with_capacity(count);
-        for (i, (child, _)) in provisioned.iter().enumerate() {
-            // A memory child's FORK record names the snapshot it was cloned from: the state
-            // it continues from should its VM be lost before it suspends itself.
-            let cloned_from = memory.then(|| source.clone());
-            let result = self.write_child(&parent, child, &req, i, at_seq, cloned_from);
-            match result {
-                Ok(()) => {
-                    written.push(child.clone());
-                    crash_point::reached(crash_point::FORK_CHILD_WRITTEN);
-                }
-                Err(e) => {
-                    written.push(child.clone());
-                    self.roll_back(&placement, &provisioned, &written).await;
-                    return Err(e);
-                }
-            }
+        // A memory child's FORK record names the snapshot it was cloned from: the state it
+        // continues from should its VM be lost before it suspends itself.
+        let cloned_from = memory.then(|| source.clone());
+        let rows: Vec<_> = provisioned
+            .iter()
+            .enumerate()
+            .map(|(i, (child, _))| {
+                (
+                    child_row(&parent, child, &req, i, at_seq),
+                    lifecycle_event(
+                        LifecycleKind::LifecycleFork,
+                        &format!("parent@{at_seq}"),
+                        cloned_from.clone(),
+                    ),
+                )
+            })
+            .collect();
+        // Every child in one transaction: all of them exist, or none does.
+        if let Err(e) = self.journal.create_children(&uid, at_seq, &rows) {
+            self.roll_back(&placement, &provisioned).await;
+            return Err(journal_status(&e));
         }
         crash_point::reached(crash_point::FORK_WRITTEN);
         let mut children = Vec::with_capacity(count);
@@ -228,55 +233,11 @@ impl SessionHost {
         }
     }
 
-    fn write_child(
-        &self,
-        parent: &SessionRow,
-        child: &str,
-        req: &ForkRequest,
-        index: usize,
-        at_seq: i64,
-        cloned_from: Option<SnapshotRef>,
-    ) -> Result<(), Status> {
-        let now = now_nanos();
-        let row = SessionRow {
-            uid: child.to_owned(),
-            project: parent.project.clone(),
-            name: req.child_names.get(index).cloned().unwrap_or_default(),
-            harness: parent.harness.clone(),
-            model: parent.model.clone(),
-            labels: req.labels.clone().into_iter().collect(),
-            annotations: parent.annotations.clone(),
-            origin: parent.origin.clone(),
-            identity: None,
-            parent_uid: parent.uid.clone(),
-            fork_seq: at_seq,
-            created_at: now,
-            updated_at: now,
-            ..Default::default()
-        };
-        let j = |e| journal_status(&e);
-        self.journal.create_session(&row).map_err(j)?;
-        let fence = self.journal.new_fence(child).map_err(j)?;
-        self.journal
-            .copy_prefix(&parent.uid, child, at_seq, fence)
-            .map_err(j)?;
-        self.append_lifecycle(
-            child,
-            at_seq,
-            fence,
-            LifecycleKind::LifecycleFork,
-            &format!("parent@{at_seq}"),
-            cloned_from,
-        )?;
-        Ok(())
-    }
-
-    /// All-or-nothing: stop every provisioned child and tombstone every written row.
+    /// All-or-nothing: stop every provisioned child (none was written).
     async fn roll_back(
         &self,
         placement: &super::Placement,
         provisioned: &[(String, Option<Incarnation>)],
-        written: &[String],
     ) {
         for (child, inc) in provisioned {
             if let Some(inc) = inc {
@@ -289,10 +250,34 @@ impl SessionHost {
                 }
             }
         }
-        for child in written {
-            if let Err(e) = self.journal.set_deletion(child, DeletionState::Deleted) {
-                tracing::warn!(session = %child, error = %e, "fork rollback: could not tombstone the child");
-            }
-        }
+    }
+}
+
+/// A fork child's row: the parent's project, harness, model, annotations and origin, the
+/// request's name and labels, and no identity (a child does not act as its parent's
+/// principal).
+fn child_row(
+    parent: &SessionRow,
+    child: &str,
+    req: &ForkRequest,
+    index: usize,
+    at_seq: i64,
+) -> SessionRow {
+    let now = now_nanos();
+    SessionRow {
+        uid: child.to_owned(),
+        project: parent.project.clone(),
+        name: req.child_names.get(index).cloned().unwrap_or_default(),
+        harness: parent.harness.clone(),
+        model: parent.model.clone(),
+        labels: req.labels.clone().into_iter().collect(),
+        annotations: parent.annotations.clone(),
+        origin: parent.origin.clone(),
+        identity: None,
+        parent_uid: parent.uid.clone(),
+        fork_seq: at_seq,
+        created_at: now,
+        updated_at: now,
+        ..Default::default()
     }
 }

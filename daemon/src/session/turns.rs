@@ -27,6 +27,27 @@ use crate::runtime::{Incarnation, RuntimeError, SessionSpec, SnapshotKind};
 
 pub type Updates = mpsc::Sender<Result<ExecUpdate, Status>>;
 
+/// A LIFECYCLE event of `kind`, naming `snapshot` (the state it leaves the session in).
+pub(super) fn lifecycle_event(
+    kind: LifecycleKind,
+    detail: &str,
+    snapshot: Option<SnapshotRef>,
+) -> agentvm_proto::v1::Event {
+    let snapshot = snapshot.unwrap_or_default();
+    stamp(
+        "",
+        EventKind::EventLifecycle,
+        Body::Lifecycle(Lifecycle {
+            kind: kind as i32,
+            detail: detail.to_owned(),
+            snapshot_local: snapshot.local,
+            snapshot_external_uri: snapshot.external_uri,
+            snapshot_memory: snapshot.memory,
+            snapshot_sealed: snapshot.sealed,
+        }),
+    )
+}
+
 fn session_frame(s: Session) -> Result<ExecUpdate, Status> {
     Ok(ExecUpdate {
         update: Some(Update::Session(s)),
@@ -446,19 +467,7 @@ impl SessionHost {
         detail: &str,
         snapshot: Option<SnapshotRef>,
     ) -> Result<agentvm_proto::v1::LogRecord, Status> {
-        let snapshot = snapshot.unwrap_or_default();
-        let event = stamp(
-            "",
-            EventKind::EventLifecycle,
-            Body::Lifecycle(Lifecycle {
-                kind: kind as i32,
-                detail: detail.to_owned(),
-                snapshot_local: snapshot.local,
-                snapshot_external_uri: snapshot.external_uri,
-                snapshot_memory: snapshot.memory,
-                snapshot_sealed: snapshot.sealed,
-            }),
-        );
+        let event = lifecycle_event(kind, detail, snapshot);
         let mut records = self
             .journal
             .append(uid, head, fence, &[event])

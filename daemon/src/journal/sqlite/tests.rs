@@ -318,6 +318,65 @@ fn fork_copy_is_byte_identical_and_links_the_tree() {
     assert!(j.copy_prefix("parent", "child2", 9, 1).is_err());
 }
 
+/// A fork's children are written in one transaction: each a byte-identical copy of the
+/// parent's prefix, fence 1, its FORK record after it; and if any child cannot be written,
+/// none is.
+#[test]
+fn fork_children_are_written_all_or_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let j = open(&dir);
+    j.create_session(&session("parent", "p", 1)).unwrap();
+    j.append("parent", 0, 0, &[input("a"), input("b"), input("c")])
+        .unwrap();
+    let fork = || lifecycle_event(lifecycle::Kind::LifecycleFork);
+    j.create_children(
+        "parent",
+        2,
+        &[
+            (session("c1", "p", 2), fork()),
+            (session("c2", "p", 2), fork()),
+        ],
+    )
+    .unwrap();
+    let parent = j.read("parent", 0, 0).unwrap();
+    for child in ["c1", "c2"] {
+        let log = j.read(child, 0, 0).unwrap();
+        let same = |r: &LogRecord| {
+            (
+                r.seq,
+                r.prev_hash.clone(),
+                r.content_hash.clone(),
+                r.event.clone(),
+            )
+        };
+        assert_eq!(
+            log[..2].iter().map(same).collect::<Vec<_>>(),
+            parent[..2].iter().map(same).collect::<Vec<_>>()
+        );
+        assert_eq!(log.len(), 3);
+        assert_eq!(log[2].fence, 1);
+        assert_eq!(verify_chain(&log), Ok(3));
+        let row = j.get_session(child).unwrap().unwrap();
+        assert_eq!((row.fence, row.last_seq), (1, 3));
+        assert_eq!(row.compute_state, ComputeState::ComputeCold);
+    }
+    // c1 exists already: the batch fails and c3, written before it, is not there either.
+    let err = j
+        .create_children(
+            "parent",
+            2,
+            &[
+                (session("c3", "p", 3), fork()),
+                (session("c1", "p", 3), fork()),
+            ],
+        )
+        .unwrap_err();
+    assert!(matches!(err, JournalError::AlreadyExists(_)), "{err}");
+    assert!(j.get_session("c3").unwrap().is_none());
+    assert!(j.read("c3", 0, 0).unwrap().is_empty());
+    assert_eq!(j.read("c1", 0, 0).unwrap().len(), 3, "c1 untouched");
+}
+
 #[test]
 fn list_pages_newest_first_with_a_keyset_cursor() {
     let dir = tempfile::tempdir().unwrap();
