@@ -87,7 +87,16 @@ impl SessionHost {
                     "session {uid} advanced during the fork; fork again at the new head"
                 )));
             }
-            self.adopt(&uid).await?;
+            if self
+                .settle_if_gone(&parent, "its VMM was gone when the session was forked")
+                .await?
+            {
+                // Children at `at_seq` would claim memory the session no longer has.
+                return Err(Status::aborted(format!(
+                    "session {uid} lost its compute; its log now says so at a new head: fork \
+                     again there"
+                )));
+            }
             let snapshot = if self.live_get(&uid).is_some() {
                 let (snapshot, intent) = self.checkpoint(&uid).await?;
                 self.append_lifecycle(

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use agentvm_proto::v1::lifecycle::Kind as LifecycleKind;
-use agentvm_proto::v1::{ComputeState, SnapshotRef, event::Body};
+use agentvm_proto::v1::{ComputeState, LogRecord, SnapshotRef, event::Body};
 use tokio::sync::broadcast::error::RecvError;
 use tonic::Status;
 
@@ -115,6 +115,28 @@ impl SessionHost {
         }
     }
 
+    /// A LIVE memory-tier session whose compute is gone (and not yet recorded as such) gets
+    /// its loss settled now, before a suspend or fork would take its last snapshot for its
+    /// state. True when it was.
+    pub(super) async fn settle_if_gone(
+        &self,
+        row: &crate::journal::SessionRow,
+        reason: &str,
+    ) -> Result<bool, Status> {
+        self.adopt(&row.uid).await?;
+        if row.compute_state != ComputeState::ComputeLive || self.live_get(&row.uid).is_some() {
+            return Ok(false);
+        }
+        let Ok(placement) = self.place(&row.harness) else {
+            return Ok(false);
+        };
+        if !placement.memory_tier() {
+            return Ok(false);
+        }
+        self.settle_lost_compute(&row.uid, row.fork_seq, &placement.runtime, reason)?;
+        Ok(true)
+    }
+
     /// A LIVE session's compute is gone; before anything runs on an older state, the log must
     /// say so. A complete snapshot that a Suspend took but did not live to record is that
     /// state (nothing is lost): it is recorded as the SUSPEND. Otherwise the loss is.
@@ -126,14 +148,7 @@ impl SessionHost {
         reason: &str,
     ) -> Result<(), Status> {
         let records = self.records(uid)?;
-        let recorded = |s: &SnapshotRef| {
-            records
-                .iter()
-                .any(|r| match r.event.as_ref().and_then(|e| e.body.as_ref()) {
-                    Some(Body::Lifecycle(l)) => l.snapshot_external_uri == s.external_uri,
-                    _ => false,
-                })
-        };
+        let recorded = |s: &SnapshotRef| names_snapshot(&records, s);
         let held = runtime.snapshots_of(uid);
         // Only the newest snapshot can be the session's state; an unrecorded older one is a
         // leftover of a Suspend that failed before its record.
@@ -239,4 +254,14 @@ impl SessionHost {
                 "compute lost and could not be recorded"),
         }
     }
+}
+
+/// Whether a LIFECYCLE record of `records` names `snapshot`.
+pub(super) fn names_snapshot(records: &[LogRecord], snapshot: &SnapshotRef) -> bool {
+    records
+        .iter()
+        .any(|r| match r.event.as_ref().and_then(|e| e.body.as_ref()) {
+            Some(Body::Lifecycle(l)) => l.snapshot_external_uri == snapshot.external_uri,
+            _ => false,
+        })
 }

@@ -117,16 +117,7 @@ impl SessionHost {
             self.live_put(uid, inc, runtime.clone());
             let records = self.records(uid)?;
             for snapshot in runtime.snapshots_of(uid) {
-                let named =
-                    records
-                        .iter()
-                        .any(|r| match r.event.as_ref().and_then(|e| e.body.as_ref()) {
-                            Some(Body::Lifecycle(l)) => {
-                                l.snapshot_external_uri == snapshot.external_uri
-                            }
-                            _ => false,
-                        });
-                if !named {
+                if !super::lost::names_snapshot(&records, &snapshot) {
                     runtime.discard_snapshot(&snapshot);
                 }
             }

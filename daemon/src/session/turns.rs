@@ -492,6 +492,12 @@ impl SessionHost {
         if row.compute_state == ComputeState::ComputeCold && self.live_get(uid).is_none() {
             return self.view(uid);
         }
+        if self
+            .settle_if_gone(&row, "its VMM was gone when the session was suspended")
+            .await?
+        {
+            return self.view(uid);
+        }
         self.admit_disk("a suspend (its snapshot)")?;
         let (snapshot, intent) = self.checkpoint(uid).await?;
         let fence = self

@@ -46,6 +46,7 @@ fn parse_args() -> anyhow::Result<Args> {
     let mut guest_ready_timeout_secs = 90;
     let mut only = Vec::new();
     let mut done = None;
+    let mut part = None;
     while let Some(arg) = it.next() {
         let mut value = || it.next().with_context(|| format!("{arg} needs a value"));
         match arg.as_str() {
@@ -55,6 +56,7 @@ fn parse_args() -> anyhow::Result<Args> {
             "--out" => out = Some(PathBuf::from(value()?)),
             "--prefix" => prefix = value()?,
             "--done" => done = Some(PathBuf::from(value()?)),
+            "--part" => part = Some(parse_part(&value()?)?),
             "--scenario-timeout-secs" => {
                 scenario_timeout =
                     Duration::from_secs(value()?.parse().context("--scenario-timeout-secs")?)
@@ -73,6 +75,11 @@ fn parse_args() -> anyhow::Result<Args> {
             other => anyhow::bail!("unknown argument {other:?}"),
         }
     }
+    if let Some((k, n)) = part
+        && only.is_empty()
+    {
+        only = part_of(k, n);
+    }
     Ok(Args {
         bin_dir: bin_dir.context("--bin-dir is required")?,
         images: images.context("--images is required")?,
@@ -84,6 +91,26 @@ fn parse_args() -> anyhow::Result<Args> {
         only,
         done,
     })
+}
+
+/// Part `k` of `n`: the k-th of n runs of consecutive scenarios, as even as they come.
+fn part_of(k: usize, n: usize) -> Vec<String> {
+    ALL.iter()
+        .enumerate()
+        .filter(|(i, _)| i * n / ALL.len() + 1 == k)
+        .map(|(_, (name, _))| (*name).to_owned())
+        .collect()
+}
+
+/// `K/N` with 1 <= K <= N.
+fn parse_part(text: &str) -> anyhow::Result<(usize, usize)> {
+    let (k, n) = text.split_once('/').context("--part takes K/N, e.g. 1/2")?;
+    let (k, n): (usize, usize) = (
+        k.parse().context("--part K")?,
+        n.parse().context("--part N")?,
+    );
+    anyhow::ensure!(k >= 1 && k <= n, "--part {text}: K must be in 1..=N");
+    Ok((k, n))
 }
 
 fn record(out: &std::path::Path, name: &str, passed: bool, seconds: f64, detail: &str) {
@@ -235,5 +262,27 @@ fn main() -> ExitCode {
             eprintln!("agentvm-lane: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Parts of a split cover every scenario once, in order.
+    #[test]
+    fn parts_cover_every_scenario_once() {
+        for n in 1..=4 {
+            let mut seen = Vec::new();
+            for k in 1..=n {
+                seen.extend(part_of(k, n));
+            }
+            let all: Vec<String> = ALL.iter().map(|(name, _)| (*name).to_owned()).collect();
+            assert_eq!(seen, all, "n = {n}");
+        }
+        assert_eq!(parse_part("2/2").unwrap(), (2, 2));
+        assert!(parse_part("3/2").is_err());
+        assert!(parse_part("0/2").is_err());
+        assert!(parse_part("x").is_err());
     }
 }
