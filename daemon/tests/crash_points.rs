@@ -24,12 +24,13 @@ use std::time::{Duration, Instant};
 use agentvm_proto::v1::sessions_client::SessionsClient;
 use agentvm_proto::v1::{
     ComputeState, CreateSessionRequest, DeleteSessionRequest, ForkRequest, ListSessionsRequest,
-    LogRecord, ReplayRequest, ResumeRequest, Session, SuspendRequest, event::Body,
-    exec_update::Update, lifecycle::Kind as LifecycleKind, part,
+    LogRecord, ResumeRequest, Session, SuspendRequest, event::Body, exec_update::Update,
+    lifecycle::Kind as LifecycleKind, part,
 };
 use agentvmd::config::ListenAddr;
 use agentvmd::crash_point;
 use agentvmd::journal::verify::verify_chain;
+use support::replay;
 use tonic::transport::Channel;
 
 fn kvm_unavailable() -> Option<String> {
@@ -232,22 +233,6 @@ async fn turn(
         })
         .unwrap_or_default();
     (records, Ok(answer))
-}
-
-async fn replay(c: &mut SessionsClient<Channel>, session: &str) -> Vec<LogRecord> {
-    let mut stream = c
-        .replay(ReplayRequest {
-            session: session.into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let mut out = Vec::new();
-    while let Some(r) = stream.message().await.unwrap() {
-        out.push(r);
-    }
-    out
 }
 
 /// What the client knew before the crash, per session: the records it was sent and the

@@ -9,12 +9,12 @@ use std::time::Duration;
 
 use agentvm_proto::v1::sessions_client::SessionsClient;
 use agentvm_proto::v1::{
-    ComputeState, CreateSessionRequest, ExecUpdate, ForkRequest, GetSessionRequest, LogRecord,
-    ReplayRequest, ResumeRequest, Session, SuspendRequest, event::Body, exec_update::Update,
-    lifecycle::Kind as LifecycleKind, part,
+    ComputeState, CreateSessionRequest, ExecUpdate, ForkRequest, GetSessionRequest, ResumeRequest,
+    Session, SuspendRequest, event::Body, exec_update::Update, lifecycle::Kind as LifecycleKind,
+    part,
 };
 use agentvmd::journal::verify::verify_chain;
-use support::{TestNode, start_with};
+use support::{TestNode, replay, start_with};
 use tonic::transport::Channel;
 
 fn kvm_unavailable() -> Option<String> {
@@ -124,22 +124,6 @@ async fn fork(c: &mut SessionsClient<Channel>, parent: &str, count: i32) -> Vec<
     .iter()
     .map(uid)
     .collect()
-}
-
-async fn replay(c: &mut SessionsClient<Channel>, session: &str) -> Vec<LogRecord> {
-    let mut stream = c
-        .replay(ReplayRequest {
-            session: session.into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let mut records = Vec::new();
-    while let Some(r) = stream.message().await.unwrap() {
-        records.push(r);
-    }
-    records
 }
 
 async fn compute(c: &mut SessionsClient<Channel>, session: &str) -> ComputeState {

@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use agentvm_proto::v1::lifecycle::Kind as LifecycleKind;
 use agentvm_proto::v1::{ComputeState, LogRecord, SnapshotRef, event::Body};
 use tokio::sync::broadcast::error::RecvError;
 use tonic::Status;
@@ -156,18 +155,10 @@ impl SessionHost {
         for stale in held.iter().skip(1).filter(|s| !recorded(s)) {
             runtime.discard_snapshot(stale);
         }
-        let head = self.row(uid)?.last_seq;
-        let fence = self
-            .journal
-            .new_fence(uid)
-            .map_err(|e| crate::api::status::journal_status(&e))?;
         match adopt {
             Some(snapshot) => {
-                self.append_lifecycle(
+                self.suspend_at_head(
                     uid,
-                    head,
-                    fence,
-                    LifecycleKind::LifecycleSuspend,
                     "suspend completed after a restart: its snapshot was taken, not yet recorded",
                     Some(snapshot),
                 )?;
@@ -175,14 +166,7 @@ impl SessionHost {
             }
             None => {
                 let snapshot = resume_point(&records, fork_seq);
-                self.append_lifecycle(
-                    uid,
-                    head,
-                    fence,
-                    LifecycleKind::LifecycleSuspend,
-                    &format!("compute lost: {reason}"),
-                    snapshot,
-                )?;
+                self.suspend_at_head(uid, &format!("compute lost: {reason}"), snapshot)?;
                 tracing::warn!(session = %uid, %reason,
                     "compute lost; the session continues from its last snapshot");
             }
@@ -205,20 +189,8 @@ impl SessionHost {
             if said {
                 return Ok(());
             }
-            let fence = self
-                .journal
-                .new_fence(uid)
-                .map_err(|e| crate::api::status::journal_status(&e))?;
-            let head = self.row(uid)?.last_seq;
-            self.append_lifecycle(
-                uid,
-                head,
-                fence,
-                LifecycleKind::LifecycleSuspend,
-                &detail,
-                Some(snapshot.clone()),
-            )
-            .map(|_| ())
+            self.suspend_at_head(uid, &detail, Some(snapshot.clone()))
+                .map(|_| ())
         })();
         match result {
             Ok(()) => {
@@ -233,19 +205,7 @@ impl SessionHost {
     pub(super) fn record_lost(&self, uid: &str, fork_seq: i64, reason: &str) {
         let result = (|| {
             let snapshot = resume_point(&self.records(uid)?, fork_seq);
-            let fence = self
-                .journal
-                .new_fence(uid)
-                .map_err(|e| crate::api::status::journal_status(&e))?;
-            let head = self.row(uid)?.last_seq;
-            self.append_lifecycle(
-                uid,
-                head,
-                fence,
-                LifecycleKind::LifecycleSuspend,
-                &format!("compute lost: {reason}"),
-                snapshot,
-            )
+            self.suspend_at_head(uid, &format!("compute lost: {reason}"), snapshot)
         })();
         match result {
             Ok(_) => tracing::warn!(session = %uid, %reason,

@@ -458,6 +458,29 @@ impl SessionHost {
         Ok((snapshot, intent))
     }
 
+    /// Appends a SUSPEND naming `snapshot` at the session's head, under a fresh fence (which
+    /// supersedes any writer still holding an older one). The caller holds the session.
+    pub(super) fn suspend_at_head(
+        &self,
+        uid: &str,
+        detail: &str,
+        snapshot: Option<SnapshotRef>,
+    ) -> Result<agentvm_proto::v1::LogRecord, Status> {
+        let fence = self
+            .journal
+            .new_fence(uid)
+            .map_err(|e| journal_status(&e))?;
+        let head = self.row(uid)?.last_seq;
+        self.append_lifecycle(
+            uid,
+            head,
+            fence,
+            LifecycleKind::LifecycleSuspend,
+            detail,
+            snapshot,
+        )
+    }
+
     pub(super) fn append_lifecycle(
         &self,
         uid: &str,
@@ -500,19 +523,7 @@ impl SessionHost {
         }
         self.admit_disk("a suspend (its snapshot)")?;
         let (snapshot, intent) = self.checkpoint(uid).await?;
-        let fence = self
-            .journal
-            .new_fence(uid)
-            .map_err(|e| journal_status(&e))?;
-        let head = self.row(uid)?.last_seq;
-        self.append_lifecycle(
-            uid,
-            head,
-            fence,
-            LifecycleKind::LifecycleSuspend,
-            "",
-            Some(snapshot),
-        )?;
+        self.suspend_at_head(uid, "", Some(snapshot))?;
         crash_point::reached(crash_point::SUSPEND_RECORDED);
         drop(intent);
         tracing::info!(session = %uid, "session suspended");

@@ -227,3 +227,23 @@ pub fn exec_text(
         ..Default::default()
     }
 }
+
+/// Every record of `session`'s log, through Replay.
+pub async fn replay(
+    c: &mut SessionsClient<Channel>,
+    session: &str,
+) -> Vec<agentvm_proto::v1::LogRecord> {
+    let mut stream = c
+        .replay(agentvm_proto::v1::ReplayRequest {
+            session: session.into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut records = Vec::new();
+    while let Some(r) = stream.message().await.unwrap() {
+        records.push(r);
+    }
+    records
+}
