@@ -11,7 +11,7 @@
 //! | Suspend | VM gone, an unrecorded snapshot | records it as the SUSPEND (adopted) |
 //! | Suspend | VM gone, no snapshot, session LIVE | records the compute loss |
 //! | Fork | every child written | keeps the children (their VMMs re-adopted) |
-//! | Fork | otherwise | tombstones the written children; the sweep stops their VMMs |
+//! | Fork | otherwise | tombstones any written child; the sweep stops their VMMs |
 //! | Delete | the session is still DELETING | finishes it (stop, reclaim, tombstone) |
 
 use agentvm_proto::v1::{ComputeState, event::Body, lifecycle::Kind as LifecycleKind};
