@@ -138,6 +138,17 @@ where
         .await;
 }
 
+/// One turn in each of `sessions`, eight at a time.
+async fn turn_each(c: &SessionsClient<Channel>, sessions: Vec<String>) {
+    eight_at_a_time(sessions, |s| {
+        let mut c = c.clone();
+        async move {
+            turn(&mut c, &s).await;
+        }
+    })
+    .await;
+}
+
 /// Density: `n` sessions booted; all suspended, then resumed; then `n` fork children of one
 /// parent. After each phase, with every session idle after answering a turn, the host memory
 /// each costs (the drop in MemAvailable over `n`) and the page cache each adds (Cached).
@@ -171,13 +182,7 @@ async fn density(
     for _ in 0..n {
         sessions.push(create(&mut c.clone()).await);
     }
-    eight_at_a_time(sessions.clone(), |s| {
-        let mut c = c.clone();
-        async move {
-            turn(&mut c, &s).await;
-        }
-    })
-    .await;
+    turn_each(c, sessions.clone()).await;
     settle().await;
     let booted = meminfo_mib();
     report("booted", per(start, booted));
@@ -190,13 +195,7 @@ async fn density(
     .await;
     settle().await;
     let suspended = meminfo_mib();
-    eight_at_a_time(sessions.clone(), |s| {
-        let mut c = c.clone();
-        async move {
-            turn(&mut c, &s).await;
-        }
-    })
-    .await;
+    turn_each(c, sessions.clone()).await;
     settle().await;
     let resumed = meminfo_mib();
     report("resumed", per(suspended, resumed));
@@ -218,13 +217,7 @@ async fn density(
             .children;
         children.extend(forked.into_iter().map(|s| s.metadata.unwrap().uid));
     }
-    eight_at_a_time(children.clone(), |s| {
-        let mut c = c.clone();
-        async move {
-            turn(&mut c, &s).await;
-        }
-    })
-    .await;
+    turn_each(c, children.clone()).await;
     settle().await;
     let forked = meminfo_mib();
     report("forked", per(resumed, forked));
