@@ -23,14 +23,14 @@ use std::time::{Duration, Instant};
 
 use agentvm_proto::v1::sessions_client::SessionsClient;
 use agentvm_proto::v1::{
-    ComputeState, CreateSessionRequest, DeleteSessionRequest, ForkRequest, ListSessionsRequest,
-    LogRecord, ResumeRequest, Session, SuspendRequest, event::Body, exec_update::Update,
-    lifecycle::Kind as LifecycleKind, part,
+    ComputeState, DeleteSessionRequest, ForkRequest, ListSessionsRequest, LogRecord, ResumeRequest,
+    Session, SuspendRequest, event::Body, exec_update::Update, lifecycle::Kind as LifecycleKind,
+    part,
 };
 use agentvmd::config::ListenAddr;
 use agentvmd::crash_point;
 use agentvmd::journal::verify::verify_chain;
-use support::replay;
+use support::{create_for, replay};
 use tonic::transport::Channel;
 
 fn kvm_unavailable() -> Option<String> {
@@ -184,20 +184,6 @@ fn uid(s: &Session) -> String {
     s.metadata.as_ref().unwrap().uid.clone()
 }
 
-async fn create(c: &mut SessionsClient<Channel>, harness: &str) -> String {
-    let s = c
-        .create_session(CreateSessionRequest {
-            session: Some(Session {
-                harness: harness.into(),
-                ..Default::default()
-            }),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    uid(&s)
-}
-
 /// One turn: the records it streamed and the count it answered (or the error it ended in).
 async fn turn(
     c: &mut SessionsClient<Channel>,
@@ -276,7 +262,7 @@ async fn crash(
     c: &mut SessionsClient<Channel>,
     known: &mut Known,
 ) {
-    let s = create(c, harness).await;
+    let s = create_for(c, harness).await;
     let family = point.split('.').next().unwrap();
     if family != "start" || via == Via::Restore {
         let (records, answer) = turn(c, &s).await;

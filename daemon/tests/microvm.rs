@@ -14,7 +14,7 @@ use agentvm_proto::v1::{
     part,
 };
 use agentvmd::journal::verify::verify_chain;
-use support::{TestNode, replay, start_with};
+use support::{TestNode, create_for, replay, start_with};
 use tonic::transport::Channel;
 
 fn kvm_unavailable() -> Option<String> {
@@ -67,20 +67,6 @@ fn uid(s: &Session) -> String {
 
 async fn create(c: &mut SessionsClient<Channel>) -> String {
     create_for(c, "testguest").await
-}
-
-async fn create_for(c: &mut SessionsClient<Channel>, harness: &str) -> String {
-    let session = c
-        .create_session(CreateSessionRequest {
-            session: Some(Session {
-                harness: harness.into(),
-                ..Default::default()
-            }),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    uid(&session)
 }
 
 /// One turn; returns the assistant's text output.

@@ -247,3 +247,19 @@ pub async fn replay(
     }
     records
 }
+
+/// A new session of `harness`; returns its uid.
+pub async fn create_for(c: &mut SessionsClient<Channel>, harness: &str) -> String {
+    c.create_session(agentvm_proto::v1::CreateSessionRequest {
+        session: Some(agentvm_proto::v1::Session {
+            harness: harness.into(),
+            ..Default::default()
+        }),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .metadata
+    .unwrap()
+    .uid
+}
