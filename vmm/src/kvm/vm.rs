@@ -1,17 +1,19 @@
 //! The KVM VM: in-kernel interrupt controllers and timer, and guest RAM registered as slots.
 //!
-//! Creating a VM is split in two. [`KvmVm::new`] does everything that does not depend on the
-//! VM's configuration and can run before `vm.create` arrives, including a one-page warm-up
-//! memory slot: the first memory slot a KVM VM gets costs milliseconds (measured here: 3–11 ms
-//! whatever its size, later ones ~0.1 ms), so that cost is paid ahead of time and off the boot
-//! path. [`KvmVm::map_ram`] then registers the real RAM and drops the warm-up slot.
+//! Creating a VM is split in two. [`KvmVm::new`] does what does not depend on the VM's
+//! configuration and can run before `vm.create` arrives: the VM itself and the CPUID KVM
+//! supports. [`KvmVm::map_ram`] then registers the RAM and only after it creates the interrupt
+//! controllers and the PIT. The order is what makes boots fast: creating the in-kernel irqchip
+//! starts a grace period in KVM that the next memory-slot change must wait out (measured on
+//! our hosts: 7–11 ms for the first slot change after `KVM_CREATE_IRQCHIP`, ~0.1 ms for one
+//! before it or once the grace period has passed), and nothing changes a slot after the
+//! irqchip exists.
 
 use kvm_bindings::{
     CpuId, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY, kvm_pit_config,
     kvm_userspace_memory_region,
 };
 use kvm_ioctls::{Kvm, VmFd};
-use vm_memory::mmap::MmapRegion;
 use vm_memory::{Address, GuestMemoryBackend, GuestMemoryRegion};
 
 use super::memory::GuestRam;
@@ -26,8 +28,6 @@ pub enum VmError {
         what: &'static str,
         source: kvm_ioctls::Error,
     },
-    #[error("allocating the warm-up page: {0}")]
-    WarmupPage(vm_memory::mmap::MmapRegionError),
     #[error("guest RAM is already mapped into this VM")]
     AlreadyMapped,
 }
@@ -36,39 +36,26 @@ fn ioctl(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
     move |source| VmError::Kvm { what, source }
 }
 
-const WARMUP_SLOT: u32 = 0;
-const PAGE_SIZE: u64 = 4096;
-/// CPUID leaf whose EAX[7:0] is the physical-address width KVM accepts for guest memory.
-const LEAF_ADDRESS_SIZES: u32 = 0x8000_0008;
-/// The width assumed when KVM reports none: the smallest any x86-64 CPU has.
-const MIN_PHYS_BITS: u8 = 36;
-/// RAM slots follow the warm-up slot.
-const FIRST_RAM_SLOT: u32 = 1;
-
 pub struct KvmVm {
     pub kvm: Kvm,
     pub fd: VmFd,
     supported_cpuid: CpuId,
-    /// The page behind the warm-up slot, until RAM replaces it.
-    warmup: Option<MmapRegion>,
+    ram_mapped: bool,
 }
 
 impl KvmVm {
-    /// A VM with the PIC/IOAPIC/LAPIC and PIT emulated in the kernel, its first-slot cost
-    /// already paid, and no RAM yet.
+    /// A VM with no RAM and no devices yet.
     pub fn new() -> Result<Self, VmError> {
         let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
         let fd = kvm.create_vm().map_err(ioctl("KVM_CREATE_VM"))?;
         let supported_cpuid = kvm
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(ioctl("KVM_GET_SUPPORTED_CPUID"))?;
-        let warmup = warmup_slot(&fd, warmup_gpa(phys_bits(&supported_cpuid)))?;
-        setup_irqchip_and_pit(&fd)?;
         Ok(Self {
             kvm,
             fd,
             supported_cpuid,
-            warmup: Some(warmup),
+            ram_mapped: false,
         })
     }
 
@@ -76,14 +63,15 @@ impl KvmVm {
         &self.supported_cpuid
     }
 
-    /// Registers `ram` as the guest's memory and drops the warm-up slot.
+    /// Registers `ram` as the guest's memory, then creates the PIC/IOAPIC/LAPIC and the PIT
+    /// in the kernel (see the module comment for why in this order).
     pub fn map_ram(&mut self, ram: &GuestRam) -> Result<(), VmError> {
-        if self.warmup.is_none() {
+        if self.ram_mapped {
             return Err(VmError::AlreadyMapped);
         }
         for (index, region) in ram.memory().iter().enumerate() {
             let slot = kvm_userspace_memory_region {
-                slot: FIRST_RAM_SLOT + index as u32,
+                slot: index as u32,
                 guest_phys_addr: region.start_addr().raw_value(),
                 memory_size: region.len(),
                 userspace_addr: region.as_ptr() as u64,
@@ -95,16 +83,8 @@ impl KvmVm {
             unsafe { self.fd.set_user_memory_region(slot) }
                 .map_err(ioctl("KVM_SET_USER_MEMORY_REGION"))?;
         }
-        let remove = kvm_userspace_memory_region {
-            slot: WARMUP_SLOT,
-            memory_size: 0,
-            ..Default::default()
-        };
-        // SAFETY: a zero-sized region deletes the slot; no memory is referenced.
-        unsafe { self.fd.set_user_memory_region(remove) }
-            .map_err(ioctl("KVM_SET_USER_MEMORY_REGION (drop warm-up)"))?;
-        self.warmup = None;
-        Ok(())
+        self.ram_mapped = true;
+        setup_irqchip_and_pit(&self.fd)
     }
 }
 
@@ -121,89 +101,27 @@ fn setup_irqchip_and_pit(fd: &VmFd) -> Result<(), VmError> {
     .map_err(ioctl("KVM_CREATE_PIT2"))
 }
 
-/// The guest-physical address width this host's KVM accepts (CPUID 0x8000_0008 EAX[7:0]):
-/// 39 on many client CPUs, 40 under some nested hypervisors, 46-52 on servers.
-fn phys_bits(supported: &CpuId) -> u8 {
-    supported
-        .as_slice()
-        .iter()
-        .find(|e| e.function == LEAF_ADDRESS_SIZES)
-        .map(|e| (e.eax & 0xff) as u8)
-        .filter(|&bits| bits >= MIN_PHYS_BITS)
-        .unwrap_or(MIN_PHYS_BITS)
-}
-
-/// Where the warm-up slot sits: the last page the host can address, far above any RAM we
-/// hand out (which must fit below the same limit). A fixed address past the limit makes
-/// KVM refuse the slot with EINVAL, as 1 TiB did on a host with 40 address bits.
-fn warmup_gpa(phys_bits: u8) -> u64 {
-    (1u64 << phys_bits.min(52)) - PAGE_SIZE
-}
-
-fn warmup_slot(fd: &VmFd, gpa: u64) -> Result<MmapRegion, VmError> {
-    let page = MmapRegion::new(PAGE_SIZE as usize).map_err(VmError::WarmupPage)?;
-    let slot = kvm_userspace_memory_region {
-        slot: WARMUP_SLOT,
-        guest_phys_addr: gpa,
-        memory_size: PAGE_SIZE,
-        userspace_addr: page.as_ptr() as u64,
-        flags: 0,
-    };
-    // SAFETY: the page is a live anonymous mapping that the caller keeps (in `KvmVm::warmup`)
-    // until the slot is deleted in `map_ram`; no vCPU exists yet to touch it.
-    unsafe { fd.set_user_memory_region(slot) }
-        .map_err(ioctl("KVM_SET_USER_MEMORY_REGION (warm-up)"))?;
-    Ok(page)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvm_bindings::kvm_cpuid_entry2;
-
-    fn cpuid_with(entries: &[kvm_cpuid_entry2]) -> CpuId {
-        CpuId::from_entries(entries).unwrap()
-    }
+    use crate::kvm::memory::RamOptions;
 
     #[test]
-    fn the_warm_up_page_is_the_last_one_the_host_addresses() {
-        assert_eq!(warmup_gpa(40), (1 << 40) - 4096);
-        assert_eq!(warmup_gpa(39), (1 << 39) - 4096);
-        assert_eq!(warmup_gpa(48), (1 << 48) - 4096);
-        assert!(
-            warmup_gpa(40) + PAGE_SIZE <= 1 << 40,
-            "inside a 40-bit host's range"
-        );
-    }
-
-    #[test]
-    fn the_address_width_comes_from_cpuid_with_a_floor() {
-        let leaf = |eax| kvm_cpuid_entry2 {
-            function: LEAF_ADDRESS_SIZES,
-            eax,
-            ..Default::default()
-        };
-        // EAX[15:8] is the linear width; only [7:0] counts.
-        assert_eq!(phys_bits(&cpuid_with(&[leaf(0x3028)])), 40);
-        assert_eq!(phys_bits(&cpuid_with(&[leaf(0x3030)])), 48);
-        assert_eq!(phys_bits(&cpuid_with(&[leaf(0)])), MIN_PHYS_BITS);
-        assert_eq!(phys_bits(&cpuid_with(&[])), MIN_PHYS_BITS);
-    }
-
-    #[test]
-    fn a_vm_is_created_with_its_warm_up_slot_below_this_hosts_limit() {
-        let Ok(kvm) = std::fs::OpenOptions::new()
+    fn ram_is_mapped_once_and_brings_the_irqchip_with_it() {
+        if std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .open("/dev/kvm")
-        else {
+            .is_err()
+        {
             eprintln!("SKIPPED: /dev/kvm is not usable here");
             return;
-        };
-        drop(kvm);
-        let vm = KvmVm::new().expect("a VM with its warm-up slot");
-        let bits = phys_bits(vm.supported_cpuid());
-        eprintln!("this host's KVM addresses {bits} physical bits");
-        assert!(vm.warmup.is_some());
+        }
+        let mut vm = KvmVm::new().expect("a VM");
+        let ram = GuestRam::new(16 << 20, RamOptions::default(), None).expect("RAM");
+        vm.map_ram(&ram).expect("RAM mapped");
+        // The irqchip exists now: KVM refuses a second one.
+        assert!(vm.fd.create_irq_chip().is_err());
+        assert!(matches!(vm.map_ram(&ram), Err(VmError::AlreadyMapped)));
     }
 }
