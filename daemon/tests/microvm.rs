@@ -242,35 +242,50 @@ async fn scenario_76_forks_continue_from_the_parent_in_their_own_microvms() {
     }
 }
 
-/// A fork parks the parent; forking it again (or after a suspend) starts the children from
-/// that same snapshot instead of failing for want of a running VM.
+/// A fork does not park the parent (upstream's does): it answers again at once, in the same
+/// VMM, with its memory. Forked again (its RAM is now a shared base it runs over, so the
+/// second fork is a layer on the first) and after a suspend (children start from that
+/// snapshot), every child continues from the parent's state at its fork.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_parked_parent_forks_again_from_its_last_snapshot() {
+async fn a_forked_parent_keeps_running_and_forks_again() {
     require_kvm!();
     let node = microvm_node().await;
     let mut c = node.c();
     let parent = create(&mut c).await;
     assert_eq!(turn(&mut c, &parent).await, "1");
+    let pid = vmm_pid(&node, &parent);
     let mut children = Vec::new();
-    for _ in 0..2 {
-        let batch = c
-            .fork(ForkRequest {
-                session: parent.clone(),
-                count: 1,
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .children;
-        assert_eq!(compute(&mut c, &parent).await, ComputeState::ComputeCold);
-        children.extend(batch.iter().map(uid));
+    for expect in ["2", "3"] {
+        let batch = fork(&mut c, &parent, 1).await;
+        assert_eq!(compute(&mut c, &parent).await, ComputeState::ComputeLive);
+        assert_eq!(
+            vmm_pid(&node, &parent),
+            pid,
+            "the parent's VMM was not replaced"
+        );
+        children.extend(batch.iter().map(|child| (child.clone(), expect)));
+        assert_eq!(
+            turn(&mut c, &parent).await,
+            expect,
+            "the parent keeps its memory"
+        );
     }
-    for child in &children {
-        assert_eq!(turn(&mut c, child).await, "2", "child {child}");
+    c.suspend(SuspendRequest {
+        session: parent.clone(),
+    })
+    .await
+    .unwrap();
+    let batch = fork(&mut c, &parent, 1).await;
+    assert_eq!(compute(&mut c, &parent).await, ComputeState::ComputeCold);
+    children.extend(batch.iter().map(|child| (child.clone(), "4")));
+    for (child, expect) in &children {
+        assert_eq!(turn(&mut c, child).await, *expect, "child {child}");
     }
-    assert_eq!(turn(&mut c, &parent).await, "2");
-    for child in &children {
+    assert_eq!(turn(&mut c, &parent).await, "4");
+    for session in children.iter().map(|(s, _)| s).chain([&parent]) {
+        verify_chain(&replay(&mut c, session).await).unwrap();
+    }
+    for (child, _) in &children {
         c.delete_session(agentvm_proto::v1::DeleteSessionRequest { uid: child.clone() })
             .await
             .unwrap();

@@ -153,6 +153,26 @@ pub fn copy_sparse(src: &File, dst: &File) -> io::Result<(String, u64)> {
     Ok((hasher.finish(), pages))
 }
 
+/// Copies `src` into the empty `dst` byte for byte where `src` holds data, leaving its holes
+/// holes. Unlike [`copy_sparse`] it keeps stored pages of zeros, which in a layer mean "zero,
+/// not as in the base".
+pub fn copy_extents(src: &File, dst: &File) -> io::Result<()> {
+    let len = src.metadata()?.len();
+    dst.set_len(len)?;
+    let mut buf = vec![0u8; CHUNK];
+    for (offset, extent) in data_extents(src)? {
+        let end = (offset + extent).min(len);
+        let mut at = offset;
+        while at < end {
+            let n = ((end - at) as usize).min(CHUNK);
+            src.read_exact_at(&mut buf[..n], at)?;
+            dst.write_all_at(&buf[..n], at)?;
+            at += n as u64;
+        }
+    }
+    Ok(())
+}
+
 /// Calls `f(page index, page bytes)` for each page in `[offset, offset + len)`.
 fn walk(
     file: &File,
@@ -238,5 +258,25 @@ mod tests {
             "the zeros written in the source stay holes"
         );
         assert!(is_zero(&[0u8; 4096]) && !is_zero(&[0, 0, 0, 1]));
+    }
+
+    #[test]
+    fn extent_copy_keeps_stored_zero_pages_and_holes() {
+        let src = tempfile::tempfile().unwrap();
+        src.set_len((16 << 20) + 100).unwrap();
+        src.write_all_at(&[0u8; 4096], 2 << 20).unwrap();
+        src.write_all_at(&[7u8; 100], 16 << 20).unwrap();
+        let dst = tempfile::tempfile().unwrap();
+        copy_extents(&src, &dst).unwrap();
+        assert_eq!(dst.metadata().unwrap().len(), (16 << 20) + 100);
+        assert_eq!(layer_digest(&dst).unwrap(), layer_digest(&src).unwrap());
+        let mut tail = [0u8; 100];
+        dst.read_exact_at(&mut tail, 16 << 20).unwrap();
+        assert_eq!(tail, [7u8; 100]);
+        let covered: u64 = data_extents(&dst).unwrap().iter().map(|e| e.1).sum();
+        assert!(
+            covered <= 2 * 4096,
+            "holes stay holes ({covered} bytes of data)"
+        );
     }
 }

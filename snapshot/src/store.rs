@@ -17,6 +17,7 @@ const REFS: &str = ".refs";
 /// Deeper chains are not followed (and are not written: layers are flattened long before).
 const MAX_CHAIN: usize = 64;
 
+#[derive(Debug, Clone)]
 pub struct LocalStore {
     root: PathBuf,
 }
@@ -58,6 +59,54 @@ fn copy_tree(from: &Path, to: &Path) -> Result<(), SnapshotError> {
         }
     }
     Ok(())
+}
+
+/// Copies the files of the snapshot in `from` into a new directory `to`, each synced; memory
+/// files extent by extent, so holes stay holes.
+fn copy_snapshot_files(from: &Path, to: &Path) -> Result<(), SnapshotError> {
+    std::fs::create_dir(to).map_err(io(to))?;
+    for entry in std::fs::read_dir(from).map_err(io(from))? {
+        let entry = entry.map_err(io(from))?;
+        let (src, dst) = (entry.path(), to.join(entry.file_name()));
+        if !entry.file_type().map_err(io(&src))?.is_file() {
+            continue;
+        }
+        let source = std::fs::File::open(&src).map_err(io(&src))?;
+        let target = std::fs::File::create(&dst).map_err(io(&dst))?;
+        crate::pages::copy_extents(&source, &target).map_err(io(&src))?;
+        target.sync_all().map_err(io(&dst))?;
+    }
+    sync_dir(to)
+}
+
+fn sync_dir(dir: &Path) -> Result<(), SnapshotError> {
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io(dir))
+}
+
+/// The same files with the same digests (stamps aside: a copy has other inodes).
+fn same_contents(a: &Snapshot, b: &Snapshot) -> bool {
+    a.manifest.memory == b.manifest.memory
+        && a.manifest.files.len() == b.manifest.files.len()
+        && a.manifest.files.iter().all(|(name, entry)| {
+            b.manifest.files.get(name).is_some_and(|other| {
+                other.size == entry.size
+                    && other.digest == entry.digest
+                    && other.sha256 == entry.sha256
+            })
+        })
+}
+
+/// Replaces `dir`'s manifest, synced, under a temporary name first: whole or not at all.
+fn write_manifest(dir: &Path, manifest: &crate::Manifest) -> Result<(), SnapshotError> {
+    let tmp = dir.join(format!(".{}.tmp", crate::manifest::MANIFEST_FILE));
+    let mut file = std::fs::File::create(&tmp).map_err(io(&tmp))?;
+    file.write_all(&manifest.to_json()).map_err(io(&tmp))?;
+    file.sync_all().map_err(io(&tmp))?;
+    let path = dir.join(crate::manifest::MANIFEST_FILE);
+    std::fs::rename(&tmp, &path).map_err(io(&path))?;
+    sync_dir(dir)
 }
 
 /// Makes every file under `dir` read-only and owned by this process's user and group.
@@ -124,8 +173,98 @@ impl LocalStore {
             }
             Err(e) => return Err(io(written)(e)),
         }
+        self.settle_bases(&dir)?;
         seal(&dir)?;
         Ok(dir)
+    }
+
+    /// Copies the snapshot in `written` into the store as `id`, durably (every file and the
+    /// directory synced before it appears under its name), and seals it. `written` stays as
+    /// it is: a running VM may map its memory file (a live fork's base in the VMM's RAM
+    /// directory). Holes and stored zero pages are kept as they are.
+    pub fn copy_in(&self, id: &str, written: &Path) -> Result<PathBuf, SnapshotError> {
+        check_name("snapshot id", id)?;
+        let dir = self.root.join(id);
+        if dir.exists() {
+            return Err(SnapshotError::Exists(dir.display().to_string()));
+        }
+        let incoming = self.root.join(format!(".incoming-{id}"));
+        let _ = std::fs::remove_dir_all(&incoming);
+        let copied = copy_snapshot_files(written, &incoming)
+            .and_then(|()| self.settle_bases(&incoming))
+            .and_then(|()| {
+                std::fs::rename(&incoming, &dir).map_err(io(&dir))?;
+                sync_dir(&self.root)
+            });
+        if let Err(e) = copied {
+            let _ = std::fs::remove_dir_all(&incoming);
+            return Err(e);
+        }
+        seal(&dir)?;
+        Ok(dir)
+    }
+
+    /// Makes the base the snapshot in `dir` is layered on one of this store's, so a snapshot
+    /// in the store never depends on a file outside it (a base in a VMM's RAM directory is
+    /// gone at the next reboot). A base outside the store is replaced by its copy here (the
+    /// store entry of the same name, made now if there is none), after checking the copy
+    /// holds the same files.
+    fn settle_bases(&self, dir: &Path) -> Result<(), SnapshotError> {
+        let snapshot = match Snapshot::open(dir) {
+            Ok(s) => s,
+            // Not ours (a foreign VMM's snapshot): nothing to follow.
+            Err(SnapshotError::Io { .. }) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let Some(base) = snapshot.manifest.memory.base.clone() else {
+            return Ok(());
+        };
+        if base.dir.starts_with(&self.root) {
+            return Ok(());
+        }
+        let name = base
+            .dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .ok_or_else(|| SnapshotError::Base {
+                dir: base.dir.display().to_string(),
+                reason: "has no name to keep it under in the store".into(),
+            })?
+            .to_owned();
+        let twin_dir = self.dir(&name)?;
+        let original = Snapshot::open(&base.dir).ok();
+        if !twin_dir.is_dir() {
+            if original.is_none() {
+                return Err(SnapshotError::Base {
+                    dir: base.dir.display().to_string(),
+                    reason: "is gone and the store has no copy of it".into(),
+                });
+            }
+            self.copy_in(&name, &base.dir)?;
+        }
+        let twin = Snapshot::open(&twin_dir)?;
+        let same = match &original {
+            Some(original) => same_contents(original, &twin),
+            // Only a byte-identical manifest vouches for a copy whose original is gone.
+            None => twin.manifest_sha256 == base.manifest_sha256,
+        };
+        if !same {
+            return Err(SnapshotError::Base {
+                dir: base.dir.display().to_string(),
+                reason: format!("the store's {name} holds other contents"),
+            });
+        }
+        if let Some(original) = &original
+            && original.manifest_sha256 != base.manifest_sha256
+        {
+            return Err(SnapshotError::Base {
+                dir: base.dir.display().to_string(),
+                reason: "changed since the layer was taken on it".into(),
+            });
+        }
+        let mut manifest = snapshot.manifest;
+        manifest.memory.base = Some(twin.base_ref());
+        write_manifest(dir, &manifest)
     }
 
     /// The directories of snapshot `dir` and of every base under it, top first: what a VM
@@ -395,5 +534,80 @@ mod tests {
         let store = LocalStore::open(root.path()).unwrap();
         assert!(store.import("bad", &b"garbage"[..]).is_err());
         assert!(store.list().unwrap().is_empty());
+    }
+
+    /// A snapshot written outside any store, on `base` when given.
+    fn write_outside(dir: &Path, state: &[u8], base: Option<&Snapshot>) -> Snapshot {
+        std::fs::create_dir(dir).unwrap();
+        let mut w = SnapshotWriter::create(dir, false).unwrap();
+        w.write_file(STATE_FILE, state).unwrap();
+        w.finish(
+            HostIdentity::current("PVM"),
+            "t",
+            MemoryLayout {
+                size: 0,
+                base: base.map(Snapshot::base_ref),
+            },
+        )
+        .unwrap();
+        Snapshot::open(dir).unwrap()
+    }
+
+    #[test]
+    fn an_import_is_a_sealed_copy_that_leaves_the_original_in_place() {
+        let root = tempfile::tempdir().unwrap();
+        let store = LocalStore::open(root.path()).unwrap();
+        let ram = tempfile::tempdir().unwrap();
+        let fork = write_outside(&ram.path().join("fork-1"), b"{\"a\":1}", None);
+        let dir = store.copy_in("fork-1", &fork.dir).unwrap();
+        assert!(fork.dir.join(STATE_FILE).is_file(), "the original stays");
+        let copy = store.get("fork-1").unwrap();
+        copy.verify().unwrap();
+        assert_eq!(copy.manifest_sha256, fork.manifest_sha256);
+        assert!(matches!(
+            store.copy_in("fork-1", &fork.dir),
+            Err(SnapshotError::Exists(_))
+        ));
+        assert!(std::fs::read_dir(root.path()).unwrap().all(|e| {
+            !e.unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with(".incoming")
+        }));
+        assert_eq!(dir, store.dir("fork-1").unwrap());
+    }
+
+    #[test]
+    fn a_layer_on_a_base_outside_the_store_is_rebased_onto_its_copy() {
+        let root = tempfile::tempdir().unwrap();
+        let store = LocalStore::open(root.path()).unwrap();
+        let ram = tempfile::tempdir().unwrap();
+        let base = write_outside(&ram.path().join("fork-1"), b"{\"base\":1}", None);
+        // The layer a VM running over the base writes at its next suspend.
+        let layer = write_outside(&ram.path().join("outbox"), b"{\"layer\":1}", Some(&base));
+        let dir = store.adopt("suspend-2", &layer.dir).unwrap();
+        let adopted = Snapshot::open(&dir).unwrap();
+        let twin = store.dir("fork-1").unwrap();
+        assert_eq!(adopted.manifest.memory.base.as_ref().unwrap().dir, twin);
+        let chain = adopted.chain().unwrap();
+        assert_eq!(chain.len(), 2);
+        assert_eq!(chain[0].dir, twin, "the base was copied into the store");
+        assert_eq!(store.dependents("fork-1").unwrap(), ["suspend-2"]);
+        // Once the original is gone, the store's copy carries on.
+        std::fs::remove_dir_all(&base.dir).unwrap();
+        assert_eq!(Snapshot::open(&dir).unwrap().chain().unwrap().len(), 2);
+    }
+
+    #[test]
+    fn a_base_copy_with_other_contents_is_refused() {
+        let root = tempfile::tempdir().unwrap();
+        let store = LocalStore::open(root.path()).unwrap();
+        let ram = tempfile::tempdir().unwrap();
+        let base = write_outside(&ram.path().join("fork-1"), b"{\"base\":1}", None);
+        let impostor = write_outside(&ram.path().join("other"), b"{\"base\":2}", None);
+        store.copy_in("fork-1", &impostor.dir).unwrap();
+        let layer = write_outside(&ram.path().join("outbox"), b"{}", Some(&base));
+        let err = store.adopt("suspend-2", &layer.dir).unwrap_err();
+        assert!(err.to_string().contains("other contents"), "{err}");
     }
 }

@@ -131,6 +131,14 @@ pub trait Runtime: Send + Sync {
 
     async fn snapshot(&self, incarnation: &Incarnation, kind: SnapshotKind) -> Result<SnapshotRef>;
 
+    /// A snapshot of a running compute that keeps running: durable (in the store the
+    /// journal names snapshots in) by the time it is returned, and the source a live fork
+    /// clones its children from. `None` when the backend can only snapshot by stopping the
+    /// compute (the host then suspends the session to fork it, as upstream does).
+    async fn checkpoint_live(&self, _incarnation: &Incarnation) -> Result<Option<SnapshotRef>> {
+        Ok(None)
+    }
+
     /// Brings a session back from `snapshot`. Unlike upstream's SPI it also gets the session's
     /// spec: a backend that re-provisions (a process, a VMM) must know what to start.
     async fn restore(&self, snapshot: &SnapshotRef, spec: &SessionSpec) -> Result<Incarnation>;

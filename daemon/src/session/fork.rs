@@ -64,7 +64,7 @@ impl SessionHost {
                 "at_seq: a memory-snapshot session forks only at its head ({head}), not at {at_seq}"
             )));
         }
-        let _held = if memory {
+        let mut held = if memory {
             self.guards
                 .preempt_and_hold(
                     &uid,
@@ -75,7 +75,8 @@ impl SessionHost {
         } else {
             self.guards.try_hold(&uid, Hold::Checkpoint)
         }
-        .map_err(|b| busy(&uid, b))?;
+        .map_err(|b| busy(&uid, b))
+        .map(Some)?;
 
         let source = if memory {
             let fence = self
@@ -97,7 +98,35 @@ impl SessionHost {
                      again there"
                 )));
             }
-            let snapshot = if self.live_get(&uid).is_some() {
+            let live = match self.live_get(&uid) {
+                Some(_) => self.checkpoint_live(&uid).await?,
+                None => None,
+            };
+            let snapshot = if let Some((snapshot, intent)) = live {
+                // The parent checkpointed and went on running (we do not park it, unlike
+                // upstream): its log says both, so it stays LIVE and the checkpoint is where
+                // it continues from should its VM be lost later.
+                self.journal
+                    .append(
+                        &uid,
+                        at_seq,
+                        fence,
+                        &[
+                            lifecycle_event(
+                                LifecycleKind::LifecycleSuspend,
+                                "fork",
+                                Some(snapshot.clone()),
+                            ),
+                            lifecycle_event(LifecycleKind::LifecycleResume, "fork", None),
+                        ],
+                    )
+                    .map_err(|e| journal_status(&e))?;
+                crash_point::reached(crash_point::SUSPEND_RECORDED);
+                drop(intent);
+                // The parent answers turns again while its children start.
+                held.take();
+                snapshot
+            } else if self.live_get(&uid).is_some() {
                 let (snapshot, intent) = self.checkpoint(&uid).await?;
                 self.append_lifecycle(
                     &uid,

@@ -458,6 +458,27 @@ impl SessionHost {
         Ok((snapshot, intent))
     }
 
+    /// A live fork's checkpoint: a durable snapshot of the session's compute, which goes on
+    /// running. `None` when it has no compute here or its runtime can only snapshot by
+    /// stopping it (then [`Self::checkpoint`] is the way). The intent ends when dropped.
+    pub(super) async fn checkpoint_live(
+        &self,
+        uid: &str,
+    ) -> Result<Option<(SnapshotRef, Intent)>, Status> {
+        self.adopt(uid).await?;
+        let Some((inc, runtime)) = self.live_get(uid) else {
+            return Ok(None);
+        };
+        let intent = self.intend(OperationKind::Suspend, uid, Vec::new())?;
+        crash_point::reached(crash_point::SUSPEND_BEGUN);
+        let snapshot = runtime
+            .checkpoint_live(&inc)
+            .await
+            .map_err(|e| snapshot_status(uid, &e))?;
+        crash_point::reached(crash_point::SUSPEND_SNAPSHOTTED);
+        Ok(snapshot.map(|s| (s, intent)))
+    }
+
     /// Appends a SUSPEND naming `snapshot` at the session's head, under a fresh fence (which
     /// supersedes any writer still holding an older one). The caller holds the session.
     pub(super) fn suspend_at_head(

@@ -460,6 +460,15 @@ impl MicrovmRuntime {
         Ok(inc)
     }
 
+    /// `SESSION-PID-N`: unique on this node, and names the session it was taken of.
+    fn new_snapshot_id(&self, session: &str) -> String {
+        format!(
+            "{session}-{}-{}",
+            std::process::id(),
+            self.next_snapshot.fetch_add(1, Ordering::Relaxed)
+        )
+    }
+
     fn keep_ready_conn(&self, session: &str, conn: GuestConn) {
         self.ready_conns
             .lock()
@@ -680,11 +689,7 @@ impl Runtime for MicrovmRuntime {
             .await
             .map_err(|e| failed(session, format!("vm.pause: {e}")))?;
         crate::crash_point::reached(crate::crash_point::SUSPEND_PAUSED);
-        let id = format!(
-            "{session}-{}-{}",
-            std::process::id(),
-            self.next_snapshot.fetch_add(1, Ordering::Relaxed)
-        );
+        let id = self.new_snapshot_id(session);
         // Written inside the VMM's own directory (all a jailed VMM can write), then moved
         // into the store and sealed.
         let outbox = dir.snapshot_outbox();
@@ -715,6 +720,78 @@ impl Runtime for MicrovmRuntime {
             memory: true,
             sealed: false,
         })
+    }
+
+    /// Pauses the VM only while its VMM forks it into its RAM directory (linking the RAM file
+    /// there; the VM goes on copy-on-write over it), resumes it, then copies that fork into
+    /// the store, durably. The VM never stops and keeps its memory.
+    async fn checkpoint_live(&self, incarnation: &Incarnation) -> Result<Option<SnapshotRef>> {
+        let session = &incarnation.id;
+        let dir = self.vmm_dir(session);
+        if !self.keeps_memory(&dir) {
+            return Ok(None);
+        }
+        let started = std::time::Instant::now();
+        let id = self.new_snapshot_id(session);
+        let staging = dir.fork_dir(&id);
+        let client = dir.client();
+        client
+            .pause_idempotent()
+            .await
+            .map_err(|e| failed(session, format!("vm.pause: {e}")))?;
+        crate::crash_point::reached(crate::crash_point::SUSPEND_PAUSED);
+        let forked = match staging
+            .parent()
+            .map(std::fs::create_dir_all)
+            .transpose()
+            .map_err(|e| format!("creating the forks directory: {e}"))
+            .and_then(|_| prepare_outbox(&dir, &staging))
+        {
+            Ok(()) => client
+                .fork(&staging)
+                .await
+                .map_err(|e| format!("vm.fork: {e}")),
+            Err(e) => Err(e),
+        };
+        // The fork ended the guest's streams: the one kept for the next turn is dead.
+        self.take_ready_conn(session);
+        let resumed = client.resume_idempotent().await;
+        if let Err(e) = forked {
+            let _ = std::fs::remove_dir_all(&staging);
+            return Err(failed(session, e));
+        }
+        resumed.map_err(|e| failed(session, format!("vm.resume after vm.fork: {e}")))?;
+        let paused_for = started.elapsed();
+        let store = self.store.clone();
+        let (copy_id, copy_from) = (id.clone(), staging.clone());
+        let target = tokio::task::spawn_blocking(move || store.copy_in(&copy_id, &copy_from))
+            .await
+            .map_err(|e| failed(session, format!("copying the fork into the store: {e}")))?
+            .map_err(|e| failed(session, format!("copying the fork into the store: {e}")))?;
+        crate::crash_point::reached(crate::crash_point::SUSPEND_STORED);
+        // A layer (the VM runs from a snapshot) is not what the VM runs over: only the store's
+        // copy is needed. A fork of a booted VM is its RAM, which stays while the VM runs.
+        if agentvm_snapshot::Snapshot::open(&staging)
+            .is_ok_and(|s| s.manifest.memory.base.is_some())
+        {
+            let _ = std::fs::remove_dir_all(&staging);
+        }
+        crate::metrics::global()
+            .vmm_snapshot
+            .observe(started.elapsed());
+        tracing::debug!(
+            session,
+            snapshot = %id,
+            paused_ms = paused_for.as_secs_f64() * 1e3,
+            total_ms = started.elapsed().as_secs_f64() * 1e3,
+            "live checkpoint"
+        );
+        Ok(Some(SnapshotRef {
+            local: session.clone(),
+            external_uri: format!("file://{}", target.display()),
+            memory: true,
+            sealed: false,
+        }))
     }
 
     async fn restore(&self, snapshot: &SnapshotRef, spec: &SessionSpec) -> Result<Incarnation> {

@@ -66,6 +66,17 @@ impl VmmDir {
     pub fn snapshot_outbox(&self) -> PathBuf {
         self.dir.join("snapshot")
     }
+    /// Where the VMM writes a live fork of its VM: in its RAM directory, so the VM's RAM file
+    /// is linked there rather than copied, and the VM goes on running over it.
+    pub fn fork_dir(&self, id: &str) -> PathBuf {
+        self.forks().join(id)
+    }
+    fn forks(&self) -> PathBuf {
+        match self.private_ram {
+            true => self.ram.join("forks"),
+            false => self.ram.join("agentvm-forks"),
+        }
+    }
     pub fn client(&self) -> VmmClient {
         VmmClient::new(self.api())
     }
@@ -175,6 +186,21 @@ pub fn remove_files(dir: &VmmDir) {
     let _ = std::fs::remove_dir_all(&dir.dir);
     if dir.private_ram {
         let _ = std::fs::remove_dir_all(&dir.ram);
+        return;
+    }
+    // Live forks in the shared RAM directory are named after their session.
+    let Some(session) = dir.dir.file_name().and_then(|n| n.to_str()) else {
+        return;
+    };
+    let prefix = format!("{session}-");
+    for entry in std::fs::read_dir(dir.forks())
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        if entry.file_name().to_string_lossy().starts_with(&prefix) {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
     }
 }
 
