@@ -9,9 +9,11 @@ pub const ALL: &[&str] = &[
     START_BEGUN,
     START_SPAWNED,
     START_READY,
-    // Suspend: snapshot the live VM, record SUSPEND.
+    // Suspend: snapshot the live VM, record SUSPEND. A live fork's checkpoint takes the same
+    // steps with the VM running on: forked in place (not yet durable), then copied durably.
     SUSPEND_BEGUN,
     SUSPEND_PAUSED,
+    SUSPEND_FORKED,
     SUSPEND_STORED,
     SUSPEND_SNAPSHOTTED,
     SUSPEND_RECORDED,
@@ -30,6 +32,7 @@ pub const START_SPAWNED: &str = "start.spawned";
 pub const START_READY: &str = "start.ready";
 pub const SUSPEND_BEGUN: &str = "suspend.begun";
 pub const SUSPEND_PAUSED: &str = "suspend.paused";
+pub const SUSPEND_FORKED: &str = "suspend.forked";
 pub const SUSPEND_STORED: &str = "suspend.stored";
 pub const SUSPEND_SNAPSHOTTED: &str = "suspend.snapshotted";
 pub const SUSPEND_RECORDED: &str = "suspend.recorded";

@@ -254,16 +254,26 @@ enum Via {
     Restore,
 }
 
-/// Drives the operation that reaches `point` against a daemon that dies there.
+/// The operation a case drives: the point's family (`suspend.paused` → Suspend), or a Fork
+/// for a suspend point reached inside a live fork's checkpoint.
+fn operation(point: &str, live_fork: bool) -> &str {
+    if live_fork {
+        "fork"
+    } else {
+        point.split('.').next().unwrap()
+    }
+}
+
+/// Drives `family`'s operation, which reaches `point`, against a daemon that dies there.
 async fn crash(
     point: &str,
+    family: &str,
     via: Via,
     harness: &str,
     c: &mut SessionsClient<Channel>,
     known: &mut Known,
 ) {
     let s = create_for(c, harness).await;
-    let family = point.split('.').next().unwrap();
     if family != "start" || via == Via::Restore {
         let (records, answer) = turn(c, &s).await;
         known.saw(&s, records);
@@ -400,6 +410,25 @@ async fn check(d: &Daemon, c: &mut SessionsClient<Channel>, known: &Known) -> Ve
                 "{session}: counted {count} after {before}, and its log records no loss"
             ));
         }
+        // What the crash left must also carry a suspend (a live fork's base, say, is copied
+        // into the store then) and a resume with the count.
+        if let Err(e) = c
+            .suspend(SuspendRequest {
+                session: session.clone(),
+            })
+            .await
+        {
+            wrong.push(format!("{session}: suspend after the restart failed: {e}"));
+            continue;
+        }
+        let next = count.parse::<u64>().map(|n| (n + 1).to_string());
+        match turn(c, session).await.1 {
+            Ok(again) if Ok(&again) == next.as_ref() => {}
+            Ok(again) => wrong.push(format!(
+                "{session}: counted {again} after a suspend at {count}"
+            )),
+            Err(e) => wrong.push(format!("{session}: the turn after a suspend failed: {e}")),
+        }
     }
     wrong
 }
@@ -419,23 +448,36 @@ async fn every_crash_point_recovers_with_nothing_lost_or_leaked() {
     let vmm_only = [
         crash_point::START_SPAWNED,
         crash_point::SUSPEND_PAUSED,
+        crash_point::SUSPEND_FORKED,
         crash_point::SUSPEND_STORED,
     ];
+    // Only a live fork's checkpoint forks a VM in place; every suspend point is reached
+    // inside one too.
+    let live_fork_only = [crash_point::SUSPEND_FORKED];
+    let live_forks = crash_point::ALL
+        .iter()
+        .filter(|p| p.starts_with("suspend."))
+        .map(|p| (*p, Via::Boot, "testguest", true));
     let processes = crash_point::ALL
         .iter()
         .filter(|p| !vmm_only.contains(p))
-        .map(|p| (*p, Via::Boot, "echo"));
-    let cases: Vec<(&str, Via, &str)> = crash_point::ALL
+        .map(|p| (*p, Via::Boot, "echo", false));
+    let cases: Vec<(&str, Via, &str, bool)> = crash_point::ALL
         .iter()
+        .filter(|p| !live_fork_only.contains(p))
         .map(|p| (*p, Via::Boot))
         .chain(restores)
-        .map(|(p, via)| (p, via, "testguest"))
+        .map(|(p, via)| (p, via, "testguest", false))
+        .chain(live_forks)
         .chain(processes)
         .collect();
-    // AGENTVM_CRASH_CASES=SUBSTRING runs only the matching points (when working on one).
+    // AGENTVM_CRASH_CASES=SUBSTRING runs only the matching cases, named as they are logged
+    // ("suspend.forked (fork)"), when working on one.
     let only = std::env::var("AGENTVM_CRASH_CASES").unwrap_or_default();
-    for (point, via, harness) in cases {
-        if !point.contains(only.as_str()) {
+    for (point, via, harness, live_fork) in cases {
+        let family = operation(point, live_fork);
+        let name = format!("{point} ({family})");
+        if !name.contains(only.as_str()) {
             continue;
         }
         let started = Instant::now();
@@ -449,10 +491,10 @@ async fn every_crash_point_recovers_with_nothing_lost_or_leaked() {
             };
             let mut d = Daemon::start(dir.path(), Some(&armed));
             let mut c = d.client().await;
-            crash(point, via, harness, &mut c, &mut known).await;
+            crash(point, family, via, harness, &mut c, &mut known).await;
             if !d.died_by_sigkill() {
                 failures.push(format!(
-                    "{point} ({via:?}, {harness}): the daemon never reached it"
+                    "{name} ({via:?}, {harness}): the daemon never reached it"
                 ));
                 continue;
             }
@@ -463,7 +505,7 @@ async fn every_crash_point_recovers_with_nothing_lost_or_leaked() {
         let mut c = d.client().await;
         let wrong = check(&d, &mut c, &known).await;
         eprintln!(
-            "{point} ({via:?}, {harness}): {} in {:?}",
+            "{name} ({via:?}, {harness}): {} in {:?}",
             if wrong.is_empty() { "ok" } else { "WRONG" },
             started.elapsed()
         );
@@ -471,7 +513,7 @@ async fn every_crash_point_recovers_with_nothing_lost_or_leaked() {
             let log = std::fs::read_to_string(dir.path().join("agentvmd.log")).unwrap_or_default();
             let tail: Vec<&str> = log.lines().rev().take(40).collect();
             failures.push(format!(
-                "{point} ({via:?}, {harness}):\n  {}\n  daemon log, last lines first:\n    {}",
+                "{name} ({via:?}, {harness}):\n  {}\n  daemon log, last lines first:\n    {}",
                 wrong.join("\n  "),
                 tail.join("\n    ")
             ));
@@ -479,13 +521,13 @@ async fn every_crash_point_recovers_with_nothing_lost_or_leaked() {
         if std::env::var_os("AGENTVM_CRASH_KEEP_LOGS").is_some() {
             let _ = std::fs::copy(
                 dir.path().join("agentvmd.log"),
-                format!("/tmp/crash-{point}-{harness}.log"),
+                format!("/tmp/crash-{point}-{family}-{harness}.log"),
             );
         }
         drop(d);
         assert!(
             vmm_processes(dir.path()).is_empty(),
-            "{point} ({via:?}, {harness}): VMMs outlived the test"
+            "{name} ({via:?}, {harness}): VMMs outlived the test"
         );
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));

@@ -71,17 +71,86 @@ async fn create(c: &mut SessionsClient<Channel>) -> String {
 
 /// One turn; returns the assistant's text output.
 async fn turn(c: &mut SessionsClient<Channel>, session: &str) -> String {
-    let mut stream = c
-        .exec(support::exec_text(session, "go"))
+    try_turn(c, session)
         .await
         .unwrap_or_else(|s| panic!("exec on {session}: {s}"))
+}
+
+/// A live fork: once its checkpoint is in its log, the parent answers turns while its
+/// Fork(16) is still starting the children, and after, in the VMM it had; every child
+/// continues from the parent's count at the fork. (A turn already running when a fork
+/// begins is superseded, as by any checkpoint, and the fork refuses to cut a log that moved
+/// meanwhile; so this parent is idle when the fork starts.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parent_keeps_answering_during_and_after_its_fork() {
+    require_kvm!();
+    let node = microvm_node().await;
+    let mut c = node.c();
+    let parent = create(&mut c).await;
+    assert_eq!(turn(&mut c, &parent).await, "1");
+    let pid = vmm_pid(&node, &parent);
+    let forking = {
+        let mut c = c.clone();
+        let parent = parent.clone();
+        tokio::spawn(async move { fork(&mut c, &parent, 16).await })
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !replay(&mut c, &parent).await.iter().any(|r| {
+        matches!(r.event.as_ref().and_then(|e| e.body.as_ref()),
+            Some(Body::Lifecycle(l)) if l.kind == LifecycleKind::LifecycleResume as i32)
+    }) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no checkpoint in the parent's log"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let mut count = 1u64;
+    let (mut during, mut busy) = (0, 0);
+    while !forking.is_finished() {
+        match try_turn(&mut c, &parent).await {
+            Ok(answer) => {
+                count += 1;
+                assert_eq!(answer, count.to_string(), "the parent's count goes on");
+                during += usize::from(!forking.is_finished());
+            }
+            // The moment between the checkpoint's record and its release of the parent.
+            Err(s) if s.code() == tonic::Code::Aborted && busy < 3 => busy += 1,
+            Err(s) => panic!("a turn on the parent during its fork: {s}"),
+        }
+    }
+    let children = forking.await.unwrap();
+    eprintln!("{during} turns answered during the fork ({busy} refused as busy)");
+    assert!(
+        during > 0,
+        "the parent answered no turn while its children started"
+    );
+    assert_eq!(turn(&mut c, &parent).await, (count + 1).to_string());
+    assert_eq!(
+        vmm_pid(&node, &parent),
+        pid,
+        "the parent's VMM was not replaced"
+    );
+    assert_eq!(children.len(), 16);
+    for child in &children {
+        assert_eq!(turn(&mut c, child).await, "2", "child {child}");
+    }
+    verify_chain(&replay(&mut c, &parent).await).unwrap();
+    for child in &children {
+        c.delete_session(agentvm_proto::v1::DeleteSessionRequest { uid: child.clone() })
+            .await
+            .unwrap();
+    }
+}
+
+/// One turn, or the status it failed with.
+async fn try_turn(c: &mut SessionsClient<Channel>, session: &str) -> Result<String, tonic::Status> {
+    let mut stream = c
+        .exec(support::exec_text(session, "go"))
+        .await?
         .into_inner();
     let mut out = Vec::new();
-    while let Some(ExecUpdate { update }) = stream
-        .message()
-        .await
-        .unwrap_or_else(|s| panic!("exec stream on {session}: {s}"))
-    {
+    while let Some(ExecUpdate { update }) = stream.message().await? {
         if let Some(Update::Record(record)) = update
             && let Some(Body::Message(m)) = record.event.and_then(|e| e.body)
             && m.role == "assistant"
@@ -93,7 +162,7 @@ async fn turn(c: &mut SessionsClient<Channel>, session: &str) -> String {
             }
         }
     }
-    out.join("")
+    Ok(out.join(""))
 }
 
 /// Fork(`count`) at the head; the children's uids.

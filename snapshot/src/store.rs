@@ -14,6 +14,8 @@ use crate::archive;
 use crate::dir::Snapshot;
 
 const REFS: &str = ".refs";
+/// Prefix of a copy being made into the store; renamed to its id once complete.
+const INCOMING: &str = ".incoming-";
 /// Deeper chains are not followed (and are not written: layers are flattened long before).
 const MAX_CHAIN: usize = 64;
 
@@ -131,9 +133,16 @@ fn seal(dir: &Path) -> Result<(), SnapshotError> {
 }
 
 impl LocalStore {
+    /// Opens (creating) the store at `root`, and drops copies an earlier process left
+    /// unfinished (see [`Self::copy_in`]): a store is opened before anything copies into it.
     pub fn open(root: &Path) -> Result<Self, SnapshotError> {
         std::fs::create_dir_all(root.join(REFS)).map_err(io(root))?;
         let root = std::fs::canonicalize(root).map_err(io(root))?;
+        for entry in std::fs::read_dir(&root).map_err(io(&root))?.flatten() {
+            if entry.file_name().to_string_lossy().starts_with(INCOMING) {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
         Ok(Self { root })
     }
 
@@ -188,7 +197,7 @@ impl LocalStore {
         if dir.exists() {
             return Err(SnapshotError::Exists(dir.display().to_string()));
         }
-        let incoming = self.root.join(format!(".incoming-{id}"));
+        let incoming = self.root.join(format!("{INCOMING}{id}"));
         let _ = std::fs::remove_dir_all(&incoming);
         let copied = copy_snapshot_files(written, &incoming)
             .and_then(|()| self.settle_bases(&incoming))

@@ -762,6 +762,7 @@ impl Runtime for MicrovmRuntime {
         }
         resumed.map_err(|e| failed(session, format!("vm.resume after vm.fork: {e}")))?;
         let paused_for = started.elapsed();
+        crate::crash_point::reached(crate::crash_point::SUSPEND_FORKED);
         let store = self.store.clone();
         let (copy_id, copy_from) = (id.clone(), staging.clone());
         let target = tokio::task::spawn_blocking(move || store.copy_in(&copy_id, &copy_from))
