@@ -229,6 +229,12 @@ async fn fork_three_children(lane: &mut Lane) -> anyhow::Result<String> {
         "Fork(3) made {} children",
         children.len()
     );
+    // We do not park the parent: its VM ran on through the fork.
+    let parent_compute = session::compute(&mut c, &parent).await?;
+    ensure!(
+        parent_compute == ComputeState::ComputeLive,
+        "the forked parent reads {parent_compute:?}, not LIVE"
+    );
     let mut randoms = HashSet::new();
     for child in &children {
         let before = unix_ms();
@@ -265,7 +271,7 @@ async fn fork_three_children(lane: &mut Lane) -> anyhow::Result<String> {
         session::verify(&mut c, s).await?;
     }
     Ok(format!(
-        "Fork(3) {}; children answered 4 then 5, parent 4; 4 distinct RNG outputs; clocks within 2 s",
+        "Fork(3) {}, parent LIVE throughout; children answered 4 then 5, parent 4; 4 distinct RNG outputs; clocks within 2 s",
         secs(forked)
     ))
 }

@@ -728,7 +728,8 @@ impl Runtime for MicrovmRuntime {
     async fn checkpoint_live(&self, incarnation: &Incarnation) -> Result<Option<SnapshotRef>> {
         let session = &incarnation.id;
         let dir = self.vmm_dir(session);
-        if !self.keeps_memory(&dir) {
+        // Stock Cloud Hypervisor has no vm.fork: its sessions are parked to fork.
+        if !self.keeps_memory(&dir) || !self.config.flavour.cow_fork() {
             return Ok(None);
         }
         let started = std::time::Instant::now();
