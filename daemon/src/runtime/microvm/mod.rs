@@ -360,9 +360,10 @@ impl MicrovmRuntime {
         start: F,
     ) -> Result<Incarnation>
     where
-        F: FnOnce(VmmDir) -> Fut,
+        F: FnOnce(VmmDir, vmm_process::Confinement) -> Fut,
         Fut: std::future::Future<Output = std::result::Result<(), String>>,
     {
+        let started = std::time::Instant::now();
         let dir = self.vmm_dir(session);
         if dir.dir.exists() {
             // A dead VMM's leftovers.
@@ -373,7 +374,7 @@ impl MicrovmRuntime {
             .prepare(session, &dir, files)
             .inspect_err(|_| self.discard(session, &dir))
             .map_err(|e| failed(session, format!("jailing its VMM: {e}")))?;
-        if let Err(e) = vmm_process::spawn(
+        let confined = match vmm_process::spawn(
             &self.config.vmm_binary,
             &dir,
             &self.exits,
@@ -382,12 +383,24 @@ impl MicrovmRuntime {
         )
         .await
         {
-            self.discard(session, &dir);
-            return Err(failed(session, e));
-        }
+            Ok(spawned) => spawned.confined,
+            Err(e) => {
+                self.discard(session, &dir);
+                return Err(failed(session, e));
+            }
+        };
         crate::crash_point::reached(crate::crash_point::START_SPAWNED);
-        match start(dir.clone()).await {
-            Ok(()) => Ok(self.incarnation(session)),
+        let spawned = started.elapsed();
+        match start(dir.clone(), confined).await {
+            Ok(()) => {
+                tracing::debug!(
+                    session,
+                    spawned_ms = spawned.as_secs_f64() * 1e3,
+                    ready_ms = started.elapsed().as_secs_f64() * 1e3,
+                    "VMM started"
+                );
+                Ok(self.incarnation(session))
+            }
             Err(reason) => {
                 let serial = std::fs::read_to_string(dir.serial()).unwrap_or_default();
                 self.stop_vmm(session, &dir).await;
@@ -427,27 +440,51 @@ impl MicrovmRuntime {
             .to_owned();
         let started = std::time::Instant::now();
         let inc = self
-            .start(session, LocalStore::chain(&source), |dir| async move {
-                let request = dir.flavour.restore_request(
-                    &source,
-                    &dir.restore_scratch(),
-                    &dir.vsock(),
-                    &dir.serial(),
-                )?;
-                dir.client()
-                    .restore(&request)
-                    .await
-                    .map_err(|e| format!("vm.restore: {e}"))?;
-                let (mut conn, ready) =
-                    GuestConn::ready(&dir.vsock(), self.config.ready_timeout, &|| dir.vmm_alive())
+            .start(
+                session,
+                LocalStore::chain(&source),
+                |dir, confined| async move {
+                    let t0 = std::time::Instant::now();
+                    let mut request = dir.flavour.restore_request(
+                        &source,
+                        &dir.restore_scratch(),
+                        &dir.vsock(),
+                        &dir.serial(),
+                    )?;
+                    // Restored paused while the VMM's cgroup move finishes; run once it has.
+                    request.resume = false;
+                    let client = dir.client();
+                    client
+                        .restore(&request)
+                        .await
+                        .map_err(|e| format!("vm.restore: {e}"))?;
+                    confined.wait().await?;
+                    client
+                        .resume()
+                        .await
+                        .map_err(|e| format!("vm.resume after vm.restore: {e}"))?;
+                    let t_restore = t0.elapsed();
+                    let (mut conn, ready) =
+                        GuestConn::ready(&dir.vsock(), self.config.ready_timeout, &|| {
+                            dir.vmm_alive()
+                        })
                         .await
                         .map_err(|e| format!("the restored guest did not answer: {e}"))?;
-                conn.restored(restored_notice(session, kind, ready.restore_generation + 1))
-                    .await
-                    .map_err(|e| format!("the restored guest did not take its notice: {e}"))?;
-                self.keep_ready_conn(session, conn);
-                Ok(())
-            })
+                    let t_ready = t0.elapsed();
+                    conn.restored(restored_notice(session, kind, ready.restore_generation + 1))
+                        .await
+                        .map_err(|e| format!("the restored guest did not take its notice: {e}"))?;
+                    tracing::debug!(
+                        session,
+                        restore_ms = t_restore.as_secs_f64() * 1e3,
+                        guest_ready_ms = t_ready.as_secs_f64() * 1e3,
+                        notified_ms = t0.elapsed().as_secs_f64() * 1e3,
+                        "VM restored"
+                    );
+                    self.keep_ready_conn(session, conn);
+                    Ok(())
+                },
+            )
             .await?;
         crate::metrics::global()
             .vmm_restore
@@ -638,7 +675,7 @@ impl Runtime for MicrovmRuntime {
             .flatten()
             .collect();
         let inc = self
-            .start(session, files, |dir| {
+            .start(session, files, |dir, confined| {
                 let config = self.vm_config(spec, &image, &dir);
                 async move {
                     let client = dir.client();
@@ -648,6 +685,7 @@ impl Runtime for MicrovmRuntime {
                         .map_err(|e| format!("vm.create: {e}"))?;
                     std::fs::write(dir.harness_file(), &spec.harness)
                         .map_err(|e| format!("{}: {e}", dir.harness_file().display()))?;
+                    confined.wait().await?;
                     client.boot().await.map_err(|e| format!("vm.boot: {e}"))?;
                     let (conn, _) =
                         GuestConn::ready(&dir.vsock(), self.config.ready_timeout, &|| {

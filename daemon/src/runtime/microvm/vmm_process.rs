@@ -96,17 +96,37 @@ impl VmmDir {
     }
 }
 
+/// A VMM that answers its API, on its way into its cgroups.
+pub struct Spawned {
+    pub pid: u32,
+    pub confined: Confinement,
+}
+
+/// The move of a new VMM into its cgroups. A cgroup (v1) migration waits for an RCU grace
+/// period (about 10 ms here), so it runs beside the VMM's start-up and the VM's creation or
+/// restore; the guest must not run before it is done (its memory is charged where its
+/// VMM is when it faults the pages in).
+pub struct Confinement(tokio::task::JoinHandle<Result<(), String>>);
+
+impl Confinement {
+    pub async fn wait(self) -> Result<(), String> {
+        self.0
+            .await
+            .unwrap_or_else(|e| Err(format!("joining its cgroups: {e}")))
+    }
+}
+
 /// Starts a VMM serving its API in `dir` (already created, with its RAM directory), jailed
-/// when `jail` is given, moves it into the cgroups of `cgroup_procs` and waits until it
-/// answers; no VM exists (no guest runs) before both are done. From the moment it runs,
-/// `watch` reaps it and reports an exit nobody asked for.
+/// when `jail` is given, starts moving it into the cgroups of `cgroup_procs`, and waits until
+/// it answers. From the moment it runs, `watch` reaps it and reports an exit nobody asked
+/// for.
 pub async fn spawn(
     binary: &Path,
     dir: &VmmDir,
     watch: &ExitWatch,
     jail: Option<&Jail>,
     cgroup_procs: Vec<PathBuf>,
-) -> Result<u32, String> {
+) -> Result<Spawned, String> {
     let log = std::fs::File::create(dir.log())
         .map_err(|e| format!("creating {}: {e}", dir.log().display()))?;
     // Its own process group (a signal for the daemon is not one for its VMs), no handle:
@@ -120,21 +140,15 @@ pub async fn spawn(
     })?;
     let _ = std::fs::write(dir.pid_file(), pid.to_string());
     watch.watch(dir.clone(), pid);
-    let joined = tokio::task::spawn_blocking(move || super::cgroups::join(&cgroup_procs, pid));
-    let ready = dir
-        .client()
-        .wait_ready(READY_TIMEOUT)
-        .await
-        .map_err(|e| format!("the VMM did not come up: {e}"));
-    let joined = joined
-        .await
-        .unwrap_or_else(|e| Err(format!("joining its cgroups: {e}")));
-    if let Err(e) = joined.and(ready) {
+    let confined = Confinement(tokio::task::spawn_blocking(move || {
+        super::cgroups::join(&cgroup_procs, pid)
+    }));
+    if let Err(e) = dir.client().wait_ready(READY_TIMEOUT).await {
         watch.expect_exit(pid);
         kill(pid);
-        return Err(e);
+        return Err(format!("the VMM did not come up: {e}"));
     }
-    Ok(pid)
+    Ok(Spawned { pid, confined })
 }
 
 /// The sessions with a VMM directory in `run_dir` (the jail's staging directory is not one).
