@@ -251,10 +251,7 @@ async fn scenario_75_counter_continues_across_suspend_and_resume_on_a_microvm() 
     c.suspend(SuspendRequest { session: s.clone() })
         .await
         .unwrap();
-    assert!(
-        !vm_dir(&node, &s).exists(),
-        "a suspended session frees its VMM"
-    );
+    wait_gone(&vm_dir(&node, &s), "a suspended session's VMM").await;
     assert_eq!(compute(&mut c, &s).await, ComputeState::ComputeCold);
 
     // Exec on a suspended memory session restores it first; the count lives on in guest RAM.
@@ -369,6 +366,17 @@ fn vmm_pid(node: &TestNode, session: &str) -> i32 {
         .unwrap()
 }
 
+async fn wait_gone(path: &std::path::Path, what: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while path.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what} is still there"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 fn configure_microvm(cfg: &mut agentvmd::node::NodeConfig) {
     cfg.vmm_binary = Some(vmm_binary());
     cfg.ram_dir = if std::path::Path::new("/dev/shm").is_dir() {
@@ -396,7 +404,9 @@ async fn a_restarted_daemon_readopts_running_microvms() {
     c.suspend(SuspendRequest { session: s.clone() })
         .await
         .unwrap();
-    assert!(!vm_dir(&node, &s).exists());
+    // Its VMM exits on its own after the reply (the kernel's teardown of its VM is not
+    // waited for).
+    wait_gone(&vm_dir(&node, &s), "the suspended session's VMM directory").await;
     assert_eq!(turn(&mut c, &s).await, "3");
     verify_chain(&replay(&mut c, &s).await).unwrap();
     c.delete_session(agentvm_proto::v1::DeleteSessionRequest { uid: s.clone() })
@@ -949,7 +959,7 @@ async fn scenario_73_and_74_stateless_sessions_on_microvms_replay_suspend_and_re
         .await
         .unwrap();
     assert_eq!(compute(&mut c, &s).await, ComputeState::ComputeCold);
-    assert!(!vm_dir(&node, &s).exists(), "suspend stops the VM");
+    wait_gone(&vm_dir(&node, &s), "a suspended stateless session's VMM").await;
     let snapshots = std::fs::read_dir(node.dir.join("state/snapshots"))
         .unwrap()
         .filter_map(|e| e.ok())
@@ -991,7 +1001,7 @@ async fn scenario_73_and_74_stateless_sessions_on_microvms_replay_suspend_and_re
     c.suspend(SuspendRequest { session: s.clone() })
         .await
         .unwrap();
-    assert!(!vm_dir(&node, &s).exists());
+    wait_gone(&vm_dir(&node, &s), "the suspended session's VMM").await;
     assert_eq!(
         say(&mut c, &s, "three and a half").await,
         "echo:three and a half"

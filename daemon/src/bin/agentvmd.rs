@@ -303,6 +303,7 @@ fn run(s: Settings) -> anyhow::Result<()> {
                 tracing::warn!(%session, %why, "not suspended");
             }
         }
+        node.host.settle().await;
         Ok(())
     })
 }

@@ -175,6 +175,10 @@ pub trait Runtime: Send + Sync {
         true
     }
 
+    /// Finishes what earlier calls left running in the background (a stopped VMM's exit and
+    /// clean-up), before the node stops.
+    async fn settle(&self) {}
+
     /// Start-up reconciliation of what the runtime keeps on this node (VMMs, their
     /// directories, snapshots and the records of who uses them) against the journal:
     /// whatever belongs to no session that `owned` accepts is stopped or removed, and each

@@ -29,6 +29,14 @@ impl SessionHost {
         runtimes
     }
 
+    /// Lets every runtime finish what it left running in the background; before the node
+    /// stops.
+    pub async fn settle(&self) {
+        for runtime in self.runtimes() {
+            runtime.settle().await;
+        }
+    }
+
     /// Recovers what a previous daemon left half done (`recovery`), then starts recording
     /// every runtime's lost-compute reports. Runs before the node serves; calling it again
     /// does nothing.

@@ -585,6 +585,8 @@ impl SessionHost {
                 Err(_) => failed.push((uid, "the shutdown budget ran out".to_owned())),
             }
         }
+        // The node stops next: nothing a suspend left to finish may be cut off.
+        self.settle().await;
         (done, failed)
     }
 

@@ -151,6 +151,11 @@ struct Parts {
     serial_stats: Arc<SerialStats>,
 }
 
+/// A VM whose vCPUs and devices have stopped, holding its KVM VM and RAM until dropped.
+pub struct Halted {
+    _vm: Vm,
+}
+
 impl Vm {
     /// Builds the VM and starts its vCPUs. `kvm` yields the KVM VM (typically one prepared
     /// ahead of time); it is asked for only once everything that does not need it is done, so
@@ -294,10 +299,17 @@ impl Vm {
     }
 
     /// Stops the vCPUs and the devices and releases everything the VM holds.
-    pub fn stop(mut self) {
+    pub fn stop(self) {
+        drop(self.halt());
+    }
+
+    /// Stops the vCPUs and the devices; what the VM holds (its KVM VM, its RAM) is released
+    /// when the returned value is dropped.
+    pub fn halt(mut self) -> Halted {
         self.vcpus.stop();
         self.devices.stop();
         self.drain_serial();
+        Halted { _vm: self }
     }
 
     pub fn memory_size(&self) -> u64 {

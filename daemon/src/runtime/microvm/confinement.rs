@@ -106,6 +106,11 @@ impl Confinement {
 
     /// `remove_cgroups` once the VM's last traces in them are gone (see
     /// `Cgroups::remove_settled`).
+    /// The cgroups VMMs are put in, for removing a session's after this runtime call ends.
+    pub fn cgroups(&self) -> Option<Arc<Cgroups>> {
+        self.cgroups.clone()
+    }
+
     pub async fn remove_cgroups_settled(&self, session: &str) {
         if let Some(cgroups) = &self.cgroups {
             cgroups.remove_settled(session).await;

@@ -105,6 +105,9 @@ pub struct MicrovmRuntime {
     /// The stream each new VM answered Ready on, handed to its endpoint at the first dial
     /// (so a first turn costs no second vsock dial and Hello).
     ready_conns: std::sync::Mutex<std::collections::HashMap<String, GuestConn>>,
+    /// VMMs a suspend asked to exit, still on their way out (their files and cgroups go
+    /// once they have): the session's next VMM waits for that.
+    retiring: std::sync::Mutex<std::collections::HashMap<String, tokio::task::JoinHandle<()>>>,
 }
 
 /// The limits every VMM of this runtime runs under.
@@ -190,6 +193,7 @@ impl MicrovmRuntime {
             exits,
             confinement,
             ready_conns: Default::default(),
+            retiring: Default::default(),
         })
     }
 
@@ -301,6 +305,8 @@ impl MicrovmRuntime {
 
     /// A VMM already running this session (after a daemon restart, or a repeated create).
     async fn running(&self, session: &str) -> Option<Incarnation> {
+        // A VMM on its way out is not the session's compute.
+        self.retired(session).await;
         let dir = self.vmm_dir(session);
         if !dir.vmm_alive() {
             return None;
@@ -364,6 +370,7 @@ impl MicrovmRuntime {
         Fut: std::future::Future<Output = std::result::Result<(), String>>,
     {
         let started = std::time::Instant::now();
+        self.retired(session).await;
         let dir = self.vmm_dir(session);
         if dir.dir.exists() {
             // A dead VMM's leftovers.
@@ -518,9 +525,45 @@ impl MicrovmRuntime {
     /// not when the exit watch sees an exit: that may come after the next VMM's cgroup of the
     /// same name exists.
     async fn stop_vmm(&self, session: &str, dir: &VmmDir) {
+        self.retired(session).await;
         self.take_ready_conn(session);
         vmm_process::stop(dir, &self.exits).await;
         self.confinement.remove_cgroups_settled(session).await;
+    }
+
+    /// Stops `session`'s VMM without waiting for its exit: once it has answered the request
+    /// to shut down it runs no guest, and its exit (the kernel tears its KVM VM down for
+    /// milliseconds) and clean-up go on in the background. Cgroups go before the files, so
+    /// whoever finds the directory can still tell what is left.
+    async fn retire_vmm(&self, session: &str, dir: &VmmDir) {
+        self.retired(session).await;
+        self.take_ready_conn(session);
+        let stopping = vmm_process::ask_stop(dir, &self.exits).await;
+        let cgroups = self.confinement.cgroups();
+        let owner = session.to_owned();
+        let task = tokio::spawn(tracing::Instrument::in_current_span(async move {
+            stopping.exited().await;
+            if let Some(cgroups) = cgroups {
+                cgroups.remove_settled(&owner).await;
+            }
+            stopping.remove_files();
+        }));
+        self.retiring
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(session.to_owned(), task);
+    }
+
+    /// Waits until a VMM of `session` that is on its way out is gone with its files.
+    async fn retired(&self, session: &str) {
+        let task = self
+            .retiring
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(session);
+        if let Some(task) = task {
+            let _ = task.await;
+        }
     }
 
     /// Removes what a VMM that never started, or died unwatched, left: its files and cgroups.
@@ -714,7 +757,7 @@ impl Runtime for MicrovmRuntime {
         let dir = self.vmm_dir(session);
         if !self.keeps_memory(&dir) {
             // Nothing in its RAM is needed: it resumes by replay into a fresh VM.
-            self.stop_vmm(session, &dir).await;
+            self.retire_vmm(session, &dir).await;
             return Ok(SnapshotRef {
                 local: session.clone(),
                 ..Default::default()
@@ -751,7 +794,7 @@ impl Runtime for MicrovmRuntime {
             .vmm_snapshot
             .observe(started.elapsed());
         crate::crash_point::reached(crate::crash_point::SUSPEND_STORED);
-        self.stop_vmm(session, &dir).await;
+        self.retire_vmm(session, &dir).await;
         Ok(SnapshotRef {
             local: session.clone(),
             external_uri: format!("file://{}", target.display()),
@@ -923,6 +966,19 @@ impl Runtime for MicrovmRuntime {
 
     fn alive(&self, incarnation: &Incarnation) -> bool {
         self.vmm_dir(&incarnation.id).vmm_alive()
+    }
+
+    async fn settle(&self) {
+        let sessions: Vec<String> = self
+            .retiring
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .cloned()
+            .collect();
+        for session in sessions {
+            self.retired(&session).await;
+        }
     }
 
     async fn reconcile(&self, owned: &(dyn for<'s> Fn(&'s str) -> bool + Send + Sync)) {

@@ -221,28 +221,60 @@ pub fn remove_files(dir: &VmmDir) {
 /// Shuts the VMM down through its API, kills it if that does not work in time, and removes
 /// its files.
 pub async fn stop(dir: &VmmDir, watch: &ExitWatch) {
+    let stopping = ask_stop(dir, watch).await;
+    stopping.exited().await;
+    stopping.remove_files();
+}
+
+/// A VMM asked to shut down. It answers before tearing its VM down (which takes the kernel
+/// milliseconds), so the asking is quick and the rest can wait.
+pub struct Stopping {
+    dir: VmmDir,
+    pid: Option<u32>,
+    polite: bool,
+    asked: Duration,
+    started: std::time::Instant,
+}
+
+/// Asks the VMM in `dir` to shut down; its exit is expected from now on.
+pub async fn ask_stop(dir: &VmmDir, watch: &ExitWatch) -> Stopping {
     let pid = pid_of(dir);
     if let Some(pid) = pid {
         watch.expect_exit(pid);
     }
     let started = std::time::Instant::now();
     let polite = tokio::time::timeout(STOP_TIMEOUT, dir.client().shutdown_vmm()).await;
-    let asked = started.elapsed();
-    if let Some(pid) = pid {
-        let deadline = tokio::time::Instant::now() + STOP_TIMEOUT;
-        while alive(pid) && tokio::time::Instant::now() < deadline && matches!(polite, Ok(Ok(()))) {
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        if alive(pid) {
-            kill(pid);
+    Stopping {
+        dir: dir.clone(),
+        pid,
+        polite: matches!(polite, Ok(Ok(()))),
+        asked: started.elapsed(),
+        started,
+    }
+}
+
+impl Stopping {
+    /// Waits until the VMM is gone, killing it if it does not go in time.
+    pub async fn exited(&self) {
+        if let Some(pid) = self.pid {
+            let deadline = tokio::time::Instant::now() + STOP_TIMEOUT;
+            while alive(pid) && tokio::time::Instant::now() < deadline && self.polite {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            if alive(pid) {
+                kill(pid);
+            }
         }
     }
-    remove_files(dir);
-    tracing::debug!(
-        dir = %dir.dir.display(),
-        polite = matches!(polite, Ok(Ok(()))),
-        asked_ms = asked.as_millis() as u64,
-        total_ms = started.elapsed().as_millis() as u64,
-        "VMM stopped"
-    );
+
+    pub fn remove_files(&self) {
+        remove_files(&self.dir);
+        tracing::debug!(
+            dir = %self.dir.dir.display(),
+            polite = self.polite,
+            asked_ms = self.asked.as_millis() as u64,
+            total_ms = self.started.elapsed().as_millis() as u64,
+            "VMM stopped"
+        );
+    }
 }
