@@ -183,6 +183,25 @@ impl Cgroups {
         Ok(procs)
     }
 
+    /// Renames `from`'s cgroups to `to` (the processes in them stay), all or none.
+    pub fn rename(&self, from: &str, to: &str) -> Result<(), String> {
+        let pairs: Vec<(PathBuf, PathBuf)> = self
+            .dirs(from)
+            .into_iter()
+            .zip(self.dirs(to))
+            .map(|((_, a), (_, b))| (a, b))
+            .collect();
+        for (done, (a, b)) in pairs.iter().enumerate() {
+            if let Err(e) = std::fs::rename(a, b) {
+                for (a, b) in &pairs[..done] {
+                    let _ = std::fs::rename(b, a);
+                }
+                return Err(format!("renaming {} to {}: {e}", a.display(), b.display()));
+            }
+        }
+        Ok(())
+    }
+
     /// Removes `session`'s cgroups (they must be empty: the VMM has exited). Returns the ones
     /// still busy.
     pub fn remove(&self, session: &str) -> Vec<PathBuf> {

@@ -168,8 +168,10 @@ impl Confinement {
     /// record, so a restarted daemon knows the uids in use.
     fn own_dirs(&self, base: &JailBase, dir: &VmmDir) -> Result<u32, String> {
         let _held = base.uid_lock.lock().unwrap_or_else(|p| p.into_inner());
+        // A VMM still on its way out keeps its uid until it is gone.
         let taken: std::collections::HashSet<u32> = vmm_process::sessions(&self.run_dir)
             .iter()
+            .chain(&vmm_process::retired(&self.run_dir))
             .filter_map(|s| std::fs::metadata(self.run_dir.join(s)).ok())
             .map(|m| m.uid())
             .collect();

@@ -93,6 +93,9 @@ pub struct MicrovmConfig {
     pub memory_limit_mib: Option<u64>,
 }
 
+/// Prefix of the directories and cgroups of a VMM on its way out (see `retire_vmm`).
+const RETIRED: &str = ".retired-";
+
 /// What a VMM costs beyond its guest's RAM, in the default cgroup limit.
 const VMM_MEMORY_OVERHEAD_MIB: u64 = 128;
 
@@ -533,14 +536,20 @@ impl MicrovmRuntime {
 
     /// Stops `session`'s VMM without waiting for its exit: once it has answered the request
     /// to shut down it runs no guest, and its exit (the kernel tears its KVM VM down for
-    /// milliseconds) and clean-up go on in the background. Cgroups go before the files, so
-    /// whoever finds the directory can still tell what is left.
+    /// milliseconds) and clean-up go on in the background. Its directories and cgroups are
+    /// renamed out of the session's way first (`.retired-SESSION-PID`), so the session's next
+    /// VMM need not wait; where that cannot be done, the next VMM waits. Cgroups go before
+    /// the files, so whoever finds the directory can still tell what is left.
     async fn retire_vmm(&self, session: &str, dir: &VmmDir) {
         self.retired(session).await;
         self.take_ready_conn(session);
         let stopping = vmm_process::ask_stop(dir, &self.exits).await;
+        let (stopping, name) = match self.move_aside(session, dir, stopping.pid()) {
+            Some((name, moved)) => (stopping.moved_to(moved), name),
+            None => (stopping, session.to_owned()),
+        };
         let cgroups = self.confinement.cgroups();
-        let owner = session.to_owned();
+        let owner = name.clone();
         let task = tokio::spawn(tracing::Instrument::in_current_span(async move {
             stopping.exited().await;
             if let Some(cgroups) = cgroups {
@@ -551,7 +560,40 @@ impl MicrovmRuntime {
         self.retiring
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(session.to_owned(), task);
+            .insert(name, task);
+    }
+
+    /// Renames a stopping VMM's directories and cgroups to `.retired-SESSION-PID`; returns
+    /// that name and the moved directory, or `None` (nothing moved) if any rename fails.
+    fn move_aside(
+        &self,
+        session: &str,
+        dir: &VmmDir,
+        pid: Option<u32>,
+    ) -> Option<(String, VmmDir)> {
+        let name = format!("{RETIRED}{session}-{}", pid?);
+        let moved = self.vmm_dir(&name);
+        if let Some(cgroups) = self.confinement.cgroups()
+            && let Err(e) = cgroups.rename(session, &name)
+        {
+            tracing::debug!(session, error = %e, "a stopping VMM's cgroups stay in place");
+            return None;
+        }
+        let undo_cgroups = || {
+            if let Some(cgroups) = self.confinement.cgroups() {
+                let _ = cgroups.rename(&name, session);
+            }
+        };
+        if std::fs::rename(&dir.dir, &moved.dir).is_err() {
+            undo_cgroups();
+            return None;
+        }
+        if dir.private_ram && dir.ram.exists() && std::fs::rename(&dir.ram, &moved.ram).is_err() {
+            let _ = std::fs::rename(&moved.dir, &dir.dir);
+            undo_cgroups();
+            return None;
+        }
+        Some((name, moved))
     }
 
     /// Waits until a VMM of `session` that is on its way out is gone with its files.
@@ -982,6 +1024,11 @@ impl Runtime for MicrovmRuntime {
     }
 
     async fn reconcile(&self, owned: &(dyn for<'s> Fn(&'s str) -> bool + Send + Sync)) {
+        for name in vmm_process::retired(&self.config.run_dir) {
+            // A VMM a suspend stopped, whose exit the last daemon did not see through.
+            tracing::info!(name, "reconcile: removing what a stopped VMM left");
+            self.stop_vmm(&name, &self.vmm_dir(&name)).await;
+        }
         for session in vmm_process::sessions(&self.config.run_dir) {
             let dir = self.vmm_dir(&session);
             if !owned(&session) {

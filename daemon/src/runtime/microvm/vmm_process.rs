@@ -163,6 +163,18 @@ pub fn sessions(run_dir: &Path) -> Vec<String> {
         .collect()
 }
 
+/// The directories in `run_dir` of VMMs that were stopping (`.retired-…`).
+pub fn retired(run_dir: &Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(run_dir) else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|name| name.starts_with(super::RETIRED))
+        .collect()
+}
+
 /// The VMM's process id, from its pid file.
 pub fn pid_of(dir: &VmmDir) -> Option<u32> {
     std::fs::read_to_string(dir.pid_file())
@@ -254,6 +266,16 @@ pub async fn ask_stop(dir: &VmmDir, watch: &ExitWatch) -> Stopping {
 }
 
 impl Stopping {
+    /// The directory it is stopping from, once moved to `dir`.
+    pub fn moved_to(mut self, dir: VmmDir) -> Self {
+        self.dir = dir;
+        self
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.pid
+    }
+
     /// Waits until the VMM is gone, killing it if it does not go in time.
     pub async fn exited(&self) {
         if let Some(pid) = self.pid {
