@@ -343,7 +343,11 @@ async fn check(d: &Daemon, c: &mut SessionsClient<Channel>, known: &Known) -> Ve
     let vms = d.dir.join("state").join("vms");
     for entry in std::fs::read_dir(&vms).into_iter().flatten().flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        if !name.starts_with('.') && !active.contains(&name) {
+        if name.starts_with(".retired-") {
+            wrong.push(format!(
+                "vms/{name}: a stopped VMM's leftovers outlived the restart"
+            ));
+        } else if !name.starts_with('.') && !active.contains(&name) {
             wrong.push(format!("vms/{name} belongs to no active session"));
         }
     }

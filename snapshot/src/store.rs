@@ -111,6 +111,27 @@ fn write_manifest(dir: &Path, manifest: &crate::Manifest) -> Result<(), Snapshot
     sync_dir(dir)
 }
 
+/// Records every file's identity as it is now, sealed, in `dir`'s manifest: its digests were
+/// taken (or checked) before sealing, which changed only the files' ctimes, so a VMM
+/// restoring it need not rehash them (see `Snapshot::verify`). A directory without our
+/// manifest is left alone.
+fn restamp(dir: &Path) -> Result<(), SnapshotError> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut manifest = match Snapshot::open(dir) {
+        Ok(s) => s.manifest,
+        Err(SnapshotError::Io { .. }) => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    for (name, entry) in manifest.files.iter_mut() {
+        let path = dir.join(name);
+        let meta = std::fs::metadata(&path).map_err(io(&path))?;
+        entry.stamp = Some(crate::manifest::FileStamp::of(&meta));
+    }
+    write_manifest(dir, &manifest)?;
+    let path = dir.join(crate::manifest::MANIFEST_FILE);
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o444)).map_err(io(&path))
+}
+
 /// Makes every file under `dir` read-only and owned by this process's user and group.
 fn seal(dir: &Path) -> Result<(), SnapshotError> {
     use std::os::unix::fs::PermissionsExt;
@@ -184,6 +205,7 @@ impl LocalStore {
         }
         self.settle_bases(&dir)?;
         seal(&dir)?;
+        restamp(&dir)?;
         Ok(dir)
     }
 
@@ -199,7 +221,10 @@ impl LocalStore {
         }
         let incoming = self.root.join(format!("{INCOMING}{id}"));
         let _ = std::fs::remove_dir_all(&incoming);
+        // The copy is checked against its digests once, here, and stamped once sealed: the
+        // VMMs restoring it then trust it without rehashing.
         let copied = copy_snapshot_files(written, &incoming)
+            .and_then(|()| Snapshot::open(&incoming)?.verify())
             .and_then(|()| self.settle_bases(&incoming))
             .and_then(|()| {
                 std::fs::rename(&incoming, &dir).map_err(io(&dir))?;
@@ -210,14 +235,15 @@ impl LocalStore {
             return Err(e);
         }
         seal(&dir)?;
+        restamp(&dir)?;
         Ok(dir)
     }
 
     /// Makes the base the snapshot in `dir` is layered on one of this store's, so a snapshot
     /// in the store never depends on a file outside it (a base in a VMM's RAM directory is
-    /// gone at the next reboot). A base outside the store is replaced by its copy here (the
-    /// store entry of the same name, made now if there is none), after checking the copy
-    /// holds the same files.
+    /// gone at the next reboot). A base outside the store (which must still be there) is
+    /// replaced by its copy here: the store entry of the same name, made now if there is
+    /// none, after checking the copy holds the same files.
     fn settle_bases(&self, dir: &Path) -> Result<(), SnapshotError> {
         let snapshot = match Snapshot::open(dir) {
             Ok(s) => s,
@@ -241,34 +267,25 @@ impl LocalStore {
             })?
             .to_owned();
         let twin_dir = self.dir(&name)?;
-        let original = Snapshot::open(&base.dir).ok();
-        if !twin_dir.is_dir() {
-            if original.is_none() {
-                return Err(SnapshotError::Base {
-                    dir: base.dir.display().to_string(),
-                    reason: "is gone and the store has no copy of it".into(),
-                });
-            }
-            self.copy_in(&name, &base.dir)?;
-        }
-        let twin = Snapshot::open(&twin_dir)?;
-        let same = match &original {
-            Some(original) => same_contents(original, &twin),
-            // Only a byte-identical manifest vouches for a copy whose original is gone.
-            None => twin.manifest_sha256 == base.manifest_sha256,
-        };
-        if !same {
-            return Err(SnapshotError::Base {
-                dir: base.dir.display().to_string(),
-                reason: format!("the store's {name} holds other contents"),
-            });
-        }
-        if let Some(original) = &original
-            && original.manifest_sha256 != base.manifest_sha256
-        {
+        // Only the original can vouch for a copy (stamps make the copy's manifest differ).
+        let original = Snapshot::open(&base.dir).map_err(|e| SnapshotError::Base {
+            dir: base.dir.display().to_string(),
+            reason: format!("cannot be read to move it into the store: {e}"),
+        })?;
+        if original.manifest_sha256 != base.manifest_sha256 {
             return Err(SnapshotError::Base {
                 dir: base.dir.display().to_string(),
                 reason: "changed since the layer was taken on it".into(),
+            });
+        }
+        if !twin_dir.is_dir() {
+            self.copy_in(&name, &base.dir)?;
+        }
+        let twin = Snapshot::open(&twin_dir)?;
+        if !same_contents(&original, &twin) {
+            return Err(SnapshotError::Base {
+                dir: base.dir.display().to_string(),
+                reason: format!("the store's {name} holds other contents"),
             });
         }
         let mut manifest = snapshot.manifest;
@@ -572,7 +589,16 @@ mod tests {
         assert!(fork.dir.join(STATE_FILE).is_file(), "the original stays");
         let copy = store.get("fork-1").unwrap();
         copy.verify().unwrap();
-        assert_eq!(copy.manifest_sha256, fork.manifest_sha256);
+        assert_eq!(copy.manifest.files.len(), fork.manifest.files.len());
+        for (name, entry) in &copy.manifest.files {
+            let meta = std::fs::metadata(dir.join(name)).unwrap();
+            assert_eq!(
+                entry.stamp,
+                Some(crate::manifest::FileStamp::of(&meta)),
+                "{name} is stamped as sealed, so restoring it does not rehash it"
+            );
+            assert_eq!(entry.sha256, fork.manifest.files[name].sha256);
+        }
         assert!(matches!(
             store.copy_in("fork-1", &fork.dir),
             Err(SnapshotError::Exists(_))

@@ -242,10 +242,12 @@ impl VmmClient {
         self.put_json(endpoint::VM_RESTORE, config).await
     }
 
-    /// `PUT vm.fork` (extension) of the paused VM into `dir` (which must exist).
-    pub async fn fork(&self, dir: &std::path::Path) -> Result<(), ClientError> {
+    /// `PUT vm.fork` (extension) of the paused VM into `dir` (which must exist); with
+    /// `resume`, the VM runs again as soon as its RAM is frozen.
+    pub async fn fork(&self, dir: &std::path::Path, resume: bool) -> Result<(), ClientError> {
         let body = crate::types::VmForkConfig {
             destination_url: format!("file://{}", dir.display()),
+            resume,
         };
         self.put_json(endpoint::VM_FORK, &body).await
     }

@@ -158,6 +158,10 @@ pub struct VmSnapshotConfig {
 #[serde(deny_unknown_fields)]
 pub struct VmForkConfig {
     pub destination_url: String,
+    /// Run the VM again as soon as its RAM is frozen (the snapshot's digests are then taken
+    /// beside it) instead of leaving it paused.
+    #[serde(default)]
+    pub resume: bool,
 }
 
 /// How `vm.restore` brings memory back (Cloud Hypervisor's names).

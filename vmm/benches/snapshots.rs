@@ -91,7 +91,7 @@ async fn main() {
         snapshot_ms.push(ms(start.elapsed()));
         let fork = new_dir(shm.path(), &format!("fork-{run}"));
         let start = Instant::now();
-        vmm.client.fork(&fork).await.unwrap();
+        vmm.client.fork(&fork, false).await.unwrap();
         fork_ms.push(ms(start.elapsed()));
         snapshot_dir.get_or_insert(dir);
         vmm.shutdown().await;
@@ -149,7 +149,7 @@ async fn main() {
     // Fan-out from one running parent.
     let parent = dirty_paused_guest().await;
     let base = new_dir(shm.path(), "fanout");
-    parent.client.fork(&base).await.unwrap();
+    parent.client.fork(&base, false).await.unwrap();
     parent.client.resume().await.unwrap();
     let widths: &[usize] = if quick { &[1, 4] } else { &[1, 16, 64, 128] };
     for &k in widths {

@@ -114,27 +114,42 @@ impl Vmm {
         *self.ram_dir.lock().unwrap_or_else(|p| p.into_inner()) = dir;
     }
 
-    /// Snapshot or fork of the paused VM into the directory `url` names.
-    fn save(&self, url: &str, kind: SaveKind, what: &str) -> Result<(), ApiError> {
+    /// Snapshot or fork of the paused VM into the directory `url` names; `resume` runs it
+    /// again as early as the save allows (see `Vm::save`).
+    fn save(&self, url: &str, kind: SaveKind, what: &str, resume: bool) -> Result<(), ApiError> {
         let dir = dir_from_url("destination_url", url)
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
         let mut inner = lock(&self.inner);
-        match &mut inner.slot {
+        let saved = match &mut inner.slot {
             Slot::Paused(config, booted) => {
                 let config_json = serde_json::to_vec_pretty(config)
                     .map_err(|e| ApiError::internal(format!("encoding config.json: {e}")))?;
                 booted
                     .vm
-                    .save(&dir, kind, &config_json)
+                    .save(&dir, kind, &config_json, resume)
                     .map(drop)
                     .map_err(|e| ApiError::from_error(500, &e))
             }
-            Slot::Empty => Err(no_vm()),
-            other => Err(ApiError::internal(format!(
-                "cannot {what} a VM in state {}: pause it first",
-                state_name(other)
-            ))),
+            Slot::Empty => return Err(no_vm()),
+            other => {
+                return Err(ApiError::internal(format!(
+                    "cannot {what} a VM in state {}: pause it first",
+                    state_name(other)
+                )));
+            }
+        };
+        if resume {
+            // Running already if the save resumed it early; else it is resumed now (a
+            // failed save too: the caller asked for a running VM either way).
+            if let Slot::Paused(config, booted) = std::mem::replace(&mut inner.slot, Slot::Empty) {
+                let resumed = booted.vm.running() || booted.vm.resume().is_ok();
+                inner.slot = match resumed {
+                    true => Slot::Running(config, booted),
+                    false => Slot::Paused(config, booted),
+                };
+            }
         }
+        saved
     }
 
     /// Blocks until no VM is running; returns why the last one stopped.
@@ -449,11 +464,21 @@ impl VmmBackend for Vmm {
     }
 
     fn snapshot(&self, config: VmSnapshotConfig) -> Result<(), ApiError> {
-        self.save(&config.destination_url, SaveKind::Snapshot, "snapshot")
+        self.save(
+            &config.destination_url,
+            SaveKind::Snapshot,
+            "snapshot",
+            false,
+        )
     }
 
     fn fork(&self, config: VmForkConfig) -> Result<(), ApiError> {
-        self.save(&config.destination_url, SaveKind::Fork, "fork")
+        self.save(
+            &config.destination_url,
+            SaveKind::Fork,
+            "fork",
+            config.resume,
+        )
     }
 
     fn restore(&self, request: RestoreConfig) -> Result<(), ApiError> {

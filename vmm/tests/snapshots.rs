@@ -82,7 +82,7 @@ async fn snapshot_needs_a_paused_vm_and_restore_a_fresh_vmm() {
     let dir = snapshot_dir(store.path(), "snap");
     let status = |r: Result<(), ClientError>| r.err().and_then(|e| e.status());
     assert_eq!(status(vmm.client.snapshot(&dir).await), Some(500));
-    assert_eq!(status(vmm.client.fork(&dir).await), Some(500));
+    assert_eq!(status(vmm.client.fork(&dir, false).await), Some(500));
     vmm.client.pause().await.unwrap();
     vmm.client.snapshot(&dir).await.unwrap();
     // A snapshot directory is never overwritten.
@@ -112,8 +112,12 @@ async fn sixteen_forks_start_from_the_parent_and_diverge() {
     parent.client.pause().await.unwrap();
     let store = shm_dir();
     let base = snapshot_dir(store.path(), "fork");
-    parent.client.fork(&base).await.unwrap();
-    parent.client.resume().await.unwrap();
+    // Resumed by the VMM itself once its RAM is frozen, while the digests are taken.
+    parent.client.fork(&base, true).await.unwrap();
+    assert_eq!(
+        parent.client.info().await.unwrap().state,
+        agentvm_vmm_api::VmState::Running
+    );
 
     let mut children = Vec::new();
     for i in 0..16u32 {
@@ -154,7 +158,7 @@ async fn sixteen_forks_start_from_the_parent_and_diverge() {
     let child0 = &children[0].0;
     child0.client.pause().await.unwrap();
     let second = snapshot_dir(store.path(), "fork2");
-    child0.client.fork(&second).await.unwrap();
+    child0.client.fork(&second, false).await.unwrap();
     child0.client.resume().await.unwrap();
     let manifest = agentvm_snapshot::Snapshot::open(&second).unwrap().manifest;
     assert!(
@@ -483,7 +487,7 @@ async fn restored_and_forked_vms_bring_in_only_the_pages_their_snapshot_stores()
     parent.client.pause().await.unwrap();
     let shm = shm_dir();
     let base = snapshot_dir(shm.path(), "fork");
-    parent.client.fork(&base).await.unwrap();
+    parent.client.fork(&base, false).await.unwrap();
     drop(parent_link);
     parent.shutdown().await;
     let memory = base.join(MEMORY_FILE);

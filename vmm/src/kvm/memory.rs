@@ -316,27 +316,37 @@ impl GuestRam {
         dest: &Path,
         snapshot_dir: &Path,
     ) -> Result<(String, u64, bool), MemoryError> {
+        self.freeze_into_then(dest, snapshot_dir, || {})
+    }
+
+    /// [`Self::freeze_into`], calling `frozen` as soon as the VM's writes no longer reach
+    /// the base: the digest of a linked base is taken after, and may run beside the VM.
+    pub fn freeze_into_then(
+        &mut self,
+        dest: &Path,
+        snapshot_dir: &Path,
+        frozen: impl FnOnce(),
+    ) -> Result<(String, u64, bool), MemoryError> {
         let write_err = |source| MemoryError::Write {
             path: dest.display().to_string(),
             source,
         };
         let linked = self.linkable && link_fd(&self.file, dest).is_ok();
-        let (digest, pages, base) = if linked {
-            let (digest, pages) = pages::file_digest(&self.file).map_err(write_err)?;
-            (
-                digest,
-                pages,
-                self.file.try_clone().map_err(MemoryError::Dup)?,
-            )
+        let (copied, base) = if linked {
+            (None, self.file.try_clone().map_err(MemoryError::Dup)?)
         } else {
-            let (digest, pages) = self.write_full(dest)?;
-            let base = File::open(dest).map_err(write_err)?;
-            (digest, pages, base)
+            let copied = self.write_full(dest)?;
+            (Some(copied), File::open(dest).map_err(write_err)?)
         };
         remap_private(&self.memory, self.size, &base).map_err(MemoryError::Remap)?;
         self.file = base;
         self.backing = Backing::Private {
             top: snapshot_dir.to_owned(),
+        };
+        frozen();
+        let (digest, pages) = match copied {
+            Some(copied) => copied,
+            None => pages::file_digest(&self.file).map_err(write_err)?,
         };
         Ok((digest, pages, linked))
     }

@@ -244,6 +244,11 @@ impl VcpuSet {
         self.control.changed.notify_all();
     }
 
+    /// Whether the set was told to run (not paused or stopping).
+    pub fn running(&self) -> bool {
+        self.control.lock().mode == Mode::Run
+    }
+
     /// Ends every vCPU thread; the vCPU fds close with the set.
     pub fn stop(&mut self) {
         self.control.lock().mode = Mode::Stop;

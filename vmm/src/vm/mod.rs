@@ -298,6 +298,12 @@ impl Vm {
         Ok(())
     }
 
+    /// Whether its vCPUs run (a fork with `resume` may have resumed a paused VM, even when
+    /// it failed afterwards).
+    pub fn running(&self) -> bool {
+        self.vcpus.running()
+    }
+
     /// Stops the vCPUs and the devices and releases everything the VM holds.
     pub fn stop(self) {
         drop(self.halt());

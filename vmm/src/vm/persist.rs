@@ -120,12 +120,15 @@ impl RestoreSpec {
 }
 
 impl Vm {
-    /// Writes a snapshot of this (paused) VM into `dir` (existing, without a snapshot).
+    /// Writes a snapshot of this (paused) VM into `dir` (existing, without a snapshot). With
+    /// `resume_when_frozen`, a fork whose RAM is linked resumes the VM as soon as the RAM is
+    /// frozen, before its digest is taken: the VM is paused for the link, not the hashing.
     pub fn save(
         &mut self,
         dir: &Path,
         kind: SaveKind,
         config_json: &[u8],
+        resume_when_frozen: bool,
     ) -> Result<SaveReport, PersistError> {
         let started = Instant::now();
         let mut writer = SnapshotWriter::create(dir, kind == SaveKind::Snapshot)?;
@@ -142,7 +145,13 @@ impl Vm {
                 (DigestKind::Pages, digest, pages, false, None)
             }
             (Backing::Own, SaveKind::Fork) => {
-                let (digest, pages, linked) = self.ram.freeze_into(&memory_path, dir)?;
+                let (devices, vcpus) = (&self.devices, &self.vcpus);
+                let (digest, pages, linked) =
+                    self.ram.freeze_into_then(&memory_path, dir, || {
+                        if resume_when_frozen && devices.resume().is_ok() {
+                            vcpus.resume();
+                        }
+                    })?;
                 (DigestKind::Pages, digest, pages, linked, None)
             }
             (Backing::Private { top }, _) => {

@@ -845,9 +845,10 @@ impl Runtime for MicrovmRuntime {
         })
     }
 
-    /// Pauses the VM only while its VMM forks it into its RAM directory (linking the RAM file
-    /// there; the VM goes on copy-on-write over it), resumes it, then copies that fork into
-    /// the store, durably. The VM never stops and keeps its memory.
+    /// Pauses the VM only while its VMM forks it into its RAM directory: its state is saved
+    /// and its RAM file linked there, and the VMM resumes it (copy-on-write over that file)
+    /// before it takes the fork's digests. Then copies that fork into the store, durably.
+    /// The VM never stops and keeps its memory.
     async fn checkpoint_live(&self, incarnation: &Incarnation) -> Result<Option<SnapshotRef>> {
         let session = &incarnation.id;
         let dir = self.vmm_dir(session);
@@ -871,8 +872,9 @@ impl Runtime for MicrovmRuntime {
             .map_err(|e| format!("creating the forks directory: {e}"))
             .and_then(|_| prepare_outbox(&dir, &staging))
         {
+            // Resumed by the VMM once its RAM is frozen: the digests are taken beside it.
             Ok(()) => client
-                .fork(&staging)
+                .fork(&staging, true)
                 .await
                 .map_err(|e| format!("vm.fork: {e}")),
             Err(e) => Err(e),
@@ -885,7 +887,7 @@ impl Runtime for MicrovmRuntime {
             return Err(failed(session, e));
         }
         resumed.map_err(|e| failed(session, format!("vm.resume after vm.fork: {e}")))?;
-        let paused_for = started.elapsed();
+        let forked_in = started.elapsed();
         crate::crash_point::reached(crate::crash_point::SUSPEND_FORKED);
         let store = self.store.clone();
         let (copy_id, copy_from) = (id.clone(), staging.clone());
@@ -907,7 +909,7 @@ impl Runtime for MicrovmRuntime {
         tracing::debug!(
             session,
             snapshot = %id,
-            paused_ms = paused_for.as_secs_f64() * 1e3,
+            forked_ms = forked_in.as_secs_f64() * 1e3,
             total_ms = started.elapsed().as_secs_f64() * 1e3,
             "live checkpoint"
         );
