@@ -103,6 +103,32 @@ async fn main() {
     );
     summary("vm.fork, same guest (RAM linked)", "ms", fork_ms);
 
+    // A live fork: with `resume` the VM runs again once its RAM is frozen, and answers while
+    // the VMM still takes the fork's digests.
+    let mut answered_ms = Vec::new();
+    for run in 0..runs {
+        let vmm = dirty_paused_guest().await;
+        let fork = new_dir(shm.path(), &format!("live-fork-{run}"));
+        let client = vmm.client.clone();
+        let start = Instant::now();
+        let forking = tokio::spawn(async move { client.fork(&fork, true).await });
+        let socket = vmm.vsock_socket();
+        let answered = tokio::task::spawn_blocking(move || {
+            GuestLink::connect_ready(&socket, 1024);
+            start.elapsed()
+        })
+        .await
+        .unwrap();
+        forking.await.unwrap().unwrap();
+        answered_ms.push(ms(answered));
+        vmm.shutdown().await;
+    }
+    summary(
+        "vm.fork {resume}: fork start -> VM answers again",
+        "ms",
+        answered_ms,
+    );
+
     // Restores of one snapshot (on disk; its pages come from the page cache after the first).
     let snapshot_dir = snapshot_dir.unwrap();
     let mut restore_call = Vec::new();
