@@ -86,9 +86,7 @@ async fn a_parent_keeps_answering_during_and_after_its_fork() {
     require_kvm!();
     let node = microvm_node().await;
     let mut c = node.c();
-    let parent = create(&mut c).await;
-    assert_eq!(turn(&mut c, &parent).await, "1");
-    let pid = vmm_pid(&node, &parent);
+    let (parent, pid) = counting_parent(&node, &mut c).await;
     let forking = {
         let mut c = c.clone();
         let parent = parent.clone();
@@ -141,6 +139,13 @@ async fn a_parent_keeps_answering_during_and_after_its_fork() {
             .await
             .unwrap();
     }
+}
+
+/// A counter session that has counted 1, and its VMM's pid.
+async fn counting_parent(node: &TestNode, c: &mut SessionsClient<Channel>) -> (String, i32) {
+    let parent = create(c).await;
+    assert_eq!(turn(c, &parent).await, "1");
+    (parent.clone(), vmm_pid(node, &parent))
 }
 
 /// One turn, or the status it failed with.
@@ -317,9 +322,7 @@ async fn a_forked_parent_keeps_running_and_forks_again() {
     require_kvm!();
     let node = microvm_node().await;
     let mut c = node.c();
-    let parent = create(&mut c).await;
-    assert_eq!(turn(&mut c, &parent).await, "1");
-    let pid = vmm_pid(&node, &parent);
+    let (parent, pid) = counting_parent(&node, &mut c).await;
     let mut children = Vec::new();
     for expect in ["2", "3"] {
         let batch = fork(&mut c, &parent, 1).await;

@@ -182,16 +182,22 @@ impl LocalStore {
         Ok(dir)
     }
 
-    /// Moves the snapshot a VMM wrote in `written` (outside the store: a jailed VMM sees only
-    /// its own directory) into the store as `id`, and seals it: owned by the store's owner,
-    /// every file read-only. Any VMM restoring it later, whatever its uid, can read it and
-    /// none can change it.
-    pub fn adopt(&self, id: &str, written: &Path) -> Result<PathBuf, SnapshotError> {
+    /// Where snapshot `id` goes, which nothing may hold yet.
+    fn unused_dir(&self, id: &str) -> Result<PathBuf, SnapshotError> {
         check_name("snapshot id", id)?;
         let dir = self.root.join(id);
         if dir.exists() {
             return Err(SnapshotError::Exists(dir.display().to_string()));
         }
+        Ok(dir)
+    }
+
+    /// Moves the snapshot a VMM wrote in `written` (outside the store: a jailed VMM sees only
+    /// its own directory) into the store as `id`, and seals it: owned by the store's owner,
+    /// every file read-only. Any VMM restoring it later, whatever its uid, can read it and
+    /// none can change it.
+    pub fn adopt(&self, id: &str, written: &Path) -> Result<PathBuf, SnapshotError> {
+        let dir = self.unused_dir(id)?;
         match std::fs::rename(written, &dir) {
             Ok(()) => {}
             // Another filesystem: copy, then drop the original.
@@ -214,11 +220,7 @@ impl LocalStore {
     /// it is: a running VM may map its memory file (a live fork's base in the VMM's RAM
     /// directory). Holes and stored zero pages are kept as they are.
     pub fn copy_in(&self, id: &str, written: &Path) -> Result<PathBuf, SnapshotError> {
-        check_name("snapshot id", id)?;
-        let dir = self.root.join(id);
-        if dir.exists() {
-            return Err(SnapshotError::Exists(dir.display().to_string()));
-        }
+        let dir = self.unused_dir(id)?;
         let incoming = self.root.join(format!("{INCOMING}{id}"));
         let _ = std::fs::remove_dir_all(&incoming);
         // The copy is checked against its digests once, here, and stamped once sealed: the

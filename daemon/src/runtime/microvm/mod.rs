@@ -676,6 +676,16 @@ fn snapshot_owner(id: &str) -> Option<&str> {
     (digits(n) && digits(pid)).then_some(session)
 }
 
+/// Pauses the VM to snapshot or fork it (one already paused is fine).
+async fn pause_to_save(session: &str, client: &agentvm_vmm_api::VmmClient) -> Result<()> {
+    client
+        .pause_idempotent()
+        .await
+        .map_err(|e| failed(session, format!("vm.pause: {e}")))?;
+    crate::crash_point::reached(crate::crash_point::SUSPEND_PAUSED);
+    Ok(())
+}
+
 /// An empty `outbox` in `dir`, owned like `dir` (by the VMM's uid when jailed).
 fn prepare_outbox(dir: &VmmDir, outbox: &Path) -> std::result::Result<(), String> {
     let _ = std::fs::remove_dir_all(outbox);
@@ -807,11 +817,7 @@ impl Runtime for MicrovmRuntime {
         }
         let started = std::time::Instant::now();
         let client = dir.client();
-        client
-            .pause_idempotent()
-            .await
-            .map_err(|e| failed(session, format!("vm.pause: {e}")))?;
-        crate::crash_point::reached(crate::crash_point::SUSPEND_PAUSED);
+        pause_to_save(session, &client).await?;
         let id = self.new_snapshot_id(session);
         // Written inside the VMM's own directory (all a jailed VMM can write), then moved
         // into the store and sealed.
@@ -860,11 +866,7 @@ impl Runtime for MicrovmRuntime {
         let id = self.new_snapshot_id(session);
         let staging = dir.fork_dir(&id);
         let client = dir.client();
-        client
-            .pause_idempotent()
-            .await
-            .map_err(|e| failed(session, format!("vm.pause: {e}")))?;
-        crate::crash_point::reached(crate::crash_point::SUSPEND_PAUSED);
+        pause_to_save(session, &client).await?;
         let forked = match staging
             .parent()
             .map(std::fs::create_dir_all)

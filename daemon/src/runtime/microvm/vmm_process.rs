@@ -153,25 +153,22 @@ pub async fn spawn(
 
 /// The sessions with a VMM directory in `run_dir` (the jail's staging directory is not one).
 pub fn sessions(run_dir: &Path) -> Vec<String> {
-    let Ok(entries) = std::fs::read_dir(run_dir) else {
-        return Vec::new();
-    };
-    entries
-        .filter_map(|e| e.ok())
-        .filter_map(|e| e.file_name().into_string().ok())
-        .filter(|name| !name.starts_with('.'))
-        .collect()
+    names(run_dir, |name| !name.starts_with('.'))
 }
 
 /// The directories in `run_dir` of VMMs that were stopping (`.retired-…`).
 pub fn retired(run_dir: &Path) -> Vec<String> {
+    names(run_dir, |name| name.starts_with(super::RETIRED))
+}
+
+fn names(run_dir: &Path, keep: impl Fn(&str) -> bool) -> Vec<String> {
     let Ok(entries) = std::fs::read_dir(run_dir) else {
         return Vec::new();
     };
     entries
         .filter_map(|e| e.ok())
         .filter_map(|e| e.file_name().into_string().ok())
-        .filter(|name| name.starts_with(super::RETIRED))
+        .filter(|name| keep(name))
         .collect()
 }
 
