@@ -255,6 +255,38 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_rename_moves_every_hierarchy_or_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let cgroups = Cgroups::V1 {
+            memory: root.join("memory"),
+            cpu: Some(root.join("cpu")),
+            pids: Some(root.join("pids")),
+        };
+        for (_, d) in cgroups.dirs("s1") {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        cgroups.rename("s1", ".retired-s1-7").unwrap();
+        for ((_, old), (_, new)) in cgroups
+            .dirs("s1")
+            .into_iter()
+            .zip(cgroups.dirs(".retired-s1-7"))
+        {
+            assert!(!old.exists() && new.is_dir(), "{} moved", old.display());
+        }
+        // One hierarchy cannot take the new name: the others are put back.
+        for (_, d) in cgroups.dirs("s2") {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        std::fs::create_dir_all(root.join("pids/busy/child")).unwrap();
+        let err = cgroups.rename("s2", "busy").unwrap_err();
+        assert!(err.contains("pids"), "{err}");
+        for (_, d) in cgroups.dirs("s2") {
+            assert!(d.is_dir(), "{} is back", d.display());
+        }
+    }
+
+    #[test]
     fn v1_and_v2_layouts_are_recognised() {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path();
