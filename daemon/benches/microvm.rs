@@ -15,9 +15,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use agentvm_proto::v1::sessions_client::SessionsClient;
-use agentvm_proto::v1::{
-    CreateSessionRequest, DeleteSessionRequest, ForkRequest, Session, SuspendRequest,
-};
+use agentvm_proto::v1::{DeleteSessionRequest, ForkRequest, SuspendRequest};
 use serde_json::json;
 use tonic::transport::Channel;
 
@@ -55,18 +53,7 @@ fn vmm_binary() -> PathBuf {
 }
 
 async fn create(c: &mut SessionsClient<Channel>) -> String {
-    c.create_session(CreateSessionRequest {
-        session: Some(Session {
-            harness: "testguest".into(),
-            ..Default::default()
-        }),
-    })
-    .await
-    .unwrap()
-    .into_inner()
-    .metadata
-    .unwrap()
-    .uid
+    support::create_for(c, "testguest").await
 }
 
 /// One turn; returns (time to the first record, time to the end of the stream).

@@ -2,6 +2,8 @@
 //! kill -9 in the middle of a turn (every committed record survives; Exec with no inputs
 //! completes the turn after restart).
 
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -13,8 +15,8 @@ use agentvm_proto::v1::harness_registry_client::HarnessRegistryClient;
 use agentvm_proto::v1::sessions_client::SessionsClient;
 use agentvm_proto::v1::{
     CreateSessionRequest, EventKind, ExecRequest, GetSessionRequest, HarnessDescriptor,
-    HarnessSpec, Message, Part, RegisterHarnessRequest, RemotePlacement, ReplayRequest, Session,
-    TextPart, exec_update::Update, harness_spec::Placement, part,
+    HarnessSpec, Message, Part, RegisterHarnessRequest, RemotePlacement, Session, TextPart,
+    exec_update::Update, harness_spec::Placement, part,
 };
 use agentvmd::config::ListenAddr;
 use agentvmd::journal::verify::verify_chain;
@@ -152,25 +154,6 @@ fn text(t: &str) -> Message {
 }
 
 /// The session's whole log.
-async fn replay_all(
-    c: &mut SessionsClient<tonic::transport::Channel>,
-    uid: &str,
-) -> Vec<agentvm_proto::v1::LogRecord> {
-    let mut replay = c
-        .replay(ReplayRequest {
-            session: uid.into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let mut records = Vec::new();
-    while let Some(r) = replay.message().await.unwrap() {
-        records.push(r);
-    }
-    records
-}
-
 async fn sessions(d: &Daemon) -> SessionsClient<tonic::transport::Channel> {
     SessionsClient::new(
         agentvmd::client::connect(&ListenAddr::Unix(d.api.clone()))
@@ -253,7 +236,7 @@ async fn kill_9_during_a_turn_then_exec_without_inputs_completes_it() {
     drop(stream);
     let daemon = start_daemon(dir.path());
     let mut c = sessions(&daemon).await;
-    let after = replay_all(&mut c, &uid).await;
+    let after = support::replay(&mut c, &uid).await;
     assert_eq!(
         after, committed,
         "every committed record survived, byte for byte"
@@ -270,7 +253,7 @@ async fn kill_9_during_a_turn_then_exec_without_inputs_completes_it() {
         .unwrap()
         .into_inner();
     while stream.message().await.unwrap().is_some() {}
-    let all = replay_all(&mut c, &uid).await;
+    let all = support::replay(&mut c, &uid).await;
     let kinds: Vec<i32> = all.iter().map(|r| r.event.as_ref().unwrap().kind).collect();
     assert_eq!(
         kinds,
@@ -501,19 +484,7 @@ async fn a_grpcio_harness_that_reads_start_first_answers_the_turn() {
     let daemon = start_daemon(dir.path());
     let _harness = register_read_first_harness(dir.path(), &python, &stubs).await;
     let mut c = sessions(&daemon).await;
-    let uid = c
-        .create_session(CreateSessionRequest {
-            session: Some(Session {
-                harness: "py".into(),
-                ..Default::default()
-            }),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .metadata
-        .unwrap()
-        .uid;
+    let uid = support::create_for(&mut c, "py").await;
     let turn = async {
         let mut stream = c
             .exec(ExecRequest {
@@ -548,7 +519,7 @@ async fn a_grpcio_harness_that_reads_start_first_answers_the_turn() {
         .expect("the turn hung: the host waited for headers the harness sends only after Start");
     assert_eq!(said, "py:hello");
     assert_eq!(kinds.last(), Some(&EventKind::EventEnd), "{kinds:?}");
-    let records = replay_all(&mut c, &uid).await;
+    let records = support::replay(&mut c, &uid).await;
     verify_chain(&records).unwrap();
 }
 

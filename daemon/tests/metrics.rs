@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use agentvm_proto::v1::{CreateSessionRequest, ForkRequest, Session};
+use agentvm_proto::v1::ForkRequest;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 mod support;
@@ -57,19 +57,7 @@ async fn metrics_are_scraped_and_move_with_sessions_turns_and_forks() {
     assert_eq!(get(&before, "agentvm_build_info{version=\"0.1.0\"}"), 1.0);
 
     let mut c = node.c();
-    let uid = c
-        .create_session(CreateSessionRequest {
-            session: Some(Session {
-                harness: "echo".into(),
-                ..Default::default()
-            }),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .metadata
-        .unwrap()
-        .uid;
+    let uid = support::create_for(&mut c, "echo").await;
     let mut stream = c
         .exec(support::exec_text(uid.clone(), "hi"))
         .await

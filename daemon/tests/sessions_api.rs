@@ -70,20 +70,7 @@ impl TestNode {
     }
 
     async fn replay(&self, uid: &str) -> Vec<LogRecord> {
-        let mut s = self
-            .c()
-            .replay(ReplayRequest {
-                session: uid.into(),
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        let mut out = Vec::new();
-        while let Some(r) = s.message().await.unwrap() {
-            out.push(r);
-        }
-        out
+        support::replay(&mut self.c(), uid).await
     }
 }
 
