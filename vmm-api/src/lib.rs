@@ -21,6 +21,7 @@ pub use client::{ClientError, VmmClient};
 pub use config::{ConfigError, VmConfig};
 pub use error::ApiError;
 pub use server::{
-    ServerConfig, VmmBackend, bind_api_socket, serve, serve_with, serve_with_shutdown,
+    ServerConfig, VmmBackend, adopt_api_listener, bind_api_listener, bind_api_socket, serve,
+    serve_with, serve_with_shutdown,
 };
 pub use types::{VmCounters, VmInfo, VmState, VmmPingResponse};

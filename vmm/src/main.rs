@@ -28,6 +28,10 @@ struct Args {
     /// Serve the REST API on this unix socket (created with mode 0600).
     #[arg(long)]
     api_socket: Option<PathBuf>,
+    /// Serve the REST API on this inherited descriptor, a unix socket already listening at
+    /// --api-socket (bound by whoever started us, who also removes it).
+    #[arg(long, requires = "api_socket")]
+    api_fd: Option<i32>,
     /// Boot this kernel at once: ELF vmlinux (PVH or 64-bit entry) or bzImage.
     #[arg(long)]
     kernel: Option<PathBuf>,
@@ -95,6 +99,7 @@ fn run(args: Args, vmm: Arc<Vmm>) -> anyhow::Result<ExitCode> {
         "none" => None,
         dir => Some(PathBuf::from(dir)),
     });
+    let inherited = args.api_fd.map(inherited_listener).transpose()?;
     let one_shot = match args.kernel.clone() {
         Some(kernel) => Some(config_from_args(&args, kernel)?),
         None => None,
@@ -115,7 +120,7 @@ fn run(args: Args, vmm: Arc<Vmm>) -> anyhow::Result<ExitCode> {
             std::thread::Builder::new()
                 .name("api".into())
                 .spawn(move || {
-                    if let Err(e) = serve_api(&socket, api_vmm) {
+                    if let Err(e) = serve_api(&socket, inherited, api_vmm) {
                         tracing::error!(error = %e, "API server");
                     }
                 })
@@ -130,14 +135,38 @@ fn run(args: Args, vmm: Arc<Vmm>) -> anyhow::Result<ExitCode> {
         });
     }
     let socket = args.api_socket.clone().unwrap_or_default();
-    serve_api(&socket, vmm.clone())?;
+    serve_api(&socket, inherited, vmm.clone())?;
     // vmm.shutdown or a signal ended the API: nothing may outlive the process. Exiting now
     // leaves the KVM VM's teardown to the kernel, after the reply has gone out.
     let _ = vmm.delete();
     std::process::exit(0)
 }
 
-fn serve_api(socket: &std::path::Path, vmm: Arc<Vmm>) -> anyhow::Result<()> {
+/// The listening socket behind `--api-fd`, taken over by this process.
+fn inherited_listener(fd: i32) -> anyhow::Result<std::os::unix::net::UnixListener> {
+    use std::os::fd::FromRawFd;
+    anyhow::ensure!(fd > 2, "--api-fd {fd}: 0, 1 and 2 are stdin, stdout and stderr");
+    // SAFETY: F_GETFD only reads the descriptor table entry of `fd`.
+    if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+        anyhow::bail!(
+            "--api-fd {fd}: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    // SAFETY: `fd` is open (checked above) and was handed to this process for its API;
+    // nothing else in the process has taken it, and the listener is its one owner from here.
+    let owned = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    // Not passed on to anything this process might start.
+    // SAFETY: sets a flag on a descriptor this function owns.
+    unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+    Ok(std::os::unix::net::UnixListener::from(owned))
+}
+
+fn serve_api(
+    socket: &std::path::Path,
+    inherited: Option<std::os::unix::net::UnixListener>,
+    vmm: Arc<Vmm>,
+) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_io()
         .enable_time()
@@ -147,8 +176,13 @@ fn serve_api(socket: &std::path::Path, vmm: Arc<Vmm>) -> anyhow::Result<()> {
         .build()
         .context("starting the API runtime")?;
     runtime.block_on(async {
-        let listener = agentvm_vmm_api::bind_api_socket(socket)
-            .with_context(|| format!("binding the API socket {}", socket.display()))?;
+        let ours = inherited.is_none();
+        let listener = match inherited {
+            Some(listener) => agentvm_vmm_api::adopt_api_listener(listener)
+                .with_context(|| format!("serving on the API socket {}", socket.display()))?,
+            None => agentvm_vmm_api::bind_api_socket(socket)
+                .with_context(|| format!("binding the API socket {}", socket.display()))?,
+        };
         let stop = async {
             let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
                 .ok();
@@ -158,7 +192,9 @@ fn serve_api(socket: &std::path::Path, vmm: Arc<Vmm>) -> anyhow::Result<()> {
             }
         };
         let served = agentvm_vmm_api::serve_with_shutdown(listener, vmm, stop).await;
-        let _ = std::fs::remove_file(socket);
+        if ours {
+            let _ = std::fs::remove_file(socket);
+        }
         served.with_context(|| format!("serving the API on {}", socket.display()))
     })
 }

@@ -106,6 +106,8 @@ const API: &[libc::c_long] = &[
     libc::SYS_fsync,
     libc::SYS_ftruncate,
     libc::SYS_getdents64,
+    // Checking that an inherited API descriptor is a unix socket.
+    libc::SYS_getsockname,
     libc::SYS_getsockopt,
     libc::SYS_ioctl,
     libc::SYS_linkat,

@@ -28,7 +28,7 @@ use tokio::task::JoinSet;
 use tracing::{Instrument, debug, warn};
 
 pub use backend::VmmBackend;
-pub use socket::bind_api_socket;
+pub use socket::{adopt_api_listener, bind_api_listener, bind_api_socket};
 
 use request::Dispatcher;
 

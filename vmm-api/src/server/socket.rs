@@ -32,12 +32,33 @@ pub fn bind_api_socket(path: impl AsRef<Path>) -> io::Result<UnixListener> {
             path.display()
         )));
     }
-    remove_stale_socket(path)?;
-    let listener = bind_private(path)?;
+    let listener = bind_api_listener(path)?;
     listener
         .set_nonblocking(true)
         .and_then(|()| UnixListener::from_std(listener))
         .map_err(|e| with_path(e, "setting up", path))
+}
+
+/// [`bind_api_socket`] for a VMM started with its API socket already listening: whoever
+/// starts it binds here and hands the listener down, so a client may connect (and have its
+/// first request wait in the backlog) before the VMM has even begun to run.
+pub fn bind_api_listener(path: impl AsRef<Path>) -> io::Result<StdUnixListener> {
+    let path = path.as_ref();
+    remove_stale_socket(path)?;
+    bind_private(path)
+}
+
+/// Serves on a listener handed down by whoever started this process (see
+/// [`bind_api_listener`]). Refuses a descriptor that is not a unix socket.
+pub fn adopt_api_listener(listener: StdUnixListener) -> io::Result<UnixListener> {
+    listener.local_addr().map_err(|e| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("the inherited API descriptor is not a unix socket: {e}"),
+        )
+    })?;
+    listener.set_nonblocking(true)?;
+    UnixListener::from_std(listener)
 }
 
 fn remove_stale_socket(path: &Path) -> io::Result<()> {

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use super::MicrovmConfig;
 use super::cgroups::{Cgroups, Limits};
+use super::fast_moves::{self, FastMoves};
 use super::flavour::VmmFlavour;
 use super::jail::{self, Jail};
 use super::vmm_process::{self, VmmDir};
@@ -38,6 +39,8 @@ pub struct Confinement {
     jail: Option<JailBase>,
     cgroups: Option<Arc<Cgroups>>,
     limits: Limits,
+    /// Held while v1 cgroups are in use, so a new VMM's move into them is quick.
+    _fast_moves: Option<FastMoves>,
 }
 
 fn create(path: &Path) -> Result<(), String> {
@@ -60,6 +63,7 @@ impl Confinement {
             jail: None,
             cgroups: None,
             limits,
+            _fast_moves: None,
         };
         if !on {
             return Ok(this);
@@ -70,6 +74,15 @@ impl Confinement {
         }
         if let Cgroups::Unavailable(why) = &cgroups {
             tracing::warn!(%why, "VMMs run without cgroup limits");
+        }
+        if let Cgroups::V1 { .. } = &cgroups {
+            match fast_moves::favor(&config.run_dir) {
+                Ok(held) => this._fast_moves = Some(held),
+                Err(why) => tracing::warn!(
+                    %why,
+                    "cgroup moves wait for an RCU grace period: each VM start takes ~10 ms longer"
+                ),
+            }
         }
         this.cgroups = Some(Arc::new(cgroups));
         let uid_base = config.vm_uid_base;

@@ -44,20 +44,32 @@ impl VmmFlavour {
     }
 
     /// Arguments that start a VMM serving its API on `api`, with no VM yet.
-    pub fn args(self, api: &Path, ram_dir: &Path) -> Vec<OsString> {
+    pub fn args(self, api: &Path, ram_dir: &Path, api_fd: Option<i32>) -> Vec<OsString> {
         match self {
-            Self::Agentvm => vec![
-                "--api-socket".into(),
-                api.into(),
-                "--ram-dir".into(),
-                ram_dir.into(),
-            ],
+            Self::Agentvm => {
+                let mut args: Vec<OsString> = vec![
+                    "--api-socket".into(),
+                    api.into(),
+                    "--ram-dir".into(),
+                    ram_dir.into(),
+                ];
+                if let Some(fd) = api_fd {
+                    args.extend(["--api-fd".into(), fd.to_string().into()]);
+                }
+                args
+            }
             Self::CloudHypervisor => {
                 let mut socket = OsString::from("path=");
                 socket.push(api);
                 vec!["--api-socket".into(), socket]
             }
         }
+    }
+
+    /// Whether the VMM serves its API on a listening socket handed down to it (`args`'
+    /// `api_fd`), bound by agentvmd before the VMM runs.
+    pub fn takes_api_listener(self) -> bool {
+        self == Self::Agentvm
     }
 
     /// Whether `arg`, one argument of a running process, is how this VMM was told to serve
@@ -362,7 +374,8 @@ mod tests {
     fn start_arguments_and_the_liveness_check_agree() {
         let api = Path::new("/run/vms/s1/api.sock");
         for flavour in [VmmFlavour::Agentvm, VmmFlavour::CloudHypervisor] {
-            let args = flavour.args(api, Path::new("/dev/shm"));
+            let fd = flavour.takes_api_listener().then_some(3);
+            let args = flavour.args(api, Path::new("/dev/shm"), fd);
             assert_eq!(args[0], "--api-socket");
             assert!(
                 args.iter()
@@ -372,12 +385,14 @@ mod tests {
             assert!(!flavour.names_api_socket(b"/run/vms/s2/api.sock", api));
         }
         assert_eq!(
-            VmmFlavour::CloudHypervisor.args(api, Path::new("/dev/shm")),
+            VmmFlavour::CloudHypervisor.args(api, Path::new("/dev/shm"), None),
             vec![
                 OsString::from("--api-socket"),
                 OsString::from("path=/run/vms/s1/api.sock")
             ]
         );
+        let handed_down = VmmFlavour::Agentvm.args(api, Path::new("/dev/shm"), Some(3));
+        assert_eq!(&handed_down[4..], ["--api-fd", "3"]);
         assert!(VmmFlavour::Agentvm.cow_fork());
         assert!(!VmmFlavour::CloudHypervisor.cow_fork());
         assert_eq!(

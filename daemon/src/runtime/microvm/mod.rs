@@ -14,6 +14,7 @@ pub mod bundles;
 pub mod cgroups;
 mod confinement;
 pub mod exit_watch;
+mod fast_moves;
 pub mod flavour;
 pub mod guest;
 pub mod jail;

@@ -5,6 +5,7 @@
 //! A VMM runs in its own process group and does not die with the daemon: a restarted
 //! agentvmd finds it again by its API socket (see `MicrovmRuntime::attach`).
 
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -129,15 +130,31 @@ pub async fn spawn(
 ) -> Result<Spawned, String> {
     let log = std::fs::File::create(dir.log())
         .map_err(|e| format!("creating {}: {e}", dir.log().display()))?;
+    // Bound here and handed down where the VMM can take it: the first request below then
+    // waits in the backlog until the VMM serves, instead of polling for the socket.
+    let listener = match dir.flavour.takes_api_listener() {
+        true => Some(
+            agentvm_vmm_api::bind_api_listener(dir.api())
+                .map_err(|e| format!("binding the VMM's API socket: {e}"))?,
+        ),
+        false => None,
+    };
     // Its own process group (a signal for the daemon is not one for its VMs), no handle:
     // the exit watch reaps it through its pidfd.
     let pid = super::jail::spawn(&super::jail::Command {
         binary,
-        args: &dir.flavour.args(&dir.api(), &dir.ram),
+        args: &dir.flavour.args(
+            &dir.api(),
+            &dir.ram,
+            listener.as_ref().map(|_| super::jail::INHERITED_FD),
+        ),
         env: &[("AGENTVM_VMM_LOG", "warn")],
         output: &log,
         jail,
+        listener: listener.as_ref().map(|l| l.as_fd()),
     })?;
+    // The VMM's now; a copy here would keep connections queueing after it died.
+    drop(listener);
     let _ = std::fs::write(dir.pid_file(), pid.to_string());
     watch.watch(dir.clone(), pid);
     let confined = Confinement(tokio::task::spawn_blocking(move || {

@@ -18,7 +18,7 @@ use std::fs::File;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
-pub use self::spawn::{Command, spawn};
+pub use self::spawn::{Command, INHERITED_FD, spawn};
 use self::step::{Step, cpath, cstring};
 
 /// What a jailed VMM may see and who it runs as.
@@ -224,6 +224,14 @@ mod tests {
     /// Runs `script` under /bin/sh in a jail showing it `writable` and `readable`; returns
     /// its exit status and output.
     fn run_jailed(jail: &mut Jail, script: &str) -> (i32, String) {
+        run_jailed_with(jail, script, None)
+    }
+
+    fn run_jailed_with(
+        jail: &mut Jail,
+        script: &str,
+        listener: Option<std::os::fd::BorrowedFd>,
+    ) -> (i32, String) {
         let dir = tempfile::tempdir().unwrap();
         let out_path = dir.path().join("out");
         let output = File::create(&out_path).unwrap();
@@ -239,6 +247,7 @@ mod tests {
             env: &[("PATH", "/usr/bin:/bin")],
             output: &output,
             jail: Some(jail),
+            listener,
         })
         .unwrap();
         let mut status = 0;
@@ -355,6 +364,7 @@ mod tests {
             env: &[],
             output: &output,
             jail: Some(&jail),
+            listener: None,
         })
         .unwrap_err();
         assert!(err.contains("/nonexistent/agentvm-file"), "{err}");
@@ -366,8 +376,38 @@ mod tests {
             env: &[],
             output: &output,
             jail: Some(&jail),
+            listener: None,
         })
         .unwrap_err();
         assert!(err.contains("failed at exec"), "{err}");
+    }
+
+    #[test]
+    fn a_listener_handed_down_is_descriptor_3_and_nothing_else_is() {
+        if !root() {
+            return;
+        }
+        let host = tempfile::tempdir().unwrap();
+        let socket = host.path().join("api.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let mut jail = Jail {
+            uid: 0x7000_fff2,
+            gid: 0x7000_fff2,
+            ..Default::default()
+        };
+        let script = "readlink /proc/self/fd/3; readlink /proc/self/fd/4 || echo no-fd-4;                       readlink /proc/self/fd/5 || echo no-fd-5";
+        use std::os::fd::AsFd;
+        let (status, out) = run_jailed_with(&mut jail, script, Some(listener.as_fd()));
+        assert_eq!(status, 0, "{out}");
+        let lines: Vec<&str> = out.lines().collect();
+        assert!(lines[0].starts_with("socket:["), "{out}");
+        // The listener's inode: the same socket, not a copy of some other descriptor.
+        let ours = std::fs::read_link(format!(
+            "/proc/self/fd/{}",
+            std::os::fd::AsRawFd::as_raw_fd(&listener)
+        ))
+        .unwrap();
+        assert_eq!(lines[0], ours.to_str().unwrap(), "{out}");
+        assert!(lines.contains(&"no-fd-4") && lines.contains(&"no-fd-5"), "{out}");
     }
 }

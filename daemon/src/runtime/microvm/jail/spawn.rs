@@ -3,7 +3,7 @@
 
 use std::ffi::{CString, OsString};
 use std::fs::File;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
@@ -19,7 +19,12 @@ pub struct Command<'a> {
     pub output: &'a File,
     /// Confined when set; otherwise only detached into its own process group.
     pub jail: Option<&'a Jail>,
+    /// Handed down as descriptor [`INHERITED_FD`]: a listening socket the program serves on.
+    pub listener: Option<BorrowedFd<'a>>,
 }
+
+/// The descriptor number a [`Command`]'s `listener` has in the program.
+pub const INHERITED_FD: RawFd = 3;
 
 fn pipe() -> Result<(OwnedFd, OwnedFd), String> {
     let mut fds = [0; 2];
@@ -29,6 +34,20 @@ fn pipe() -> Result<(OwnedFd, OwnedFd), String> {
     }
     // SAFETY: pipe2 just created both descriptors and nothing else owns them.
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// A close-on-exec duplicate of `fd` numbered `min` or above.
+fn above(fd: BorrowedFd, min: RawFd) -> Result<OwnedFd, String> {
+    // SAFETY: F_DUPFD_CLOEXEC makes a new descriptor and touches nothing else.
+    let dup = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, min) };
+    if dup < 0 {
+        return Err(format!(
+            "duplicating the listening socket: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    // SAFETY: fcntl just created `dup` and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(dup) })
 }
 
 /// Starts `command`; returns its pid once it has exec'd (or why it could not).
@@ -61,6 +80,18 @@ pub fn spawn(command: &Command) -> Result<u32, String> {
             onto: 2,
         },
     ];
+    // Numbered above INHERITED_FD, so its dup2 onto that number is never a no-op that would
+    // leave it close-on-exec.
+    let listener = command
+        .listener
+        .map(|fd| above(fd, INHERITED_FD + 1))
+        .transpose()?;
+    if let Some(listener) = &listener {
+        steps.push(Step::Dup2 {
+            fd: listener.as_raw_fd(),
+            onto: INHERITED_FD,
+        });
+    }
     let mut flags = 0u64;
     if let Some(jail) = command.jail {
         steps.extend(jail_steps(jail)?);
@@ -70,7 +101,12 @@ pub fn spawn(command: &Command) -> Result<u32, String> {
             | libc::CLONE_NEWIPC
             | libc::CLONE_NEWUTS) as u64;
     }
-    steps.push(Step::CloseInherited);
+    steps.push(Step::CloseInherited {
+        first: match listener {
+            Some(_) => INHERITED_FD as u32 + 1,
+            None => INHERITED_FD as u32,
+        },
+    });
 
     let argv0 = cpath(command.binary)?;
     let args: Vec<CString> = std::iter::once(Ok(argv0))

@@ -60,7 +60,10 @@ pub(super) enum Step {
         gid: u32,
     },
     NoNewPrivileges,
-    CloseInherited,
+    /// Marks close-on-exec every descriptor from `first` up.
+    CloseInherited {
+        first: u32,
+    },
 }
 
 pub(super) fn cstring(bytes: &[u8]) -> Result<CString, String> {
@@ -190,9 +193,9 @@ impl Step {
                 Step::NoNewPrivileges => {
                     check(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0).into())
                 }
-                Step::CloseInherited => check(libc::syscall(
+                Step::CloseInherited { first } => check(libc::syscall(
                     libc::SYS_close_range,
-                    3u32,
+                    *first,
                     u32::MAX,
                     libc::CLOSE_RANGE_CLOEXEC,
                 )),
