@@ -3,6 +3,7 @@
 //!
 //! `cargo bench -p agentvmd --bench journal`
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use agentvm_proto::v1::{
@@ -52,6 +53,46 @@ fn append_rate(dir: &tempfile::TempDir, run: usize, total: usize, batch: usize) 
     total as f64 / start.elapsed().as_secs_f64()
 }
 
+/// `sessions` threads each append `per_session` records to a session of their own, one
+/// record per call, each call durable when it returns; records per second over all of them.
+fn concurrent_rate(
+    dir: &tempfile::TempDir,
+    run: usize,
+    sessions: usize,
+    per_session: usize,
+) -> f64 {
+    let j = Arc::new(fresh(
+        dir,
+        &format!("concurrent-{sessions}-{run}.db"),
+        Durability::Full,
+    ));
+    for s in 0..sessions {
+        j.create_session(&SessionRow {
+            uid: format!("c{s}"),
+            project: "bench".into(),
+            compute_state: ComputeState::ComputeNone,
+            ..Default::default()
+        })
+        .unwrap();
+    }
+    let start = Instant::now();
+    let threads: Vec<_> = (0..sessions)
+        .map(|s| {
+            let j = Arc::clone(&j);
+            std::thread::spawn(move || {
+                let uid = format!("c{s}");
+                for n in 0..per_session {
+                    j.append(&uid, n as i64, 0, &[event(n)]).unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    (sessions * per_session) as f64 / start.elapsed().as_secs_f64()
+}
+
 fn summary(name: &str, unit: &str, mut xs: Vec<f64>) {
     xs.sort_by(|a, b| a.partial_cmp(b).unwrap());
     println!(
@@ -79,6 +120,17 @@ fn main() {
             &format!("append, group commit ({batch}/txn)"),
             "records/s",
             grouped,
+        );
+    }
+
+    for sessions in [16, 64] {
+        let rates: Vec<f64> = (0..runs)
+            .map(|r| concurrent_rate(&dir, r, sessions, 100))
+            .collect();
+        summary(
+            &format!("append, {sessions} sessions at once (1/call)"),
+            "records/s",
+            rates,
         );
     }
 

@@ -145,13 +145,13 @@ fn run(args: Args, vmm: Arc<Vmm>) -> anyhow::Result<ExitCode> {
 /// The listening socket behind `--api-fd`, taken over by this process.
 fn inherited_listener(fd: i32) -> anyhow::Result<std::os::unix::net::UnixListener> {
     use std::os::fd::FromRawFd;
-    anyhow::ensure!(fd > 2, "--api-fd {fd}: 0, 1 and 2 are stdin, stdout and stderr");
+    anyhow::ensure!(
+        fd > 2,
+        "--api-fd {fd}: 0, 1 and 2 are stdin, stdout and stderr"
+    );
     // SAFETY: F_GETFD only reads the descriptor table entry of `fd`.
     if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
-        anyhow::bail!(
-            "--api-fd {fd}: {}",
-            std::io::Error::last_os_error()
-        );
+        anyhow::bail!("--api-fd {fd}: {}", std::io::Error::last_os_error());
     }
     // SAFETY: `fd` is open (checked above) and was handed to this process for its API;
     // nothing else in the process has taken it, and the listener is its one owner from here.

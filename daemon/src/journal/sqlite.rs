@@ -3,7 +3,8 @@
 //! The `events` table keeps upstream's column names and stores each event as proto binary,
 //! so upstream's own chain verifier can read our database as it reads theirs.
 //! Writes go through one connection (sqlite has one writer at a time anyway); reads use a
-//! second connection so a long Replay never waits behind an append.
+//! second connection so a long Replay never waits behind an append. Appends of concurrent
+//! sessions share commits (`group_commit`).
 
 use std::path::Path;
 use std::sync::Mutex;
@@ -18,6 +19,9 @@ use super::{
     project_compute_state,
 };
 use crate::clock::now_nanos;
+use group_commit::GroupCommit;
+
+mod group_commit;
 
 /// Stamped in `PRAGMA user_version`; a database with a higher stamp is refused.
 /// 2 added `operations` (lifecycle intents); a version 1 database gains it on open.
@@ -76,6 +80,7 @@ pub enum Durability {
 pub struct SqliteJournal {
     writer: Mutex<Connection>,
     reader: Mutex<Connection>,
+    appends: GroupCommit,
 }
 
 fn storage(context: impl Into<String>) -> impl FnOnce(rusqlite::Error) -> JournalError {
@@ -122,6 +127,7 @@ impl SqliteJournal {
         Ok(Self {
             writer: Mutex::new(writer),
             reader: Mutex::new(reader),
+            appends: GroupCommit::default(),
         })
     }
 
@@ -513,16 +519,9 @@ impl Journal for SqliteJournal {
         events: &[Event],
     ) -> Result<Vec<LogRecord>> {
         let started = std::time::Instant::now();
-        let result = (|| -> Result<Vec<LogRecord>> {
-            let mut conn = self.writer();
-            let tx = conn
-                .transaction_with_behavior(TransactionBehavior::Immediate)
-                .map_err(storage(format!("begin append to {uid}")))?;
-            let records = append_events(&tx, uid, expected_last_seq, fence, events)?;
-            tx.commit()
-                .map_err(storage(format!("commit append to {uid}")))?;
-            Ok(records)
-        })();
+        let result = self
+            .appends
+            .append(|| self.writer(), uid, expected_last_seq, fence, events);
         if result.is_ok() {
             crate::metrics::global()
                 .journal_append

@@ -144,21 +144,9 @@ fn failed_batch_appends_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let j = open(&dir);
     j.create_session(&session("s", "p", 1)).unwrap();
-    // A struct value that is not representable in JSON (NaN) fails canonicalization midway.
-    let mut bad = input("x");
-    bad.body = Some(Body::Tool(agentvm_proto::v1::ToolCall {
-        id: "c".into(),
-        args: Some(prost_types::Struct {
-            fields: BTreeMap::from([(
-                "n".to_owned(),
-                prost_types::Value {
-                    kind: Some(prost_types::value::Kind::NumberValue(f64::NAN)),
-                },
-            )]),
-        }),
-        ..Default::default()
-    }));
-    let err = j.append("s", 0, 0, &[input("ok"), bad]).unwrap_err();
+    let err = j
+        .append("s", 0, 0, &[input("ok"), uncanonical()])
+        .unwrap_err();
     assert!(matches!(err, JournalError::Canon { .. }), "{err}");
     assert!(j.read("s", 0, 0).unwrap().is_empty());
     assert_eq!(j.get_session("s").unwrap().unwrap().last_seq, 0);
@@ -240,6 +228,130 @@ fn concurrent_appenders_never_gap_or_fork_the_chain() {
     let all = j.read("s", 0, 0).unwrap();
     assert_eq!(all.len(), 100);
     assert_eq!(verify_chain(&all), Ok(100));
+}
+
+/// A NaN in a tool call's arguments cannot be canonicalized: the append fails midway.
+fn uncanonical() -> Event {
+    let mut bad = input("x");
+    bad.body = Some(Body::Tool(agentvm_proto::v1::ToolCall {
+        id: "c".into(),
+        args: Some(prost_types::Struct {
+            fields: BTreeMap::from([(
+                "n".to_owned(),
+                prost_types::Value {
+                    kind: Some(prost_types::value::Kind::NumberValue(f64::NAN)),
+                },
+            )]),
+        }),
+        ..Default::default()
+    }));
+    bad
+}
+
+#[test]
+fn one_commit_answers_each_append_of_a_batch_on_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let j = open(&dir);
+    for uid in ["a", "b", "c"] {
+        j.create_session(&session(uid, "p", 1)).unwrap();
+    }
+    j.append("c", 0, 0, &[input("c1")]).unwrap();
+    j.new_fence("c").unwrap();
+    let answers = group_commit::commit_for_test(
+        &mut j.writer(),
+        vec![
+            ("a", 0, 0, vec![input("a1"), input("a2")]),
+            // Stale head: refused, nothing of it written.
+            ("b", 5, 0, vec![input("b-stale")]),
+            // Fails after its first record went in: rolled back to its savepoint alone.
+            ("b", 0, 0, vec![input("b-half"), uncanonical()]),
+            ("b", 0, 0, vec![input("b1")]),
+            // Sees the append before it in the same batch.
+            ("a", 2, 0, vec![input("a3")]),
+            // Superseded fence.
+            ("c", 1, 0, vec![input("c-fenced")]),
+            ("missing", 0, 0, vec![input("x")]),
+        ],
+    );
+    let kinds: Vec<String> = answers
+        .iter()
+        .map(|a| match a {
+            Ok(records) => format!("ok {}", records.len()),
+            Err(JournalError::Conflict { .. }) => "conflict".into(),
+            Err(JournalError::Canon { .. }) => "canon".into(),
+            Err(JournalError::Fenced { .. }) => "fenced".into(),
+            Err(JournalError::NotFound(_)) => "not found".into(),
+            Err(e) => format!("other: {e}"),
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            "ok 2",
+            "conflict",
+            "canon",
+            "ok 1",
+            "ok 1",
+            "fenced",
+            "not found"
+        ]
+    );
+    let texts = |uid: &str| -> Vec<String> {
+        j.read(uid, 0, 0)
+            .unwrap()
+            .iter()
+            .map(|r| match &r.event.as_ref().unwrap().body {
+                Some(Body::Message(m)) => match &m.parts[0].part {
+                    Some(part::Part::Text(t)) => t.text.clone(),
+                    _ => String::new(),
+                },
+                _ => String::new(),
+            })
+            .collect()
+    };
+    assert_eq!(texts("a"), ["a1", "a2", "a3"]);
+    assert_eq!(texts("b"), ["b1"]);
+    assert_eq!(texts("c"), ["c1"]);
+    for uid in ["a", "b", "c"] {
+        let all = j.read(uid, 0, 0).unwrap();
+        assert_eq!(verify_chain(&all), Ok(all.len() as i64), "{uid}");
+        assert_eq!(
+            j.get_session(uid).unwrap().unwrap().last_seq,
+            all.len() as i64
+        );
+    }
+}
+
+#[test]
+fn concurrent_sessions_share_commits_and_each_chain_stays_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let j = Arc::new(open(&dir));
+    let sessions = 8;
+    for s in 0..sessions {
+        j.create_session(&session(&format!("s{s}"), "p", 1))
+            .unwrap();
+    }
+    let threads: Vec<_> = (0..sessions)
+        .map(|s| {
+            let j = Arc::clone(&j);
+            std::thread::spawn(move || {
+                let uid = format!("s{s}");
+                for n in 0..40 {
+                    let records = j
+                        .append(&uid, n, 0, &[input(&format!("{uid}-{n}"))])
+                        .unwrap();
+                    assert_eq!(records[0].seq, n + 1);
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    for s in 0..sessions {
+        let all = j.read(&format!("s{s}"), 0, 0).unwrap();
+        assert_eq!(verify_chain(&all), Ok(40));
+    }
 }
 
 #[test]

@@ -408,6 +408,9 @@ mod tests {
         ))
         .unwrap();
         assert_eq!(lines[0], ours.to_str().unwrap(), "{out}");
-        assert!(lines.contains(&"no-fd-4") && lines.contains(&"no-fd-5"), "{out}");
+        assert!(
+            lines.contains(&"no-fd-4") && lines.contains(&"no-fd-5"),
+            "{out}"
+        );
     }
 }
