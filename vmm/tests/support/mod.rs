@@ -475,13 +475,18 @@ pub fn idle_holdings(pid: u32) -> Holdings {
     holdings(pid)
 }
 
-/// Waits for a process to hold no more than `baseline` again (see [`Holdings`]).
+/// Waits for a process to hold no more than `baseline` again (see [`Holdings`]) and to have
+/// no VM thread left (a VM's exit watcher ends on its own, just after the VM does).
 pub fn settles_to(pid: u32, baseline: &Holdings) -> Result<(), String> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let now = holdings(pid);
         let preparing = thread_names(pid).iter().any(|n| n == "vm-prepare");
-        if !preparing && now.files == baseline.files && now.sockets <= baseline.sockets {
+        if !preparing
+            && vm_threads(pid).is_empty()
+            && now.files == baseline.files
+            && now.sockets <= baseline.sockets
+        {
             return Ok(());
         }
         if Instant::now() >= deadline {
