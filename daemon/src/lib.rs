@@ -20,5 +20,6 @@ pub mod server;
 pub mod session;
 pub mod settings;
 pub mod systemd;
+pub mod testing;
 pub mod toml_file;
 pub mod tool_webhook;

@@ -15,6 +15,7 @@ use crate::controller::Controller;
 use crate::controller::tools::ToolExecutor;
 use crate::disk::DiskReserve;
 use crate::journal::Journal;
+use crate::journal::postgres::PostgresJournal;
 use crate::journal::sqlite::{Durability, SqliteJournal};
 use crate::metrics::exposition::NodeState;
 use crate::metrics::server::StateFn;
@@ -35,6 +36,11 @@ pub const PROCESS_HARNESSES: [&str; 3] = ["chat", "counter", "echo"];
 
 pub struct NodeConfig {
     pub state_dir: PathBuf,
+    /// A PostgreSQL journal shared by a fleet; `None`: the embedded sqlite journal in
+    /// `state_dir`.
+    pub journal_url: Option<String>,
+    /// This node's name in the fleet.
+    pub node_name: String,
     /// Program and leading arguments that serve a built-in harness; `NAME --listen unix:PATH`
     /// follow. Default: the `agentvm` binary beside this one, `harness serve`.
     pub harness_command: Vec<String>,
@@ -71,6 +77,15 @@ pub struct NodeConfig {
     pub min_free_disk_mib: u64,
 }
 
+/// The host's name, the default name of its node.
+pub fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|name| name.trim().to_owned())
+        .ok()
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| "localhost".to_owned())
+}
+
 /// Ready within this, or the guest is taken for stuck: a Linux guest boots in well under a
 /// second on hardware KVM, so this leaves room for a loaded node.
 pub const DEFAULT_GUEST_READY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
@@ -79,6 +94,8 @@ impl NodeConfig {
     pub fn new(state_dir: PathBuf) -> Self {
         Self {
             state_dir,
+            journal_url: None,
+            node_name: host_name(),
             harness_command: default_harness_command(),
             durability: Durability::Full,
             openai: None,
@@ -201,7 +218,7 @@ pub fn default_harness_command() -> Vec<String> {
 }
 
 pub struct Node {
-    pub journal: Arc<SqliteJournal>,
+    pub journal: Arc<dyn Journal>,
     pub registry: Arc<Registry>,
     pub host: Arc<SessionHost>,
     pub microvm: Option<Arc<MicrovmRuntime>>,
@@ -215,10 +232,20 @@ impl Node {
         std::fs::create_dir_all(&cfg.state_dir)
             .with_context(|| format!("creating state directory {}", cfg.state_dir.display()))?;
         let journal_path = config::journal_path(&cfg.state_dir);
-        let journal = Arc::new(
-            SqliteJournal::open(&journal_path, cfg.durability)
-                .with_context(|| format!("opening journal {}", journal_path.display()))?,
-        );
+        let journal: Arc<dyn Journal> = match &cfg.journal_url {
+            Some(url) => Arc::new(PostgresJournal::connect(url, &cfg.node_name).with_context(
+                || {
+                    format!(
+                        "opening the journal at {}",
+                        crate::settings::without_password(url)
+                    )
+                },
+            )?),
+            None => Arc::new(
+                SqliteJournal::open(&journal_path, cfg.durability)
+                    .with_context(|| format!("opening journal {}", journal_path.display()))?,
+            ),
+        };
         let process: Arc<dyn Runtime> = Arc::new(ProcessRuntime::new(
             cfg.harness_command.clone(),
             cfg.state_dir.join("harnesses"),

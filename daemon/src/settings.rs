@@ -70,6 +70,15 @@ pub struct Settings {
     /// $XDG_STATE_HOME/agentvm otherwise.
     #[arg(long)]
     pub state_dir: Option<PathBuf>,
+    /// The journal every node of a fleet shares: a PostgreSQL URL
+    /// (`postgres://USER:PASSWORD@HOST/DB`, or `postgresql:///DB?host=/run/postgresql` over a
+    /// unix socket). Default: the embedded sqlite journal, STATE_DIR/journal.db.
+    #[arg(long)]
+    pub journal_url: Option<String>,
+    /// This node's name in the fleet (what its intents and, later, its leases are recorded
+    /// under). Default: the host name.
+    #[arg(long)]
+    pub node_name: Option<String>,
     /// Listener, `unix:PATH` or `HOST:PORT` (loopback). Default: unix:/run/agentvm/agentvmd.sock.
     #[arg(long)]
     #[serde(default, deserialize_with = "parsed")]
@@ -210,6 +219,8 @@ impl Settings {
             cli,
             file,
             state_dir,
+            journal_url,
+            node_name,
             listen,
             admin_listen,
             metrics_listen,
@@ -249,6 +260,11 @@ impl Settings {
         };
         let path = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
         put("state_dir", path(&self.state_dir));
+        put(
+            "journal_url",
+            self.journal_url.as_deref().map(without_password),
+        );
+        put("node_name", self.node_name.clone());
         put("listen", self.listen.as_ref().map(|l| l.to_string()));
         put(
             "admin_listen",
@@ -312,10 +328,65 @@ impl Settings {
     }
 }
 
+/// A database URL fit to print: its password, if any, replaced by `***`.
+pub fn without_password(url: &str) -> String {
+    let hidden = |s: &str| -> String {
+        // `user:password@host` in the URL's authority.
+        let (scheme, rest) = s.split_once("://").unwrap_or(("", s));
+        let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+        let (authority, tail) = rest.split_at(authority_end);
+        let authority = match authority.rsplit_once('@') {
+            Some((userinfo, host)) => match userinfo.split_once(':') {
+                Some((user, _)) => format!("{user}:***@{host}"),
+                None => format!("{userinfo}@{host}"),
+            },
+            None => authority.to_owned(),
+        };
+        match scheme {
+            "" => format!("{authority}{tail}"),
+            scheme => format!("{scheme}://{authority}{tail}"),
+        }
+    };
+    // `password=...` as a query parameter or a key=value connection string.
+    let mut out = hidden(url);
+    if let Some(at) = out.find("password=") {
+        let value = at + "password=".len();
+        let end = out[value..]
+            .find(['&', ' '])
+            .map_or(out.len(), |n| value + n);
+        out.replace_range(value..end, "***");
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn printed_journal_urls_keep_their_password_to_themselves() {
+        for (url, shown) in [
+            (
+                "postgres://agentvm:s3cret@db.example:5432/agentvm",
+                "postgres://agentvm:***@db.example:5432/agentvm",
+            ),
+            (
+                "postgresql:///agentvm?host=/run/postgresql&password=s3cret&user=a",
+                "postgresql:///agentvm?host=/run/postgresql&password=***&user=a",
+            ),
+            (
+                "host=/run/postgresql user=a password=s3cret dbname=x",
+                "host=/run/postgresql user=a password=*** dbname=x",
+            ),
+            (
+                "postgres://agentvm@db/agentvm",
+                "postgres://agentvm@db/agentvm",
+            ),
+        ] {
+            assert_eq!(without_password(url), shown);
+        }
+    }
 
     fn file(text: &str) -> Result<Settings, SettingsError> {
         crate::toml_file::load_written("agentvmd.toml", text, Settings::from_file)

@@ -994,7 +994,7 @@ struct ToolRequest {
 /// An operator's tool endpoint: `add` answers x+2, `fail` answers HTTP 500.
 async fn tool_endpoint(
     listener: tokio::net::TcpListener,
-    journal: Arc<agentvmd::journal::sqlite::SqliteJournal>,
+    journal: Arc<dyn Journal>,
     seen: Arc<std::sync::Mutex<Vec<ToolRequest>>>,
 ) {
     use http_body_util::{BodyExt, Full};

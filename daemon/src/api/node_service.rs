@@ -8,7 +8,6 @@ use agentvm_proto::v1::ComputeState;
 use tonic::{Request, Response, Status};
 
 use crate::journal::Journal;
-use crate::journal::sqlite::SqliteJournal;
 use crate::registry::{Entry, Registry, entry_name};
 use crate::runtime::microvm::MicrovmRuntime;
 
@@ -83,7 +82,7 @@ fn meminfo() -> (u64, u64) {
 
 pub struct NodeService {
     pub facts: NodeFacts,
-    pub journal: Arc<SqliteJournal>,
+    pub journal: Arc<dyn Journal>,
     pub registry: Arc<Registry>,
     pub microvm: Option<Arc<MicrovmRuntime>>,
     pub disk: crate::disk::DiskReserve,

@@ -18,7 +18,10 @@ pub fn journal_status(err: &JournalError) -> Status {
         JournalError::AlreadyExists(_) => Code::AlreadyExists,
         JournalError::Canon { .. } => Code::InvalidArgument,
         JournalError::CorruptRecord { .. } => Code::DataLoss,
-        JournalError::SchemaTooNew { .. } | JournalError::Storage { .. } => Code::Internal,
+        JournalError::Unavailable { .. } => Code::Unavailable,
+        JournalError::SchemaTooNew { .. }
+        | JournalError::Storage { .. }
+        | JournalError::Postgres { .. } => Code::Internal,
     };
     Status::new(code, err.to_string())
 }

@@ -66,6 +66,14 @@ fn node_config(s: &Settings) -> anyhow::Result<(NodeConfig, ListenAddr, ListenAd
         .clone()
         .unwrap_or_else(|| config::default_admin_listen(&listen));
     let mut node_config = NodeConfig::new(state_dir);
+    node_config.journal_url = s.journal_url.clone();
+    if let Some(name) = &s.node_name {
+        anyhow::ensure!(
+            !name.is_empty() && !name.chars().any(char::is_whitespace),
+            "node_name: {name:?} must be non-empty, without spaces"
+        );
+        node_config.node_name = name.clone();
+    }
     if let Some(bin) = &s.harness_bin {
         node_config.harness_command =
             vec![bin.display().to_string(), "harness".into(), "serve".into()];

@@ -1,11 +1,14 @@
 //! The durable journal: session metadata and each session's hash-chained event log.
 //!
 //! [`Journal`] is the interface every other part of the daemon uses; [`sqlite::SqliteJournal`]
-//! is the embedded backend. A PostgreSQL backend implements the same trait, so nothing above
-//! this module may assume the journal lives on this node.
+//! is the embedded backend and [`postgres::PostgresJournal`] the one a fleet of nodes shares,
+//! so nothing above this module may assume the journal lives on this node.
 
+pub mod postgres;
 pub mod records_json;
 pub mod sqlite;
+#[cfg(test)]
+mod suite;
 pub mod verify;
 
 use std::collections::BTreeMap;
@@ -158,14 +161,30 @@ pub enum JournalError {
         #[source]
         source: rusqlite::Error,
     },
+    #[error("journal database ({context}): {source}")]
+    Postgres {
+        context: String,
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// The journal's database could not be reached (or its connection pool gave up).
+    #[error("journal database unreachable ({context}): {reason}")]
+    Unavailable { context: String, reason: String },
 }
 
 impl JournalError {
     /// The database could not grow (SQLITE_FULL): nothing was written.
     pub fn is_disk_full(&self) -> bool {
-        matches!(self, JournalError::Storage {
-            source: rusqlite::Error::SqliteFailure(e, _), ..
-        } if e.code == rusqlite::ErrorCode::DiskFull)
+        match self {
+            JournalError::Storage {
+                source: rusqlite::Error::SqliteFailure(e, _),
+                ..
+            } => e.code == rusqlite::ErrorCode::DiskFull,
+            JournalError::Postgres { source, .. } => {
+                source.code() == Some(&tokio_postgres::error::SqlState::DISK_FULL)
+            }
+            _ => false,
+        }
     }
 
     /// Conflicts and fencing are the caller's cue to re-read and retry.
@@ -196,7 +215,8 @@ pub trait Journal: Send + Sync {
         limit: usize,
     ) -> Result<Vec<SessionRow>>;
 
-    /// Mints the next fence for the session (first value 1), superseding every lower holder.
+    /// Mints the next fence for the session (first value 1), superseding every lower holder;
+    /// this node holds the session from here on.
     fn new_fence(&self, uid: &str) -> Result<i64>;
 
     /// Appends `events` as consecutive records in one durable transaction (group commit):
@@ -230,10 +250,12 @@ pub trait Journal: Send + Sync {
 
     fn set_deletion(&self, uid: &str, state: DeletionState) -> Result<()>;
 
-    /// Active sessions whose stored compute state is `state`.
+    /// Active sessions whose stored compute state is `state`, of those this node holds (in a
+    /// journal shared by a fleet: the ones it created or last minted a fence for).
     fn sessions_in_state(&self, state: ComputeState) -> Result<Vec<String>>;
 
-    /// Active sessions by their stored compute state (for metrics and node status).
+    /// Active sessions this node holds by their stored compute state (for metrics and node
+    /// status).
     fn count_by_compute_state(&self) -> Result<Vec<(ComputeState, u64)>>;
 
     /// Records that `op` is about to act (durably, before it does); returns its id.
@@ -244,6 +266,36 @@ pub trait Journal: Send + Sync {
 
     /// Operations begun and never ended, oldest first.
     fn open_operations(&self) -> Result<Vec<(i64, Operation)>>;
+}
+
+/// A stored record as the log holds it; an event blob that no longer decodes is reported
+/// with where it sits.
+fn decode_record(
+    uid: &str,
+    seq: i64,
+    prev_hash: String,
+    content_hash: String,
+    fence: i64,
+    blob: &[u8],
+) -> Result<LogRecord> {
+    use prost::Message;
+    let event = Event::decode(blob).map_err(|e| JournalError::CorruptRecord {
+        session: uid.to_owned(),
+        seq,
+        reason: e.to_string(),
+    })?;
+    Ok(LogRecord {
+        seq,
+        prev_hash,
+        content_hash,
+        fence,
+        event: Some(event),
+    })
+}
+
+/// Labels and annotations as both backends store them: a JSON object.
+fn json_map(m: &BTreeMap<String, String>) -> String {
+    serde_json::to_string(m).expect("a string map always serializes")
 }
 
 /// How one event moves the `compute_state` projection (semantics.md §1.5).

@@ -16,7 +16,7 @@ use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
 use super::{
     DeletionState, Journal, JournalError, ListCursor, Operation, OperationKind, Result, SessionRow,
-    project_compute_state,
+    decode_record, json_map, project_compute_state,
 };
 use crate::clock::now_nanos;
 use group_commit::GroupCommit;
@@ -184,10 +184,6 @@ fn row_to_session(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessionRow> {
     })
 }
 
-fn json_map(m: &std::collections::BTreeMap<String, String>) -> String {
-    serde_json::to_string(m).expect("a string map always serializes")
-}
-
 /// The head of one session as seen inside a write transaction.
 struct Head {
     fence: i64,
@@ -214,28 +210,6 @@ fn read_head(tx: &Connection, uid: &str) -> Result<Head> {
     })
     .map_err(storage(format!("read head of {uid}")))?
     .ok_or_else(|| JournalError::NotFound(uid.to_owned()))
-}
-
-fn decode_record(
-    uid: &str,
-    seq: i64,
-    prev_hash: String,
-    content_hash: String,
-    fence: i64,
-    blob: &[u8],
-) -> Result<LogRecord> {
-    let event = Event::decode(blob).map_err(|e| JournalError::CorruptRecord {
-        session: uid.to_owned(),
-        seq,
-        reason: e.to_string(),
-    })?;
-    Ok(LogRecord {
-        seq,
-        prev_hash,
-        content_hash,
-        fence,
-        event: Some(event),
-    })
 }
 
 fn insert_session(conn: &Connection, row: &SessionRow) -> Result<()> {

@@ -1,252 +1,32 @@
-use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::sync::Arc;
 
-use agentvm_proto::v1::{
-    EventKind, HarnessEnd, Lifecycle, Message, Part, TextPart, event::Body, lifecycle, part,
-};
+use agentvm_proto::v1::{EventKind, HarnessEnd, event::Body, part};
 
 use super::*;
+use crate::journal::suite::{self, input, journal_cases, session, uncanonical};
 use crate::journal::verify::{ChainError, verify_chain};
-use prost::Message as _;
 
 fn open(dir: &tempfile::TempDir) -> SqliteJournal {
     SqliteJournal::open(&dir.path().join("journal.db"), Durability::Full).unwrap()
 }
 
-fn session(uid: &str, project: &str, created_at: i64) -> SessionRow {
-    SessionRow {
-        uid: uid.into(),
-        project: project.into(),
-        harness: "echo".into(),
-        model: "echo".into(),
-        created_at,
-        updated_at: created_at,
-        compute_state: ComputeState::ComputeNone,
-        ..Default::default()
-    }
-}
-
-fn input(text: &str) -> Event {
-    Event {
-        execution_id: "x1".into(),
-        kind: EventKind::EventInput as i32,
-        body: Some(Body::Message(Message {
-            role: "user".into(),
-            parts: vec![Part {
-                part: Some(part::Part::Text(TextPart { text: text.into() })),
-            }],
-        })),
-        ..Default::default()
-    }
-}
-
-fn lifecycle_event(kind: lifecycle::Kind) -> Event {
-    Event {
-        kind: EventKind::EventLifecycle as i32,
-        body: Some(Body::Lifecycle(Lifecycle {
-            kind: kind as i32,
-            ..Default::default()
-        })),
-        ..Default::default()
-    }
-}
-
-#[test]
-fn metadata_round_trips_with_absent_fields_absent() {
-    let dir = tempfile::tempdir().unwrap();
-    let j = open(&dir);
-    let mut row = session("sess-a", "p", 10);
-    row.labels = BTreeMap::from([("k".into(), "v".into())]);
-    row.annotations = BTreeMap::from([("note".into(), "n".into())]);
-    row.identity = Some(IdentityRef {
-        principal: "alice".into(),
-        ..Default::default()
-    });
-    j.create_session(&row).unwrap();
-    let got = j.get_session("sess-a").unwrap().unwrap();
-    assert_eq!(got, row);
-    assert!(got.origin.is_none());
-    assert!(j.get_session("sess-missing").unwrap().is_none());
-    assert!(matches!(
-        j.create_session(&row),
-        Err(JournalError::AlreadyExists(_))
-    ));
-}
-
-#[test]
-fn append_chains_records_and_advances_the_head() {
-    let dir = tempfile::tempdir().unwrap();
-    let j = open(&dir);
-    j.create_session(&session("s", "p", 1)).unwrap();
-    let f = j.new_fence("s").unwrap();
-    assert_eq!(f, 1);
-    let recs = j.append("s", 0, f, &[input("a"), input("b")]).unwrap();
-    assert_eq!(recs.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![1, 2]);
-    assert_eq!(recs[0].prev_hash, "");
-    assert_eq!(recs[1].prev_hash, recs[0].content_hash);
-    let more = j.append("s", 2, f, &[input("c")]).unwrap();
-    assert_eq!(more[0].prev_hash, recs[1].content_hash);
-    let all = j.read("s", 0, 0).unwrap();
-    assert_eq!(all.len(), 3);
-    assert_eq!(&all[..2], &recs[..]);
-    assert_eq!(verify_chain(&all), Ok(3));
-    assert_eq!(j.read("s", 2, 2).unwrap(), vec![all[1].clone()]);
-    let row = j.get_session("s").unwrap().unwrap();
-    assert_eq!(row.last_seq, 3);
-    assert_eq!(row.compute_state, ComputeState::ComputeLive);
-}
-
-#[test]
-fn cas_conflict_is_checked_before_the_fence() {
-    let dir = tempfile::tempdir().unwrap();
-    let j = open(&dir);
-    j.create_session(&session("s", "p", 1)).unwrap();
-    let f1 = j.new_fence("s").unwrap();
-    j.append("s", 0, f1, &[input("a")]).unwrap();
-    // stale head AND stale fence: the CAS failure wins
-    let f2 = j.new_fence("s").unwrap();
-    let err = j.append("s", 0, f1, &[input("b")]).unwrap_err();
-    assert!(
-        matches!(
-            err,
-            JournalError::Conflict {
-                expected: 0,
-                head: 1,
-                ..
+/// One test per case of the journal suite, each on a database of its own.
+macro_rules! sqlite_case {
+    ($($case:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $case() {
+                let dir = tempfile::tempdir().unwrap();
+                let path = dir.path().join("journal.db");
+                suite::$case(&move || -> Arc<dyn Journal> {
+                    Arc::new(SqliteJournal::open(&path, Durability::Full).unwrap())
+                });
             }
-        ),
-        "{err}"
-    );
-    assert!(err.is_retryable());
-    // correct head, superseded fence
-    let err = j.append("s", 1, f1, &[input("b")]).unwrap_err();
-    assert!(
-        matches!(
-            err,
-            JournalError::Fenced {
-                fence: 1,
-                current: 2,
-                ..
-            }
-        ),
-        "{err}"
-    );
-    // current and higher fences are accepted, and appending does not raise the fence
-    j.append("s", 1, f2, &[input("b")]).unwrap();
-    j.append("s", 2, f2 + 5, &[input("c")]).unwrap();
-    assert_eq!(j.get_session("s").unwrap().unwrap().fence, f2);
-    assert_eq!(j.read("s", 0, 0).unwrap().len(), 3);
+        )*
+    };
 }
-
-#[test]
-fn failed_batch_appends_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let j = open(&dir);
-    j.create_session(&session("s", "p", 1)).unwrap();
-    let err = j
-        .append("s", 0, 0, &[input("ok"), uncanonical()])
-        .unwrap_err();
-    assert!(matches!(err, JournalError::Canon { .. }), "{err}");
-    assert!(j.read("s", 0, 0).unwrap().is_empty());
-    assert_eq!(j.get_session("s").unwrap().unwrap().last_seq, 0);
-}
-
-#[test]
-fn unknown_session_is_not_found() {
-    let dir = tempfile::tempdir().unwrap();
-    let j = open(&dir);
-    assert!(matches!(
-        j.append("nope", 0, 0, &[input("a")]),
-        Err(JournalError::NotFound(_))
-    ));
-    assert!(matches!(
-        j.new_fence("nope"),
-        Err(JournalError::NotFound(_))
-    ));
-}
-
-#[test]
-fn compute_state_follows_lifecycle_records() {
-    let dir = tempfile::tempdir().unwrap();
-    let j = open(&dir);
-    j.create_session(&session("s", "p", 1)).unwrap();
-    let state = |j: &SqliteJournal| j.get_session("s").unwrap().unwrap().compute_state;
-    assert_eq!(state(&j), ComputeState::ComputeNone);
-    j.append("s", 0, 0, &[input("a")]).unwrap();
-    assert_eq!(state(&j), ComputeState::ComputeLive);
-    j.append(
-        "s",
-        1,
-        0,
-        &[lifecycle_event(lifecycle::Kind::LifecycleSuspend)],
-    )
-    .unwrap();
-    assert_eq!(state(&j), ComputeState::ComputeCold);
-    j.append(
-        "s",
-        2,
-        0,
-        &[lifecycle_event(lifecycle::Kind::LifecycleBaseline)],
-    )
-    .unwrap();
-    assert_eq!(state(&j), ComputeState::ComputeCold);
-    j.append(
-        "s",
-        3,
-        0,
-        &[lifecycle_event(lifecycle::Kind::LifecycleResume)],
-    )
-    .unwrap();
-    assert_eq!(state(&j), ComputeState::ComputeLive);
-}
-
-#[test]
-fn concurrent_appenders_never_gap_or_fork_the_chain() {
-    let dir = tempfile::tempdir().unwrap();
-    let j = Arc::new(open(&dir));
-    j.create_session(&session("s", "p", 1)).unwrap();
-    let threads: Vec<_> = (0..4)
-        .map(|t| {
-            let j = Arc::clone(&j);
-            std::thread::spawn(move || {
-                let mut won = 0;
-                while won < 25 {
-                    let head = j.get_session("s").unwrap().unwrap().last_seq;
-                    match j.append("s", head, 0, &[input(&format!("t{t}-{won}"))]) {
-                        Ok(_) => won += 1,
-                        Err(JournalError::Conflict { .. }) => {}
-                        Err(e) => panic!("{e}"),
-                    }
-                }
-            })
-        })
-        .collect();
-    for t in threads {
-        t.join().unwrap();
-    }
-    let all = j.read("s", 0, 0).unwrap();
-    assert_eq!(all.len(), 100);
-    assert_eq!(verify_chain(&all), Ok(100));
-}
-
-/// A NaN in a tool call's arguments cannot be canonicalized: the append fails midway.
-fn uncanonical() -> Event {
-    let mut bad = input("x");
-    bad.body = Some(Body::Tool(agentvm_proto::v1::ToolCall {
-        id: "c".into(),
-        args: Some(prost_types::Struct {
-            fields: BTreeMap::from([(
-                "n".to_owned(),
-                prost_types::Value {
-                    kind: Some(prost_types::value::Kind::NumberValue(f64::NAN)),
-                },
-            )]),
-        }),
-        ..Default::default()
-    }));
-    bad
-}
+journal_cases!(sqlite_case);
 
 #[test]
 fn one_commit_answers_each_append_of_a_batch_on_its_own() {
@@ -323,38 +103,6 @@ fn one_commit_answers_each_append_of_a_batch_on_its_own() {
 }
 
 #[test]
-fn concurrent_sessions_share_commits_and_each_chain_stays_whole() {
-    let dir = tempfile::tempdir().unwrap();
-    let j = Arc::new(open(&dir));
-    let sessions = 8;
-    for s in 0..sessions {
-        j.create_session(&session(&format!("s{s}"), "p", 1))
-            .unwrap();
-    }
-    let threads: Vec<_> = (0..sessions)
-        .map(|s| {
-            let j = Arc::clone(&j);
-            std::thread::spawn(move || {
-                let uid = format!("s{s}");
-                for n in 0..40 {
-                    let records = j
-                        .append(&uid, n, 0, &[input(&format!("{uid}-{n}"))])
-                        .unwrap();
-                    assert_eq!(records[0].seq, n + 1);
-                }
-            })
-        })
-        .collect();
-    for t in threads {
-        t.join().unwrap();
-    }
-    for s in 0..sessions {
-        let all = j.read(&format!("s{s}"), 0, 0).unwrap();
-        assert_eq!(verify_chain(&all), Ok(40));
-    }
-}
-
-#[test]
 fn corrupted_row_is_detected() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("journal.db");
@@ -389,140 +137,6 @@ fn corrupted_row_is_detected() {
         matches!(err, JournalError::CorruptRecord { seq: 3, .. }),
         "{err}"
     );
-}
-
-#[test]
-fn fork_copy_is_byte_identical_and_links_the_tree() {
-    let dir = tempfile::tempdir().unwrap();
-    let j = open(&dir);
-    j.create_session(&session("parent", "p", 1)).unwrap();
-    j.append("parent", 0, 0, &[input("a"), input("b"), input("c")])
-        .unwrap();
-    j.create_session(&session("child", "p", 2)).unwrap();
-    let cf = j.new_fence("child").unwrap();
-    j.copy_prefix("parent", "child", 2, cf).unwrap();
-    let marker = j
-        .append(
-            "child",
-            2,
-            cf,
-            &[lifecycle_event(lifecycle::Kind::LifecycleFork)],
-        )
-        .unwrap();
-    let parent = j.read("parent", 0, 0).unwrap();
-    let child = j.read("child", 0, 0).unwrap();
-    for (p, c) in parent.iter().zip(&child[..2]) {
-        assert_eq!(
-            (p.seq, &p.prev_hash, &p.content_hash, &p.event),
-            (c.seq, &c.prev_hash, &c.content_hash, &c.event)
-        );
-    }
-    assert_eq!(marker[0].seq, 3);
-    assert_eq!(marker[0].prev_hash, parent[1].content_hash);
-    assert_eq!(verify_chain(&child), Ok(3));
-    assert_eq!(
-        j.get_session("child").unwrap().unwrap().compute_state,
-        ComputeState::ComputeCold
-    );
-    // a second copy into a non-empty child is refused; so is a prefix past the parent's head
-    assert!(j.copy_prefix("parent", "child", 1, cf).is_err());
-    j.create_session(&session("child2", "p", 3)).unwrap();
-    assert!(j.copy_prefix("parent", "child2", 9, 1).is_err());
-}
-
-/// A fork's children are written in one transaction: each a byte-identical copy of the
-/// parent's prefix, fence 1, its FORK record after it; and if any child cannot be written,
-/// none is.
-#[test]
-fn fork_children_are_written_all_or_none() {
-    let dir = tempfile::tempdir().unwrap();
-    let j = open(&dir);
-    j.create_session(&session("parent", "p", 1)).unwrap();
-    j.append("parent", 0, 0, &[input("a"), input("b"), input("c")])
-        .unwrap();
-    let fork = || lifecycle_event(lifecycle::Kind::LifecycleFork);
-    j.create_children(
-        "parent",
-        2,
-        &[
-            (session("c1", "p", 2), fork()),
-            (session("c2", "p", 2), fork()),
-        ],
-    )
-    .unwrap();
-    let parent = j.read("parent", 0, 0).unwrap();
-    for child in ["c1", "c2"] {
-        let log = j.read(child, 0, 0).unwrap();
-        let same = |r: &LogRecord| {
-            (
-                r.seq,
-                r.prev_hash.clone(),
-                r.content_hash.clone(),
-                r.event.clone(),
-            )
-        };
-        assert_eq!(
-            log[..2].iter().map(same).collect::<Vec<_>>(),
-            parent[..2].iter().map(same).collect::<Vec<_>>()
-        );
-        assert_eq!(log.len(), 3);
-        assert_eq!(log[2].fence, 1);
-        assert_eq!(verify_chain(&log), Ok(3));
-        let row = j.get_session(child).unwrap().unwrap();
-        assert_eq!((row.fence, row.last_seq), (1, 3));
-        assert_eq!(row.compute_state, ComputeState::ComputeCold);
-    }
-    // c1 exists already: the batch fails and c3, written before it, is not there either.
-    let err = j
-        .create_children(
-            "parent",
-            2,
-            &[
-                (session("c3", "p", 3), fork()),
-                (session("c1", "p", 3), fork()),
-            ],
-        )
-        .unwrap_err();
-    assert!(matches!(err, JournalError::AlreadyExists(_)), "{err}");
-    assert!(j.get_session("c3").unwrap().is_none());
-    assert!(j.read("c3", 0, 0).unwrap().is_empty());
-    assert_eq!(j.read("c1", 0, 0).unwrap().len(), 3, "c1 untouched");
-}
-
-#[test]
-fn list_pages_newest_first_with_a_keyset_cursor() {
-    let dir = tempfile::tempdir().unwrap();
-    let j = open(&dir);
-    for (uid, at) in [("s-b", 5), ("s-a", 5), ("s-c", 7), ("s-d", 1)] {
-        j.create_session(&session(uid, "p", at)).unwrap();
-    }
-    j.create_session(&session("other", "q", 9)).unwrap();
-    let page1 = j.list_sessions("p", None, 2).unwrap();
-    let uids = |rows: &[SessionRow]| rows.iter().map(|r| r.uid.clone()).collect::<Vec<_>>();
-    assert_eq!(uids(&page1), vec!["s-c", "s-a"]);
-    let last = page1.last().unwrap();
-    let cursor = ListCursor {
-        created_at: last.created_at,
-        uid: last.uid.clone(),
-    };
-    let page2 = j.list_sessions("p", Some(&cursor), 10).unwrap();
-    assert_eq!(uids(&page2), vec!["s-b", "s-d"]);
-}
-
-#[test]
-fn deletion_state_persists() {
-    let dir = tempfile::tempdir().unwrap();
-    let j = open(&dir);
-    j.create_session(&session("s", "p", 1)).unwrap();
-    j.set_deletion("s", DeletionState::Deleting).unwrap();
-    assert_eq!(
-        j.get_session("s").unwrap().unwrap().deletion,
-        DeletionState::Deleting
-    );
-    assert!(matches!(
-        j.set_deletion("nope", DeletionState::Deleted),
-        Err(JournalError::NotFound(_))
-    ));
 }
 
 #[test]
@@ -562,46 +176,6 @@ fn a_version_1_journal_gains_the_operations_table() {
         .query_row("PRAGMA user_version", [], |r| r.get(0))
         .unwrap();
     assert_eq!(version, SCHEMA_VERSION);
-}
-
-/// Intents survive a reopen (a crash) until ended, in the order they were begun.
-#[test]
-fn operations_are_durable_until_ended() {
-    let dir = tempfile::tempdir().unwrap();
-    let (a, b) = {
-        let j = open(&dir);
-        let a = j
-            .begin_operation(&Operation {
-                kind: OperationKind::Fork,
-                session: "parent".into(),
-                children: vec!["c1".into(), "c2".into()],
-            })
-            .unwrap();
-        let b = j
-            .begin_operation(&Operation {
-                kind: OperationKind::Suspend,
-                session: "parent".into(),
-                children: vec![],
-            })
-            .unwrap();
-        (a, b)
-    };
-    let j = open(&dir);
-    let open_ops = j.open_operations().unwrap();
-    assert_eq!(open_ops.len(), 2);
-    assert_eq!(open_ops[0].0, a);
-    assert_eq!(open_ops[0].1.kind, OperationKind::Fork);
-    assert_eq!(open_ops[0].1.children, ["c1", "c2"]);
-    assert_eq!(open_ops[1].1.kind, OperationKind::Suspend);
-    j.end_operation(a).unwrap();
-    assert_eq!(
-        j.open_operations()
-            .unwrap()
-            .into_iter()
-            .map(|(id, _)| id)
-            .collect::<Vec<_>>(),
-        [b]
-    );
 }
 
 const CHILD_DB_ENV: &str = "AGENTVM_TEST_APPENDER_DB";

@@ -1,0 +1,671 @@
+//! The fleet's journal backend: PostgreSQL, shared by every node.
+//!
+//! Same tables, columns, records and hashes as the sqlite backend, byte for byte (events as
+//! proto binary under upstream's column names). An append is one transaction that locks the
+//! session's row (`FOR UPDATE`), checks the head (CAS) and then the fence, inserts the records
+//! and moves the head, so two nodes appending to one session serialize on that row and the
+//! loser gets `Conflict` or `Fenced`. Commits are durable when they return (the server's
+//! `synchronous_commit`); appends of different sessions run on separate pooled connections,
+//! and the server flushes concurrent commits together (its own group commit).
+//!
+//! Each session has a holder: the node that created it or last minted its fence. Node-wide
+//! views (`sessions_in_state`, `count_by_compute_state`: what a node recovers, suspends and
+//! reports at start and stop) are the holder's alone, and lifecycle intents (`operations`)
+//! belong to the node that began them, so a node never settles another node's sessions.
+
+mod bridge;
+mod schema;
+
+use std::collections::BTreeMap;
+
+use agentvm_proto::canon;
+use agentvm_proto::v1::{ComputeState, Event, IdentityRef, LogRecord, Origin};
+use deadpool_postgres::{GenericClient, Manager, ManagerConfig, Pool, RecyclingMethod};
+use prost::Message;
+use tokio_postgres::Row;
+
+pub use self::schema::SCHEMA_VERSION;
+use super::{
+    DeletionState, Journal, JournalError, ListCursor, Operation, OperationKind, Result, SessionRow,
+    decode_record, json_map, project_compute_state,
+};
+use crate::clock::now_nanos;
+use bridge::Bridge;
+
+/// Connections a node keeps to the database at most.
+const POOL_SIZE: usize = 16;
+
+pub struct PostgresJournal {
+    pool: Pool,
+    node: String,
+    bridge: Bridge,
+}
+
+/// Maps a database error, saying what was being done.
+fn pg(context: impl Into<String>) -> impl FnOnce(tokio_postgres::Error) -> JournalError {
+    let context = context.into();
+    move |source| JournalError::Postgres { context, source }
+}
+
+async fn connection(pool: &Pool, context: &str) -> Result<deadpool_postgres::Object> {
+    pool.get().await.map_err(|e| match e {
+        deadpool_postgres::PoolError::Backend(source) => JournalError::Postgres {
+            context: context.to_owned(),
+            source,
+        },
+        other => JournalError::Unavailable {
+            context: context.to_owned(),
+            reason: other.to_string(),
+        },
+    })
+}
+
+impl PostgresJournal {
+    /// Connects to the database at `url` (`postgres://user:password@host:port/db`, or
+    /// `postgresql:///db?host=/run/postgresql` for a unix socket) as node `node`, and brings
+    /// its schema up to date.
+    pub fn connect(url: &str, node: &str) -> Result<Self> {
+        let config: tokio_postgres::Config = url.parse().map_err(pg("parse --journal-url"))?;
+        let manager = Manager::from_config(
+            config,
+            tokio_postgres::NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let bridge = Bridge::new()?;
+        let pool = {
+            let _entered = bridge.enter();
+            Pool::builder(manager)
+                .max_size(POOL_SIZE)
+                .runtime(deadpool_postgres::Runtime::Tokio1)
+                .build()
+                .map_err(|e| JournalError::Unavailable {
+                    context: "building the connection pool".into(),
+                    reason: e.to_string(),
+                })?
+        };
+        let migrating = pool.clone();
+        bridge.run(async move {
+            let mut client = connection(&migrating, "connect to the journal database").await?;
+            schema::migrate(&mut client).await
+        })?;
+        Ok(Self {
+            pool,
+            node: node.to_owned(),
+            bridge,
+        })
+    }
+
+    /// Runs `work` with a pooled connection.
+    fn with<T, F, Fut>(&self, context: &'static str, work: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(deadpool_postgres::Object) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Result<T>> + Send,
+    {
+        let pool = self.pool.clone();
+        self.bridge.run(async move {
+            let client = connection(&pool, context).await?;
+            work(client).await
+        })
+    }
+}
+
+const SESSION_COLUMNS: &str = "session, fence, project, name, harness, model, parent_uid, fork_seq,
+    compute_state, created_at, updated_at, labels, annotations, origin, identity,
+    deletion_state, last_seq";
+
+fn session_from(row: &Row) -> Result<SessionRow> {
+    let uid: String = row.try_get(0).map_err(pg("decode a session row"))?;
+    let get = |what: &str, reason: String| JournalError::CorruptRecord {
+        session: uid.clone(),
+        seq: 0,
+        reason: format!("{what}: {reason}"),
+    };
+    let text = |i: usize| -> Result<String> { row.try_get(i).map_err(pg("decode a session row")) };
+    let int = |i: usize| -> Result<i64> { row.try_get(i).map_err(pg("decode a session row")) };
+    let blob = |i: usize| -> Result<Option<Vec<u8>>> {
+        row.try_get(i).map_err(pg("decode a session row"))
+    };
+    let map = |i: usize, what: &str| -> Result<BTreeMap<String, String>> {
+        serde_json::from_str(&text(i)?).map_err(|e| get(what, e.to_string()))
+    };
+    let compute: i32 = row.try_get(8).map_err(pg("decode a session row"))?;
+    let deletion = text(15)?;
+    Ok(SessionRow {
+        fence: int(1)?,
+        project: text(2)?,
+        name: text(3)?,
+        harness: text(4)?,
+        model: text(5)?,
+        parent_uid: text(6)?,
+        fork_seq: int(7)?,
+        compute_state: ComputeState::try_from(compute).unwrap_or(ComputeState::Unspecified),
+        created_at: int(9)?,
+        updated_at: int(10)?,
+        labels: map(11, "labels")?,
+        annotations: map(12, "annotations")?,
+        origin: blob(13)?
+            .map(|b| Origin::decode(b.as_slice()))
+            .transpose()
+            .map_err(|e| get("origin", e.to_string()))?,
+        identity: blob(14)?
+            .map(|b| IdentityRef::decode(b.as_slice()))
+            .transpose()
+            .map_err(|e| get("identity", e.to_string()))?,
+        deletion: DeletionState::parse(&deletion)
+            .ok_or_else(|| get("deletion state", format!("unknown {deletion:?}")))?,
+        last_seq: int(16)?,
+        uid,
+    })
+}
+
+/// The head of one session, locked for the rest of the caller's transaction.
+struct Head {
+    fence: i64,
+    last_seq: i64,
+    head_hash: String,
+    compute_state: ComputeState,
+}
+
+async fn lock_head(tx: &impl GenericClient, uid: &str) -> Result<Head> {
+    let statement = tx
+        .prepare_cached(
+            "SELECT fence, last_seq, head_hash, compute_state FROM sessions
+             WHERE session = $1 FOR UPDATE",
+        )
+        .await
+        .map_err(pg("prepare reading a head"))?;
+    let row = tx
+        .query_opt(&statement, &[&uid])
+        .await
+        .map_err(pg(format!("read head of {uid}")))?
+        .ok_or_else(|| JournalError::NotFound(uid.to_owned()))?;
+    Ok(Head {
+        fence: row.get(0),
+        last_seq: row.get(1),
+        head_hash: row.get(2),
+        compute_state: ComputeState::try_from(row.get::<_, i32>(3))
+            .unwrap_or(ComputeState::Unspecified),
+    })
+}
+
+async fn append_in(
+    tx: &impl GenericClient,
+    uid: &str,
+    expected_last_seq: i64,
+    fence: i64,
+    events: &[Event],
+) -> Result<Vec<LogRecord>> {
+    let head = lock_head(tx, uid).await?;
+    // CAS first, then the fence, as the sqlite backend (semantics.md §1.4).
+    if expected_last_seq != head.last_seq {
+        return Err(JournalError::Conflict {
+            session: uid.to_owned(),
+            expected: expected_last_seq,
+            head: head.last_seq,
+        });
+    }
+    if fence < head.fence {
+        return Err(JournalError::Fenced {
+            session: uid.to_owned(),
+            fence,
+            current: head.fence,
+        });
+    }
+    let insert = tx
+        .prepare_cached(
+            "INSERT INTO events (session, seq, prev_hash, hash, fence, event)
+             VALUES ($1, $2, $3, $4, $5, $6)",
+        )
+        .await
+        .map_err(pg("prepare appending"))?;
+    let mut records = Vec::with_capacity(events.len());
+    let mut prev = head.head_hash;
+    let mut seq = head.last_seq;
+    let mut compute = head.compute_state;
+    for event in events {
+        seq += 1;
+        let hash =
+            canon::content_hash(seq, &prev, event).map_err(|source| JournalError::Canon {
+                session: uid.to_owned(),
+                source,
+            })?;
+        tx.execute(
+            &insert,
+            &[&uid, &seq, &prev, &hash, &fence, &event.encode_to_vec()],
+        )
+        .await
+        .map_err(pg(format!("append seq {seq} to {uid}")))?;
+        compute = project_compute_state(compute, event);
+        records.push(LogRecord {
+            seq,
+            prev_hash: std::mem::replace(&mut prev, hash.clone()),
+            content_hash: hash,
+            fence,
+            event: Some(event.clone()),
+        });
+    }
+    let advance = tx
+        .prepare_cached(
+            "UPDATE sessions SET last_seq = $2, head_hash = $3, compute_state = $4,
+             updated_at = $5 WHERE session = $1",
+        )
+        .await
+        .map_err(pg("prepare advancing a head"))?;
+    tx.execute(
+        &advance,
+        &[&uid, &seq, &prev, &(compute as i32), &now_nanos()],
+    )
+    .await
+    .map_err(pg(format!("advance head of {uid}")))?;
+    Ok(records)
+}
+
+/// Creates `row`, held by `node`.
+async fn insert_session(tx: &impl GenericClient, row: &SessionRow, node: &str) -> Result<()> {
+    let inserted = tx
+        .execute(
+            "INSERT INTO sessions (session, fence, project, name, harness, model, parent_uid,
+                fork_seq, compute_state, created_at, updated_at, labels, annotations, origin,
+                identity, deletion_state, last_seq, head_hash, holder)
+             VALUES ($1, 0, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, 0, '',
+                $16)
+             ON CONFLICT (session) DO NOTHING",
+            &[
+                &row.uid,
+                &row.project,
+                &row.name,
+                &row.harness,
+                &row.model,
+                &row.parent_uid,
+                &row.fork_seq,
+                &(row.compute_state as i32),
+                &row.created_at,
+                &row.updated_at,
+                &json_map(&row.labels),
+                &json_map(&row.annotations),
+                &row.origin.as_ref().map(Message::encode_to_vec),
+                &row.identity.as_ref().map(Message::encode_to_vec),
+                &row.deletion.as_str(),
+                &node,
+            ],
+        )
+        .await
+        .map_err(pg(format!("create session {}", row.uid)))?;
+    if inserted == 0 {
+        return Err(JournalError::AlreadyExists(row.uid.clone()));
+    }
+    Ok(())
+}
+
+/// Copies `parent`'s records 1..=`upto_seq` into `child` (empty), byte for byte.
+async fn copy_in(
+    tx: &impl GenericClient,
+    parent: &str,
+    child: &str,
+    upto_seq: i64,
+    fence: i64,
+) -> Result<()> {
+    let parent_head = lock_head(tx, parent).await?;
+    let child_head = lock_head(tx, child).await?;
+    if child_head.last_seq != 0 {
+        return Err(JournalError::Conflict {
+            session: child.to_owned(),
+            expected: 0,
+            head: child_head.last_seq,
+        });
+    }
+    if upto_seq > parent_head.last_seq || upto_seq < 0 {
+        return Err(JournalError::Conflict {
+            session: parent.to_owned(),
+            expected: upto_seq,
+            head: parent_head.last_seq,
+        });
+    }
+    let copied = tx
+        .execute(
+            "INSERT INTO events (session, seq, prev_hash, hash, fence, event)
+             SELECT $2, seq, prev_hash, hash, $4, event FROM events
+             WHERE session = $1 AND seq <= $3",
+            &[&parent, &child, &upto_seq, &fence],
+        )
+        .await
+        .map_err(pg(format!("copy {parent}@{upto_seq} into {child}")))?;
+    if copied as i64 != upto_seq {
+        return Err(JournalError::CorruptRecord {
+            session: parent.to_owned(),
+            seq: upto_seq,
+            reason: format!("expected {upto_seq} records up to seq {upto_seq}, found {copied}"),
+        });
+    }
+    let head_hash: String = match upto_seq {
+        0 => String::new(),
+        _ => tx
+            .query_one(
+                "SELECT hash FROM events WHERE session = $1 AND seq = $2",
+                &[&parent, &upto_seq],
+            )
+            .await
+            .map_err(pg(format!("read {parent}@{upto_seq}")))?
+            .get(0),
+    };
+    tx.execute(
+        "UPDATE sessions SET last_seq = $2, head_hash = $3, updated_at = $4,
+             fence = GREATEST(fence, $5) WHERE session = $1",
+        &[&child, &upto_seq, &head_hash, &now_nanos(), &fence],
+    )
+    .await
+    .map_err(pg(format!("advance head of {child}")))?;
+    Ok(())
+}
+
+impl Journal for PostgresJournal {
+    fn create_session(&self, row: &SessionRow) -> Result<()> {
+        let row = row.clone();
+        let node = self.node.clone();
+        self.with("create a session", move |client| async move {
+            insert_session(&client, &row, &node).await
+        })
+    }
+
+    fn get_session(&self, uid: &str) -> Result<Option<SessionRow>> {
+        let uid = uid.to_owned();
+        self.with("get a session", move |client| async move {
+            let statement = client
+                .prepare_cached(&format!(
+                    "SELECT {SESSION_COLUMNS} FROM sessions WHERE session = $1"
+                ))
+                .await
+                .map_err(pg("prepare getting a session"))?;
+            client
+                .query_opt(&statement, &[&uid])
+                .await
+                .map_err(pg(format!("get session {uid}")))?
+                .as_ref()
+                .map(session_from)
+                .transpose()
+        })
+    }
+
+    fn list_sessions(
+        &self,
+        project: &str,
+        after: Option<&ListCursor>,
+        limit: usize,
+    ) -> Result<Vec<SessionRow>> {
+        let project = project.to_owned();
+        let after = after.cloned();
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        self.with("list sessions", move |client| async move {
+            let rows = match after {
+                None => {
+                    client
+                        .query(
+                            &format!(
+                                "SELECT {SESSION_COLUMNS} FROM sessions WHERE project = $1
+                                   AND deletion_state != 'DELETED'
+                                 ORDER BY created_at DESC, session ASC LIMIT $2"
+                            ),
+                            &[&project, &limit],
+                        )
+                        .await
+                }
+                Some(c) => {
+                    client
+                        .query(
+                            &format!(
+                                "SELECT {SESSION_COLUMNS} FROM sessions WHERE project = $1
+                                   AND deletion_state != 'DELETED'
+                                   AND (created_at < $2 OR (created_at = $2 AND session > $3))
+                                 ORDER BY created_at DESC, session ASC LIMIT $4"
+                            ),
+                            &[&project, &c.created_at, &c.uid, &limit],
+                        )
+                        .await
+                }
+            }
+            .map_err(pg(format!("list sessions of project {project}")))?;
+            rows.iter().map(session_from).collect()
+        })
+    }
+
+    /// Also makes this node the session's holder: from here on its node-wide sweeps are
+    /// this node's, and another node's writes under an older fence are refused.
+    fn new_fence(&self, uid: &str) -> Result<i64> {
+        let uid = uid.to_owned();
+        let node = self.node.clone();
+        self.with("mint a fence", move |client| async move {
+            client
+                .query_opt(
+                    "UPDATE sessions SET fence = fence + 1, updated_at = $2, holder = $3
+                     WHERE session = $1 RETURNING fence",
+                    &[&uid, &now_nanos(), &node],
+                )
+                .await
+                .map_err(pg(format!("mint fence for {uid}")))?
+                .map(|row| row.get(0))
+                .ok_or(JournalError::NotFound(uid))
+        })
+    }
+
+    fn append(
+        &self,
+        uid: &str,
+        expected_last_seq: i64,
+        fence: i64,
+        events: &[Event],
+    ) -> Result<Vec<LogRecord>> {
+        let started = std::time::Instant::now();
+        let uid = uid.to_owned();
+        let events = events.to_vec();
+        let result = self.with("append", move |mut client| async move {
+            let tx = client
+                .transaction()
+                .await
+                .map_err(pg(format!("begin append to {uid}")))?;
+            let records = append_in(&tx, &uid, expected_last_seq, fence, &events).await?;
+            tx.commit()
+                .await
+                .map_err(pg(format!("commit append to {uid}")))?;
+            Ok(records)
+        });
+        if result.is_ok() {
+            crate::metrics::global()
+                .journal_append
+                .observe(started.elapsed());
+        }
+        result
+    }
+
+    fn read(&self, uid: &str, from_seq: i64, to_seq: i64) -> Result<Vec<LogRecord>> {
+        let uid = uid.to_owned();
+        let to = if to_seq <= 0 { i64::MAX } else { to_seq };
+        self.with("read a log", move |client| async move {
+            let statement = client
+                .prepare_cached(
+                    "SELECT seq, prev_hash, hash, fence, event FROM events
+                     WHERE session = $1 AND seq >= $2 AND seq <= $3 ORDER BY seq",
+                )
+                .await
+                .map_err(pg("prepare reading a log"))?;
+            let rows = client
+                .query(&statement, &[&uid, &from_seq.max(1), &to])
+                .await
+                .map_err(pg(format!("read log of {uid}")))?;
+            rows.iter()
+                .map(|r| {
+                    let blob: Vec<u8> = r.get(4);
+                    decode_record(&uid, r.get(0), r.get(1), r.get(2), r.get(3), &blob)
+                })
+                .collect()
+        })
+    }
+
+    fn copy_prefix(&self, parent: &str, child: &str, upto_seq: i64, fence: i64) -> Result<()> {
+        let (parent, child) = (parent.to_owned(), child.to_owned());
+        self.with("copy a log", move |mut client| async move {
+            let tx = client
+                .transaction()
+                .await
+                .map_err(pg(format!("begin fork copy {parent} -> {child}")))?;
+            copy_in(&tx, &parent, &child, upto_seq, fence).await?;
+            tx.commit()
+                .await
+                .map_err(pg(format!("commit fork copy {parent} -> {child}")))
+        })
+    }
+
+    fn create_children(
+        &self,
+        parent: &str,
+        upto_seq: i64,
+        children: &[(SessionRow, Event)],
+    ) -> Result<()> {
+        let parent = parent.to_owned();
+        let children = children.to_vec();
+        let node = self.node.clone();
+        self.with("write fork children", move |mut client| async move {
+            let tx = client
+                .transaction()
+                .await
+                .map_err(pg(format!("begin writing the children of {parent}")))?;
+            for (row, first) in &children {
+                insert_session(&tx, row, &node).await?;
+                // The child's first writer: fence 1, as `new_fence` would mint it.
+                copy_in(&tx, &parent, &row.uid, upto_seq, 1).await?;
+                append_in(&tx, &row.uid, upto_seq, 1, std::slice::from_ref(first)).await?;
+            }
+            tx.commit()
+                .await
+                .map_err(pg(format!("commit the children of {parent}")))
+        })
+    }
+
+    fn set_deletion(&self, uid: &str, state: DeletionState) -> Result<()> {
+        let uid = uid.to_owned();
+        self.with("set a deletion state", move |client| async move {
+            let n = client
+                .execute(
+                    "UPDATE sessions SET deletion_state = $2, updated_at = $3 WHERE session = $1",
+                    &[&uid, &state.as_str(), &now_nanos()],
+                )
+                .await
+                .map_err(pg(format!("set deletion state of {uid}")))?;
+            if n == 0 {
+                return Err(JournalError::NotFound(uid));
+            }
+            Ok(())
+        })
+    }
+
+    fn sessions_in_state(&self, state: ComputeState) -> Result<Vec<String>> {
+        let node = self.node.clone();
+        self.with("list sessions by state", move |client| async move {
+            Ok(client
+                .query(
+                    "SELECT session FROM sessions WHERE holder = $2
+                       AND deletion_state = 'ACTIVE' AND compute_state = $1 ORDER BY session",
+                    &[&(state as i32), &node],
+                )
+                .await
+                .map_err(pg("list sessions by compute state"))?
+                .iter()
+                .map(|r| r.get(0))
+                .collect())
+        })
+    }
+
+    fn count_by_compute_state(&self) -> Result<Vec<(ComputeState, u64)>> {
+        let node = self.node.clone();
+        self.with("count sessions by state", move |client| async move {
+            Ok(client
+                .query(
+                    "SELECT compute_state, COUNT(*) FROM sessions
+                     WHERE holder = $1 AND deletion_state = 'ACTIVE'
+                     GROUP BY compute_state ORDER BY compute_state",
+                    &[&node],
+                )
+                .await
+                .map_err(pg("count sessions by compute state"))?
+                .iter()
+                .map(|r| {
+                    (
+                        ComputeState::try_from(r.get::<_, i32>(0))
+                            .unwrap_or(ComputeState::ComputeNone),
+                        r.get::<_, i64>(1) as u64,
+                    )
+                })
+                .collect())
+        })
+    }
+
+    fn begin_operation(&self, op: &Operation) -> Result<i64> {
+        let op = op.clone();
+        let node = self.node.clone();
+        self.with("record an intent", move |client| async move {
+            Ok(client
+                .query_one(
+                    "INSERT INTO operations (node, kind, session, children, started_at)
+                     VALUES ($1, $2, $3, $4, $5) RETURNING id",
+                    &[
+                        &node,
+                        &op.kind.as_str(),
+                        &op.session,
+                        &op.children.join(" "),
+                        &now_nanos(),
+                    ],
+                )
+                .await
+                .map_err(pg(format!(
+                    "record the {} intent of {}",
+                    op.kind.as_str(),
+                    op.session
+                )))?
+                .get(0))
+        })
+    }
+
+    fn end_operation(&self, id: i64) -> Result<()> {
+        self.with("end an intent", move |client| async move {
+            client
+                .execute("DELETE FROM operations WHERE id = $1", &[&id])
+                .await
+                .map_err(pg(format!("end operation {id}")))?;
+            Ok(())
+        })
+    }
+
+    fn open_operations(&self) -> Result<Vec<(i64, Operation)>> {
+        let node = self.node.clone();
+        self.with("list open intents", move |client| async move {
+            let rows = client
+                .query(
+                    "SELECT id, kind, session, children FROM operations WHERE node = $1
+                     ORDER BY id",
+                    &[&node],
+                )
+                .await
+                .map_err(pg("list open operations"))?;
+            Ok(rows
+                .iter()
+                .filter_map(|r| {
+                    let kind = OperationKind::parse(r.get(1))?;
+                    let children: String = r.get(3);
+                    Some((
+                        r.get(0),
+                        Operation {
+                            kind,
+                            session: r.get(2),
+                            children: children.split_whitespace().map(str::to_owned).collect(),
+                        },
+                    ))
+                })
+                .collect())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;

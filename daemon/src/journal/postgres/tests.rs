@@ -1,0 +1,242 @@
+use std::sync::Arc;
+
+use super::*;
+use crate::journal::suite::{self, Opener, journal_cases};
+use crate::testing::TestPostgres;
+
+fn server() -> Option<TestPostgres> {
+    match TestPostgres::start() {
+        Ok(server) => Some(server),
+        Err(why) => {
+            println!("SKIPPED: no PostgreSQL server to test against: {why}");
+            None
+        }
+    }
+}
+
+macro_rules! every_case {
+    ($($case:ident),* $(,)?) => {
+        [$((stringify!($case), suite::$case as fn(&Opener))),*]
+    };
+}
+
+/// The journal suite against a real server, each case on a fresh database.
+#[test]
+fn a_postgres_journal_passes_the_journal_suite() {
+    let Some(server) = server() else { return };
+    for (n, (name, case)) in journal_cases!(every_case).into_iter().enumerate() {
+        let db = format!("suite_{n}");
+        server.create_database(&db).unwrap();
+        let url = server.url(&db);
+        let open = move || -> Arc<dyn Journal> {
+            Arc::new(PostgresJournal::connect(&url, "node-a").unwrap())
+        };
+        println!("case {name}");
+        case(&open);
+    }
+}
+
+fn connect(server: &TestPostgres, db: &str, node: &str) -> PostgresJournal {
+    PostgresJournal::connect(&server.url(db), node).unwrap()
+}
+
+/// Upstream's verifier reads either database: the same appends give the same records,
+/// hashes included, on both backends.
+#[test]
+fn both_backends_store_the_same_records_byte_for_byte() {
+    use crate::journal::sqlite::{Durability, SqliteJournal};
+    use crate::journal::suite::{input, lifecycle_event, session};
+    use agentvm_proto::v1::lifecycle;
+    let Some(server) = server() else { return };
+    server.create_database("same").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let sqlite = SqliteJournal::open(&dir.path().join("j.db"), Durability::Full).unwrap();
+    let postgres = connect(&server, "same", "node-a");
+    let backends: [&dyn Journal; 2] = [&sqlite, &postgres];
+    for j in backends {
+        j.create_session(&session("s", "p", 1)).unwrap();
+        j.append("s", 0, 1, &[input("a"), input("b")]).unwrap();
+        j.append(
+            "s",
+            2,
+            1,
+            &[lifecycle_event(lifecycle::Kind::LifecycleSuspend)],
+        )
+        .unwrap();
+    }
+    let (a, b) = (
+        sqlite.read("s", 0, 0).unwrap(),
+        postgres.read("s", 0, 0).unwrap(),
+    );
+    assert_eq!(a.len(), 3);
+    assert_eq!(a, b);
+    let (ra, rb) = (
+        sqlite.get_session("s").unwrap().unwrap(),
+        postgres.get_session("s").unwrap().unwrap(),
+    );
+    assert_eq!(
+        (ra.last_seq, ra.compute_state),
+        (rb.last_seq, rb.compute_state)
+    );
+}
+
+/// Two nodes append to one session at once through their own connections: every append
+/// that returned is in the log exactly once and the chain has no gap or fork.
+#[test]
+fn two_nodes_appending_to_one_session_serialize_on_its_head() {
+    use crate::journal::suite::{input, session};
+    use crate::journal::verify::verify_chain;
+    let Some(server) = server() else { return };
+    server.create_database("race").unwrap();
+    let nodes: Vec<Arc<PostgresJournal>> = ["node-a", "node-b"]
+        .iter()
+        .map(|n| Arc::new(connect(&server, "race", n)))
+        .collect();
+    nodes[0].create_session(&session("s", "p", 1)).unwrap();
+    let threads: Vec<_> = nodes
+        .iter()
+        .cloned()
+        .enumerate()
+        .flat_map(|(n, j)| (0..2).map(move |t| (n, t, j.clone())))
+        .map(|(n, t, j)| {
+            std::thread::spawn(move || {
+                let mut won = 0;
+                while won < 10 {
+                    let head = j.get_session("s").unwrap().unwrap().last_seq;
+                    match j.append("s", head, 0, &[input(&format!("{n}-{t}-{won}"))]) {
+                        Ok(_) => won += 1,
+                        Err(JournalError::Conflict { .. }) => {}
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let all = nodes[1].read("s", 0, 0).unwrap();
+    assert_eq!(verify_chain(&all), Ok(40));
+}
+
+/// A node sees only the intents it began: another node's unfinished Fork is not its to
+/// recover.
+#[test]
+fn intents_belong_to_the_node_that_began_them() {
+    let Some(server) = server() else { return };
+    server.create_database("intents").unwrap();
+    let a = connect(&server, "intents", "node-a");
+    let b = connect(&server, "intents", "node-b");
+    let op = |session: &str| Operation {
+        kind: OperationKind::Suspend,
+        session: session.into(),
+        children: vec![],
+    };
+    let ia = a.begin_operation(&op("on-a")).unwrap();
+    let ib = b.begin_operation(&op("on-b")).unwrap();
+    assert_eq!(a.open_operations().unwrap(), [(ia, op("on-a"))]);
+    assert_eq!(b.open_operations().unwrap(), [(ib, op("on-b"))]);
+}
+
+/// Records acknowledged before the server crashed are there after it restarts, and the
+/// journal goes on appending once it is back.
+#[test]
+fn a_server_crash_loses_no_acknowledged_record() {
+    use crate::journal::suite::{input, session};
+    use crate::journal::verify::verify_chain;
+    let Some(server) = server() else { return };
+    server.create_database("crash").unwrap();
+    let j = connect(&server, "crash", "node-a");
+    j.create_session(&session("s", "p", 1)).unwrap();
+    for n in 0..20 {
+        j.append("s", n, 0, &[input(&format!("r{n}"))]).unwrap();
+    }
+    server.restart_after_crash().unwrap();
+    // The pool's connections died with the server: they are replaced, not handed out.
+    assert_eq!(verify_chain(&j.read("s", 0, 0).unwrap()), Ok(20));
+    assert_eq!(j.append("s", 20, 0, &[input("after")]).unwrap()[0].seq, 21);
+}
+
+#[test]
+fn a_database_stamped_newer_is_refused() {
+    let Some(server) = server() else { return };
+    server.create_database("newer").unwrap();
+    drop(connect(&server, "newer", "node-a"));
+    let url = server.url("newer");
+    let bridge = bridge::Bridge::new().unwrap();
+    bridge
+        .run(async move {
+            let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                .await
+                .map_err(pg("connect"))?;
+            tokio::spawn(connection);
+            client
+                .execute("UPDATE agentvm_schema SET version = 99", &[])
+                .await
+                .map_err(pg("restamp"))?;
+            Ok(())
+        })
+        .unwrap();
+    match PostgresJournal::connect(&server.url("newer"), "node-a") {
+        Err(JournalError::SchemaTooNew {
+            found: 99,
+            supported,
+        }) => {
+            assert_eq!(supported, SCHEMA_VERSION)
+        }
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("a newer schema was accepted"),
+    }
+}
+
+/// Nodes starting together all migrate the schema without tripping over each other.
+#[test]
+fn nodes_starting_at_once_migrate_once() {
+    let Some(server) = server() else { return };
+    server.create_database("together").unwrap();
+    let url = server.url("together");
+    let threads: Vec<_> = (0..4)
+        .map(|n| {
+            let url = url.clone();
+            std::thread::spawn(move || {
+                PostgresJournal::connect(&url, &format!("node-{n}")).map(drop)
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap().unwrap();
+    }
+}
+
+/// A node's sweeps see the sessions it holds: created there, or fenced there last. A node
+/// that takes a session over holds it from then on, and the old holder's appends under its
+/// old fence are refused.
+#[test]
+fn a_session_is_held_by_the_node_that_last_fenced_it() {
+    use crate::journal::suite::{input, session};
+    let Some(server) = server() else { return };
+    server.create_database("holders").unwrap();
+    let a = connect(&server, "holders", "node-a");
+    let b = connect(&server, "holders", "node-b");
+    a.create_session(&session("s1", "p", 1)).unwrap();
+    b.create_session(&session("s2", "p", 2)).unwrap();
+    let fa = a.new_fence("s1").unwrap();
+    a.append("s1", 0, fa, &[input("a")]).unwrap();
+    b.append("s2", 0, 0, &[input("b")]).unwrap();
+    let live = |j: &PostgresJournal| j.sessions_in_state(ComputeState::ComputeLive).unwrap();
+    assert_eq!(live(&a), ["s1"]);
+    assert_eq!(live(&b), ["s2"]);
+    assert_eq!(
+        a.count_by_compute_state().unwrap(),
+        [(ComputeState::ComputeLive, 1)]
+    );
+    let fb = b.new_fence("s1").unwrap();
+    assert!(fb > fa);
+    assert!(live(&a).is_empty());
+    assert_eq!(live(&b), ["s1", "s2"]);
+    assert!(matches!(
+        a.append("s1", 1, fa, &[input("stale")]),
+        Err(JournalError::Fenced { .. })
+    ));
+    b.append("s1", 1, fb, &[input("b-now")]).unwrap();
+}
