@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what building agentvm needs on a fresh Debian 12 machine. Idempotent.
 # protoc comes from a registry crate (protoc-bin-vendored) and sqlite is bundled, so the
-# system needs only a C toolchain (for sqlite and, later, the test guest) and git.
+# system needs only a C toolchain (for sqlite and, later, the test guest), git, and for the
+# tests Python and PostgreSQL.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,6 +15,8 @@ command -v openssl >/dev/null 2>&1 || need+=(openssl)
 # The upstream-compatibility tests run a harness and a client on grpcio (Python).
 command -v python3 >/dev/null 2>&1 || need+=(python3)
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
+# The PostgreSQL journal's tests start servers of their own from Debian's packages.
+ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
 if [ ${#need[@]} -gt 0 ]; then
     SUDO=""
     [ "$(id -u)" -eq 0 ] || SUDO="sudo"

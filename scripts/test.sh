@@ -38,6 +38,13 @@ if [ -n "$leftover" ]; then
     echo "$leftover"
     exit 1
 fi
+echo "== leftover test database servers"
+left=$(ps -eo pid=,comm=,args= | awk '$2 == "postgres" && /agentvm-pg-/' || true)
+if [ -n "$left" ]; then
+    echo "these PostgreSQL servers outlived the tests:"
+    echo "$left"
+    exit 1
+fi
 echo "== leftover VMM cgroups and RAM directories"
 left=$(comm -13 <(echo "$before_tests") <(vm_leftovers))
 if [ -n "$left" ]; then
