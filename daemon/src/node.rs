@@ -41,6 +41,8 @@ pub struct NodeConfig {
     pub journal_url: Option<String>,
     /// This node's name in the fleet.
     pub node_name: String,
+    /// How long a node of the fleet may miss heartbeats before its sessions are taken over.
+    pub lease: std::time::Duration,
     /// Program and leading arguments that serve a built-in harness; `NAME --listen unix:PATH`
     /// follow. Default: the `agentvm` binary beside this one, `harness serve`.
     pub harness_command: Vec<String>,
@@ -96,6 +98,7 @@ impl NodeConfig {
             state_dir,
             journal_url: None,
             node_name: host_name(),
+            lease: crate::journal::postgres::DEFAULT_LEASE,
             harness_command: default_harness_command(),
             durability: Durability::Full,
             openai: None,
@@ -233,14 +236,16 @@ impl Node {
             .with_context(|| format!("creating state directory {}", cfg.state_dir.display()))?;
         let journal_path = config::journal_path(&cfg.state_dir);
         let journal: Arc<dyn Journal> = match &cfg.journal_url {
-            Some(url) => Arc::new(PostgresJournal::connect(url, &cfg.node_name).with_context(
-                || {
-                    format!(
-                        "opening the journal at {}",
-                        crate::settings::without_password(url)
-                    )
-                },
-            )?),
+            Some(url) => Arc::new(
+                PostgresJournal::connect(url, &cfg.node_name)
+                    .with_context(|| {
+                        format!(
+                            "opening the journal at {}",
+                            crate::settings::without_password(url)
+                        )
+                    })?
+                    .with_lease(cfg.lease),
+            ),
             None => Arc::new(
                 SqliteJournal::open(&journal_path, cfg.durability)
                     .with_context(|| format!("opening journal {}", journal_path.display()))?,

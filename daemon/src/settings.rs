@@ -75,10 +75,18 @@ pub struct Settings {
     /// unix socket). Default: the embedded sqlite journal, STATE_DIR/journal.db.
     #[arg(long)]
     pub journal_url: Option<String>,
-    /// This node's name in the fleet (what its intents and, later, its leases are recorded
-    /// under). Default: the host name.
+    /// This node's name in the fleet (what its sessions and intents are recorded under).
+    /// Default: the host name.
     #[arg(long)]
     pub node_name: Option<String>,
+    /// Where other nodes and schedulers reach this node's Sessions API, as its heartbeats
+    /// tell the fleet. Default: the --listen address.
+    #[arg(long)]
+    pub advertise_address: Option<String>,
+    /// A node that misses heartbeats this long (seconds) loses its sessions: another node
+    /// may take each over at its next call. It beats every third of it. Default: 15.
+    #[arg(long)]
+    pub lease_secs: Option<u64>,
     /// Listener, `unix:PATH` or `HOST:PORT` (loopback). Default: unix:/run/agentvm/agentvmd.sock.
     #[arg(long)]
     #[serde(default, deserialize_with = "parsed")]
@@ -221,6 +229,8 @@ impl Settings {
             state_dir,
             journal_url,
             node_name,
+            advertise_address,
+            lease_secs,
             listen,
             admin_listen,
             metrics_listen,
@@ -265,6 +275,7 @@ impl Settings {
             self.journal_url.as_deref().map(without_password),
         );
         put("node_name", self.node_name.clone());
+        put("advertise_address", self.advertise_address.clone());
         put("listen", self.listen.as_ref().map(|l| l.to_string()));
         put(
             "admin_listen",
@@ -319,6 +330,7 @@ impl Settings {
             ("harness_idle_timeout_secs", self.harness_idle_timeout_secs),
             ("min_free_disk_mib", self.min_free_disk_mib),
             ("vm_uid_base", self.vm_uid_base.map(u64::from)),
+            ("lease_secs", self.lease_secs),
         ] {
             if let Some(v) = v {
                 text.push_str(&format!("{k} = {v}\n"));

@@ -4,10 +4,12 @@
 
 mod support;
 
+use support::daemon::{Daemon, cli, start_daemon, start_daemon_with};
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use agentvm_harnesses::sdk::{Execution, Harness, HarnessFailure, Sink};
 use agentvm_harnesses::server::GrpcHarness;
@@ -21,63 +23,6 @@ use agentvm_proto::v1::{
 use agentvmd::config::ListenAddr;
 use agentvmd::journal::verify::verify_chain;
 use tokio::sync::Semaphore;
-
-struct Daemon {
-    child: Child,
-    api: PathBuf,
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start_daemon(dir: &Path) -> Daemon {
-    start_daemon_with(dir, &[])
-}
-
-fn start_daemon_with(dir: &Path, extra: &[&str]) -> Daemon {
-    let api = dir.join("run/api.sock");
-    let admin = dir.join("run/admin.sock");
-    let _ = std::fs::remove_file(&api);
-    let _ = std::fs::remove_file(&admin);
-    let child = Command::new(env!("CARGO_BIN_EXE_agentvmd"))
-        .arg("--state-dir")
-        .arg(dir.join("state"))
-        .arg("--listen")
-        .arg(format!("unix:{}", api.display()))
-        .arg("--admin-listen")
-        .arg(format!("unix:{}", admin.display()))
-        .arg("--harness-bin")
-        .arg(env!("CARGO_BIN_EXE_agentvm"))
-        .args(extra)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !(api.exists() && admin.exists()) {
-        assert!(Instant::now() < deadline, "agentvmd sockets never appeared");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Daemon { child, api }
-}
-
-fn cli(d: &Daemon, args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_agentvm"))
-        .arg("--addr")
-        .arg(format!("unix:{}", d.api.display()))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
 
 #[test]
 fn cli_create_exec_replay_fork_verify() {

@@ -67,6 +67,13 @@ fn node_config(s: &Settings) -> anyhow::Result<(NodeConfig, ListenAddr, ListenAd
         .unwrap_or_else(|| config::default_admin_listen(&listen));
     let mut node_config = NodeConfig::new(state_dir);
     node_config.journal_url = s.journal_url.clone();
+    if let Some(secs) = s.lease_secs {
+        anyhow::ensure!(
+            secs >= 3,
+            "lease_secs: must be at least 3 (it beats every third)"
+        );
+        node_config.lease = std::time::Duration::from_secs(secs);
+    }
     if let Some(name) = &s.node_name {
         anyhow::ensure!(
             !name.is_empty() && !name.chars().any(char::is_whitespace),
@@ -236,8 +243,14 @@ fn run(s: Settings) -> anyhow::Result<()> {
     let tls = listener_tls(&s, &listen, &admin_listen)?;
     let state_dir = node_config.state_dir.clone();
     let _instance = lock_state_dir(&state_dir)?;
+    let lease = node_config.lease;
+    let fleet = node_config.journal_url.is_some();
     let node = Node::open(node_config)?;
     info!(state_dir = %state_dir.display(), "journal open");
+    let advertise = s
+        .advertise_address
+        .clone()
+        .unwrap_or_else(|| listen.to_string());
     let metrics_listen = s.metrics_listen;
     let shutdown_policy = s.shutdown_policy.unwrap_or_default();
     let shutdown_budget = std::time::Duration::from_secs(s.shutdown_timeout_secs.unwrap_or(60));
@@ -247,6 +260,10 @@ fn run(s: Settings) -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     runtime.block_on(async move {
+        // In a fleet, beat before anything else: recovery below works on what this node
+        // still holds.
+        let _heartbeat = fleet
+            .then(|| agentvmd::session::fleet::heartbeat(node.host.clone(), advertise, lease / 3));
         if let Some(addr) = metrics_listen {
             let listener = tokio::net::TcpListener::bind(addr)
                 .await

@@ -40,6 +40,35 @@ pub struct SessionRow {
     pub fence: i64,
     /// Head of the log (0 when empty).
     pub last_seq: i64,
+    /// The node holding the session's compute in a journal a fleet shares (the last to mint
+    /// its fence); empty in a node's own journal.
+    pub holder: String,
+}
+
+/// A node of a fleet, as its heartbeats in the shared journal describe it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeEntry {
+    pub name: String,
+    /// Where its Sessions API listens, for routing a call to it.
+    pub address: String,
+    /// Its last heartbeat is younger than the lease time.
+    pub alive: bool,
+    /// How long ago its last heartbeat was, by the database's clock.
+    pub heartbeat_age_ms: i64,
+    /// What it last reported of itself (JSON).
+    pub status: String,
+}
+
+/// Who holds a session's compute.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Holder {
+    /// This node, or nobody: this node may act on the session.
+    Here,
+    /// Another node whose heartbeat is current: calls go there.
+    Alive(NodeEntry),
+    /// Another node whose heartbeat expired: this node may take the session over (its
+    /// next fence supersedes the old holder's).
+    Gone(String),
 }
 
 /// Ours, not upstream's: a session is deleted by durable intent first, then its compute and
@@ -266,6 +295,24 @@ pub trait Journal: Send + Sync {
 
     /// Operations begun and never ended, oldest first.
     fn open_operations(&self) -> Result<Vec<(i64, Operation)>>;
+
+    /// Who holds `row`'s compute. A journal of one node's own: always this node.
+    fn holder_of(&self, row: &SessionRow) -> Result<Holder> {
+        let _ = row;
+        Ok(Holder::Here)
+    }
+
+    /// Records that this node is alive, where it listens and what it reports of itself.
+    /// A journal of one node's own has no fleet to tell.
+    fn heartbeat(&self, address: &str, status: &str) -> Result<()> {
+        let _ = (address, status);
+        Ok(())
+    }
+
+    /// The fleet's nodes, by name.
+    fn nodes(&self) -> Result<Vec<NodeEntry>> {
+        Ok(Vec::new())
+    }
 }
 
 /// A stored record as the log holds it; an event blob that no longer decodes is reported

@@ -26,8 +26,8 @@ use tokio_postgres::Row;
 
 pub use self::schema::SCHEMA_VERSION;
 use super::{
-    DeletionState, Journal, JournalError, ListCursor, Operation, OperationKind, Result, SessionRow,
-    decode_record, json_map, project_compute_state,
+    DeletionState, Holder, Journal, JournalError, ListCursor, NodeEntry, Operation, OperationKind,
+    Result, SessionRow, decode_record, json_map, project_compute_state,
 };
 use crate::clock::now_nanos;
 use bridge::Bridge;
@@ -38,7 +38,27 @@ const POOL_SIZE: usize = 16;
 pub struct PostgresJournal {
     pool: Pool,
     node: String,
+    /// A node whose last heartbeat is older than this has lost its sessions.
+    lease: std::time::Duration,
     bridge: Bridge,
+}
+
+/// The default lease: a node missing heartbeats this long is taken for dead.
+pub const DEFAULT_LEASE: std::time::Duration = std::time::Duration::from_secs(15);
+
+/// The database's clock in nanoseconds: every node's heartbeat and every lease check read
+/// the same clock, so the nodes' own clocks may disagree.
+const DB_NOW: &str = "(extract(epoch from clock_timestamp()) * 1000000000)::bigint";
+
+fn node_from(row: &Row, lease: std::time::Duration) -> NodeEntry {
+    let age_ns: i64 = row.get(2);
+    NodeEntry {
+        name: row.get(0),
+        address: row.get(1),
+        alive: u128::try_from(age_ns).unwrap_or(0) < lease.as_nanos(),
+        heartbeat_age_ms: age_ns / 1_000_000,
+        status: row.get(3),
+    }
 }
 
 /// Maps a database error, saying what was being done.
@@ -93,8 +113,15 @@ impl PostgresJournal {
         Ok(Self {
             pool,
             node: node.to_owned(),
+            lease: DEFAULT_LEASE,
             bridge,
         })
+    }
+
+    /// How long a node may miss heartbeats before its sessions may be taken over.
+    pub fn with_lease(mut self, lease: std::time::Duration) -> Self {
+        self.lease = lease;
+        self
     }
 
     /// Runs `work` with a pooled connection.
@@ -114,7 +141,7 @@ impl PostgresJournal {
 
 const SESSION_COLUMNS: &str = "session, fence, project, name, harness, model, parent_uid, fork_seq,
     compute_state, created_at, updated_at, labels, annotations, origin, identity,
-    deletion_state, last_seq";
+    deletion_state, last_seq, holder";
 
 fn session_from(row: &Row) -> Result<SessionRow> {
     let uid: String = row.try_get(0).map_err(pg("decode a session row"))?;
@@ -157,6 +184,7 @@ fn session_from(row: &Row) -> Result<SessionRow> {
         deletion: DeletionState::parse(&deletion)
             .ok_or_else(|| get("deletion state", format!("unknown {deletion:?}")))?,
         last_seq: int(16)?,
+        holder: text(17)?,
         uid,
     })
 }
@@ -637,6 +665,18 @@ impl Journal for PostgresJournal {
         })
     }
 
+    fn holder_of(&self, row: &SessionRow) -> Result<Holder> {
+        self.holder(row)
+    }
+
+    fn heartbeat(&self, address: &str, status: &str) -> Result<()> {
+        self.beat(address, status)
+    }
+
+    fn nodes(&self) -> Result<Vec<NodeEntry>> {
+        self.fleet()
+    }
+
     fn open_operations(&self) -> Result<Vec<(i64, Operation)>> {
         let node = self.node.clone();
         self.with("list open intents", move |client| async move {
@@ -662,6 +702,75 @@ impl Journal for PostgresJournal {
                         },
                     ))
                 })
+                .collect())
+        })
+    }
+}
+
+/// The fleet side of the journal: who holds what, and who is alive.
+impl PostgresJournal {
+    fn node_entry(&self, name: &str) -> Result<Option<NodeEntry>> {
+        let name = name.to_owned();
+        let lease = self.lease;
+        self.with("look up a node", move |client| async move {
+            Ok(client
+                .query_opt(
+                    &format!(
+                        "SELECT name, address, {DB_NOW} - heartbeat_at, status FROM nodes
+                         WHERE name = $1"
+                    ),
+                    &[&name],
+                )
+                .await
+                .map_err(pg(format!("look up node {name}")))?
+                .map(|row| node_from(&row, lease)))
+        })
+    }
+
+    fn holder(&self, row: &SessionRow) -> Result<Holder> {
+        if row.holder.is_empty() || row.holder == self.node {
+            return Ok(Holder::Here);
+        }
+        Ok(match self.node_entry(&row.holder)? {
+            Some(node) if node.alive => Holder::Alive(node),
+            _ => Holder::Gone(row.holder.clone()),
+        })
+    }
+
+    fn beat(&self, address: &str, status: &str) -> Result<()> {
+        let (node, address, status) = (self.node.clone(), address.to_owned(), status.to_owned());
+        self.with("heartbeat", move |client| async move {
+            client
+                .execute(
+                    &format!(
+                        "INSERT INTO nodes (name, address, heartbeat_at, status)
+                         VALUES ($1, $2, {DB_NOW}, $3)
+                         ON CONFLICT (name) DO UPDATE SET address = $2,
+                           heartbeat_at = {DB_NOW}, status = $3"
+                    ),
+                    &[&node, &address, &status],
+                )
+                .await
+                .map_err(pg(format!("heartbeat of {node}")))?;
+            Ok(())
+        })
+    }
+
+    fn fleet(&self) -> Result<Vec<NodeEntry>> {
+        let lease = self.lease;
+        self.with("list nodes", move |client| async move {
+            Ok(client
+                .query(
+                    &format!(
+                        "SELECT name, address, {DB_NOW} - heartbeat_at, status FROM nodes
+                         ORDER BY name"
+                    ),
+                    &[],
+                )
+                .await
+                .map_err(pg("list nodes"))?
+                .iter()
+                .map(|row| node_from(row, lease))
                 .collect())
         })
     }

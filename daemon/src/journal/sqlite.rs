@@ -181,6 +181,8 @@ fn row_to_session(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessionRow> {
         deletion: DeletionState::parse(&deletion)
             .ok_or_else(|| bad(15, format!("unknown deletion state {deletion:?}")))?,
         last_seq: r.get(16)?,
+        // One node's own journal: every session is its own.
+        holder: String::new(),
     })
 }
 

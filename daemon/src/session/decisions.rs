@@ -193,6 +193,7 @@ impl SessionHost {
         if row.deletion == DeletionState::Deleted {
             return self.view(uid);
         }
+        self.held_here(&row)?;
         let _held = self
             .guards
             .preempt_and_hold(

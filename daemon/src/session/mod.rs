@@ -4,6 +4,7 @@
 //! Requests reaching it are already validated field by field by `api::sessions_service`.
 
 mod decisions;
+pub mod fleet;
 mod fork;
 pub mod guard;
 mod intent;
@@ -28,7 +29,7 @@ use crate::api::status::journal_status;
 use crate::clock::now_nanos;
 use crate::controller::Controller;
 use crate::controller::endpoint::HarnessEndpoint;
-use crate::journal::{DeletionState, Journal, ListCursor, SessionRow};
+use crate::journal::{DeletionState, Holder, Journal, ListCursor, SessionRow};
 use crate::registry::{Entry, Registry};
 use crate::runtime::remote::RemoteRuntime;
 use crate::runtime::{Incarnation, Runtime, RuntimeError};
@@ -274,7 +275,8 @@ impl SessionHost {
             .ok_or_else(|| Status::not_found(format!("session {uid} not found")))
     }
 
-    /// A session that may still be worked on (not being or already deleted).
+    /// A session that may still be worked on (not being or already deleted) here: no other
+    /// live node of the fleet holds it.
     fn active_row(&self, uid: &str) -> Result<SessionRow, Status> {
         let row = self.row(uid)?;
         if row.deletion != DeletionState::Active {
@@ -283,14 +285,41 @@ impl SessionHost {
                 row.deletion.as_str().to_lowercase()
             )));
         }
+        self.held_here(&row)?;
         Ok(row)
     }
 
-    /// Whether `uid` is a session that may still be worked on (what runtimes keep for it
-    /// stays). A journal that cannot answer keeps everything.
+    /// Refuses work on a session another live node of the fleet holds, naming that node so
+    /// the caller (or a thin scheduler) can route the call there.
+    fn held_here(&self, row: &SessionRow) -> Result<(), Status> {
+        match self
+            .journal
+            .holder_of(row)
+            .map_err(|e| journal_status(&e))?
+        {
+            Holder::Here => Ok(()),
+            Holder::Alive(node) => Err(Status::failed_precondition(format!(
+                "HeldByAnotherNode: session {} is held by node {} at {}; send the call there \
+                 (it is taken over only once that node misses its heartbeats)",
+                row.uid, node.name, node.address
+            ))),
+            Holder::Gone(node) => {
+                tracing::warn!(session = %row.uid, %node,
+                    "taking the session over: its holder's heartbeats stopped");
+                Ok(())
+            }
+        }
+    }
+
+    /// Whether `uid` is a session that may still be worked on here (what runtimes keep for
+    /// it stays; a session another live node took over is not). A journal that cannot
+    /// answer keeps everything.
     pub(crate) fn is_active(&self, uid: &str) -> bool {
         match self.journal.get_session(uid) {
-            Ok(Some(row)) => row.deletion == DeletionState::Active,
+            Ok(Some(row)) => {
+                row.deletion == DeletionState::Active
+                    && !matches!(self.journal.holder_of(&row), Ok(Holder::Alive(_)))
+            }
             Ok(None) => false,
             Err(_) => true,
         }

@@ -2,6 +2,8 @@
 //! socket in a temporary directory, harness processes started from this build's `agentvm`.
 #![allow(dead_code)]
 
+pub mod daemon;
+
 use std::path::PathBuf;
 use std::time::Duration;
 

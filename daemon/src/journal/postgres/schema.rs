@@ -11,8 +11,8 @@ use crate::journal::{JournalError, Result};
 /// Append only: a shipped migration never changes.
 const MIGRATIONS: &[&str] = &[
     // 1: sessions (with the node that holds each: the last to mint its fence), their logs
-    // (upstream's column names, events as proto binary), and the lifecycle intents of each
-    // node.
+    // (upstream's column names, events as proto binary), the lifecycle intents of each
+    // node, and the nodes with their heartbeats (by the database's clock, nanoseconds).
     "CREATE TABLE sessions (
         session        TEXT PRIMARY KEY,
         fence          BIGINT NOT NULL DEFAULT 0,
@@ -53,7 +53,13 @@ const MIGRATIONS: &[&str] = &[
         children   TEXT NOT NULL DEFAULT '',
         started_at BIGINT NOT NULL
     );
-    CREATE INDEX operations_by_node ON operations (node, id);",
+    CREATE INDEX operations_by_node ON operations (node, id);
+    CREATE TABLE nodes (
+        name         TEXT PRIMARY KEY,
+        address      TEXT NOT NULL,
+        heartbeat_at BIGINT NOT NULL,
+        status       TEXT NOT NULL DEFAULT '{}'
+    );",
 ];
 
 /// What this build knows.

@@ -240,3 +240,47 @@ fn a_session_is_held_by_the_node_that_last_fenced_it() {
     ));
     b.append("s1", 1, fb, &[input("b-now")]).unwrap();
 }
+
+/// A node's heartbeat keeps what it holds its own: another node is told where to go while
+/// it beats, and may take the session over once its heartbeats stop for a lease.
+#[test]
+fn a_holder_is_alive_while_it_beats_and_gone_after_a_lease() {
+    use crate::journal::Holder;
+    use crate::journal::suite::session;
+    let Some(server) = server() else { return };
+    server.create_database("leases").unwrap();
+    let lease = std::time::Duration::from_millis(600);
+    let a = connect(&server, "leases", "node-a").with_lease(lease);
+    let b = connect(&server, "leases", "node-b").with_lease(lease);
+    a.create_session(&session("s", "p", 1)).unwrap();
+    let row = b.get_session("s").unwrap().unwrap();
+    assert_eq!(row.holder, "node-a");
+    // Never beat: nobody vouches for node-a.
+    assert_eq!(b.holder_of(&row).unwrap(), Holder::Gone("node-a".into()));
+    a.heartbeat("unix:/run/a.sock", "{\"sessions\":1}").unwrap();
+    match b.holder_of(&row).unwrap() {
+        Holder::Alive(node) => {
+            assert_eq!(node.name, "node-a");
+            assert_eq!(node.address, "unix:/run/a.sock");
+            assert!(node.alive);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(a.holder_of(&row).unwrap(), Holder::Here);
+    let nodes = b.nodes().unwrap();
+    assert_eq!(nodes.len(), 1);
+    assert_eq!(nodes[0].status, "{\"sessions\":1}");
+    std::thread::sleep(lease + std::time::Duration::from_millis(200));
+    assert_eq!(b.holder_of(&row).unwrap(), Holder::Gone("node-a".into()));
+    assert!(!b.nodes().unwrap()[0].alive);
+    // Taking it over: node-b's fence makes it the holder.
+    b.new_fence("s").unwrap();
+    let row = a.get_session("s").unwrap().unwrap();
+    assert_eq!(b.holder_of(&row).unwrap(), Holder::Here);
+    a.heartbeat("unix:/run/a.sock", "{}").unwrap();
+    b.heartbeat("unix:/run/b.sock", "{}").unwrap();
+    match a.holder_of(&row).unwrap() {
+        Holder::Alive(node) => assert_eq!(node.name, "node-b"),
+        other => panic!("{other:?}"),
+    }
+}

@@ -1,0 +1,90 @@
+//! A node's part in a fleet sharing one journal: it beats (so the sessions it holds stay
+//! its own and other nodes route calls for them here), and it lets go of the compute of
+//! sessions another node has taken over while this one could not beat (a partition, a
+//! pause): their VMs must not run on beside the new holder's.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::journal::{Holder, Journal};
+
+use super::SessionHost;
+
+impl SessionHost {
+    /// Stops this node's compute of every session another live node now holds. Nothing is
+    /// recorded: the session's log is the new holder's to write.
+    pub async fn release_taken_over(&self) -> usize {
+        let held: Vec<String> = self
+            .live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .cloned()
+            .collect();
+        let mut released = 0;
+        for uid in held {
+            let Ok(Some(row)) = self.journal.get_session(&uid) else {
+                continue;
+            };
+            let Ok(Holder::Alive(node)) = self.journal.holder_of(&row) else {
+                continue;
+            };
+            if let Some((inc, runtime)) = self.live_take(&uid) {
+                tracing::warn!(session = %uid, holder = %node.name,
+                    "another node took the session over: stopping its compute here");
+                if let Err(e) = runtime.stop(&inc).await {
+                    tracing::warn!(session = %uid, error = %e, "stopping taken-over compute");
+                }
+                released += 1;
+            }
+        }
+        released
+    }
+}
+
+/// What a node reports of itself with each heartbeat (`agentvm node list` shows it).
+fn status(journal: &dyn Journal) -> String {
+    let counts: serde_json::Map<String, serde_json::Value> = journal
+        .count_by_compute_state()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(state, n)| (state.as_str_name().to_owned(), n.into()))
+        .collect();
+    serde_json::json!({ "sessions": counts }).to_string()
+}
+
+/// Beats every `every` (a third of the lease) until the task is dropped, the first time at
+/// once; after each beat, lets go of what other nodes took over.
+pub fn heartbeat(
+    host: Arc<SessionHost>,
+    address: String,
+    every: Duration,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut failing = false;
+        loop {
+            tick.tick().await;
+            let journal = host.journal.clone();
+            let address = address.clone();
+            let beat = tokio::task::spawn_blocking(move || {
+                journal.heartbeat(&address, &status(journal.as_ref()))
+            })
+            .await;
+            match beat {
+                Ok(Ok(())) if failing => {
+                    tracing::info!("heartbeats reach the journal again");
+                    failing = false;
+                }
+                Ok(Err(e)) if !failing => {
+                    tracing::error!(error = %e,
+                        "heartbeat failed: other nodes take this node's sessions over after a lease");
+                    failing = true;
+                }
+                _ => {}
+            }
+            host.release_taken_over().await;
+        }
+    })
+}

@@ -1,0 +1,102 @@
+//! Nodes sharing a PostgreSQL journal: real agentvmd processes with state directories of
+//! their own, a real PostgreSQL server started by the test. A session is held by one node
+//! at a time; the others route calls to it while it beats, and take the session over once
+//! its heartbeats stop for a lease (a stateless session continues by replay).
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use agentvmd::testing::TestPostgres;
+use support::daemon::{Daemon, cli, start_daemon_with};
+
+const LEASE_SECS: u64 = 3;
+
+fn node(dir: &std::path::Path, name: &str, url: &str) -> Daemon {
+    let lease = LEASE_SECS.to_string();
+    start_daemon_with(
+        dir,
+        &[
+            "--journal-url",
+            url,
+            "--node-name",
+            name,
+            "--lease-secs",
+            &lease,
+        ],
+    )
+}
+
+fn exec(d: &Daemon, uid: &str, input: &str) -> (bool, String, String) {
+    cli(d, &["exec", "--session", uid, "-i", input])
+}
+
+#[test]
+fn a_session_moves_to_another_node_only_when_its_holder_is_gone() {
+    let server = match TestPostgres::start() {
+        Ok(server) => server,
+        Err(why) => {
+            println!("SKIPPED: no PostgreSQL server to test against: {why}");
+            return;
+        }
+    };
+    server.create_database("fleet").unwrap();
+    let url = server.url("fleet");
+    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = node(dir_a.path(), "node-a", &url);
+    let b = node(dir_b.path(), "node-b", &url);
+
+    let (ok, out, err) = cli(&a, &["--json", "create", "--harness", "echo"]);
+    assert!(ok, "{err}");
+    let created: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let uid = created["metadata"]["uid"].as_str().unwrap().to_owned();
+    let (ok, out, err) = exec(&a, &uid, "hello");
+    assert!(ok && out.contains("echo:hello"), "{out}{err}");
+
+    // Every node reads every session; node-b is told where the session lives.
+    let (ok, out, err) = cli(&b, &["get", &uid]);
+    assert!(ok, "{err}");
+    assert!(out.contains(&uid), "{out}");
+    let (ok, _, err) = exec(&b, &uid, "too soon");
+    assert!(!ok, "node-b ran a turn of a session node-a holds");
+    assert!(
+        err.contains("HeldByAnotherNode") && err.contains("node-a") && err.contains(&a.addr()),
+        "{err}"
+    );
+
+    // node-a dies; once its lease runs out node-b takes the session over and replays it.
+    drop(a);
+    let died = Instant::now();
+    let moved = loop {
+        let (ok, out, err) = exec(&b, &uid, "again");
+        if ok {
+            break out;
+        }
+        assert!(err.contains("HeldByAnotherNode"), "{err}");
+        assert!(
+            died.elapsed() < Duration::from_secs(LEASE_SECS * 4),
+            "node-b never took the session over: {err}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    };
+    assert!(moved.contains("echo:again"), "{moved}");
+    assert!(
+        died.elapsed() >= Duration::from_secs(LEASE_SECS) - Duration::from_millis(500),
+        "taken over after {:?}, before node-a's lease ran out",
+        died.elapsed()
+    );
+    let (ok, out, err) = cli(&b, &["verify", &uid]);
+    assert!(ok && out.contains("chain intact"), "{out}{err}");
+
+    // node-a comes back: the session is node-b's now, and node-a says so.
+    let a = node(dir_a.path(), "node-a", &url);
+    let (ok, _, err) = exec(&a, &uid, "mine?");
+    assert!(!ok && err.contains("node-b"), "{err}");
+    let (ok, out, err) = exec(&b, &uid, "still here");
+    assert!(ok && out.contains("echo:still here"), "{out}{err}");
+    let (ok, out, err) = cli(&a, &["replay", &uid]);
+    assert!(ok, "{err}");
+    for turn in ["echo:hello", "echo:again", "echo:still here"] {
+        assert!(out.contains(turn), "{turn} missing from:\n{out}");
+    }
+}

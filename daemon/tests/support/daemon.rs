@@ -1,0 +1,80 @@
+//! The real agentvmd binary, started in a directory of its own and driven with the real
+//! `agentvm` CLI. Its log goes to `DIR/agentvmd.log` (appended across restarts).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct Daemon {
+    pub child: Child,
+    pub api: PathBuf,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Daemon {
+    /// Its Sessions API address, as `--addr` takes it.
+    pub fn addr(&self) -> String {
+        format!("unix:{}", self.api.display())
+    }
+}
+
+pub fn start_daemon(dir: &Path) -> Daemon {
+    start_daemon_with(dir, &[])
+}
+
+pub fn start_daemon_with(dir: &Path, extra: &[&str]) -> Daemon {
+    let api = dir.join("run/api.sock");
+    let admin = dir.join("run/admin.sock");
+    let _ = std::fs::remove_file(&api);
+    let _ = std::fs::remove_file(&admin);
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("agentvmd.log"))
+        .unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_agentvmd"))
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .arg("--listen")
+        .arg(format!("unix:{}", api.display()))
+        .arg("--admin-listen")
+        .arg(format!("unix:{}", admin.display()))
+        .arg("--harness-bin")
+        .arg(env!("CARGO_BIN_EXE_agentvm"))
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !(api.exists() && admin.exists()) {
+        assert!(
+            Instant::now() < deadline,
+            "agentvmd sockets never appeared; its log:\n{}",
+            std::fs::read_to_string(dir.join("agentvmd.log")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Daemon { child, api }
+}
+
+/// Runs `agentvm --addr <the daemon> ARGS`: (success, stdout, stderr).
+pub fn cli(d: &Daemon, args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_agentvm"))
+        .arg("--addr")
+        .arg(d.addr())
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
