@@ -228,6 +228,8 @@ pub struct Node {
     pub facts: NodeFacts,
     pub auth: Option<Arc<Authenticator>>,
     pub disk: DiskReserve,
+    /// This node's name in its fleet.
+    pub name: String,
 }
 
 impl Node {
@@ -372,6 +374,7 @@ impl Node {
             facts,
             auth: cfg.auth.clone(),
             disk,
+            name: cfg.node_name.clone(),
         })
     }
 }
@@ -380,6 +383,8 @@ impl Node {
     /// The `agentvm.node.v1.Node` service of this node.
     pub fn node_service(&self) -> NodeService {
         NodeService {
+            name: self.name.clone(),
+            host: Arc::clone(&self.host),
             facts: self.facts.clone(),
             journal: Arc::clone(&self.journal),
             registry: Arc::clone(&self.registry),

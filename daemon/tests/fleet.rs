@@ -63,6 +63,18 @@ fn a_session_moves_to_another_node_only_when_its_holder_is_gone() {
         err.contains("HeldByAnotherNode") && err.contains("node-a") && err.contains(&a.addr()),
         "{err}"
     );
+    let (ok, out, err) = cli(&b, &["node", "list"]);
+    assert!(ok, "{err}");
+    for (name, node) in [("node-a", &a), ("node-b", &b)] {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_else(|| panic!("{name} missing:\n{out}"));
+        assert!(
+            line.contains(" yes ") && line.contains(&node.addr()),
+            "{line}"
+        );
+    }
 
     // node-a dies; once its lease runs out node-b takes the session over and replays it.
     drop(a);
@@ -94,9 +106,40 @@ fn a_session_moves_to_another_node_only_when_its_holder_is_gone() {
     assert!(!ok && err.contains("node-b"), "{err}");
     let (ok, out, err) = exec(&b, &uid, "still here");
     assert!(ok && out.contains("echo:still here"), "{out}{err}");
-    let (ok, out, err) = cli(&a, &["replay", &uid]);
+
+    // Draining node-b (asked through node-a) hands the session back to the fleet at once.
+    let (ok, out, err) = cli(&a, &["node", "drain", "node-b"]);
+    assert!(ok, "{out}{err}");
+    assert!(
+        out.contains("1 suspended") && out.contains("released"),
+        "{out}"
+    );
+    let (ok, _, err) = exec(&b, &uid, "on a draining node");
+    assert!(!ok && err.contains("NodeDraining"), "{err}");
+
+    // Released, it goes to whichever node asks first: of two asking at once, one runs the
+    // turn and the other is told who holds the session.
+    let dir_c = tempfile::tempdir().unwrap();
+    let c = node(dir_c.path(), "node-c", &url);
+    let (from_a, from_c) = std::thread::scope(|s| {
+        let on_a = s.spawn(|| exec(&a, &uid, "raced on a"));
+        let on_c = s.spawn(|| exec(&c, &uid, "raced on c"));
+        (on_a.join().unwrap(), on_c.join().unwrap())
+    });
+    let winners = [&from_a, &from_c].iter().filter(|r| r.0).count();
+    assert_eq!(winners, 1, "a: {from_a:?}\nc: {from_c:?}");
+    let loser = if from_a.0 { &from_c } else { &from_a };
+    assert!(loser.2.contains("HeldByAnotherNode"), "{}", loser.2);
+    let (ok, out, err) = cli(&c, &["replay", &uid]);
     assert!(ok, "{err}");
     for turn in ["echo:hello", "echo:again", "echo:still here"] {
         assert!(out.contains(turn), "{turn} missing from:\n{out}");
     }
+    let raced = ["echo:raced on a", "echo:raced on c"]
+        .iter()
+        .filter(|t| out.contains(*t))
+        .count();
+    assert_eq!(raced, 1, "{out}");
+    let (ok, out, err) = cli(&c, &["verify", &uid]);
+    assert!(ok && out.contains("chain intact"), "{out}{err}");
 }

@@ -3,10 +3,14 @@
 use std::sync::Arc;
 
 use agentvm_proto::node::v1::node_server::{Node as NodeApi, NodeServer};
-use agentvm_proto::node::v1::{GetStatusRequest, NodeStatus};
+use agentvm_proto::node::v1::{
+    DrainRequest, DrainResponse, FleetNode, GetStatusRequest, ListNodesRequest, ListNodesResponse,
+    NodeStatus,
+};
 use agentvm_proto::v1::ComputeState;
 use tonic::{Request, Response, Status};
 
+use crate::api::status::journal_status;
 use crate::journal::Journal;
 use crate::registry::{Entry, Registry, entry_name};
 use crate::runtime::microvm::MicrovmRuntime;
@@ -81,6 +85,9 @@ fn meminfo() -> (u64, u64) {
 }
 
 pub struct NodeService {
+    /// This node's name in its fleet.
+    pub name: String,
+    pub host: Arc<crate::session::SessionHost>,
     pub facts: NodeFacts,
     pub journal: Arc<dyn Journal>,
     pub registry: Arc<Registry>,
@@ -166,5 +173,64 @@ impl NodeApi for NodeService {
         _request: Request<GetStatusRequest>,
     ) -> Result<Response<NodeStatus>, Status> {
         Ok(Response::new(self.status()?))
+    }
+
+    async fn list_nodes(
+        &self,
+        _request: Request<ListNodesRequest>,
+    ) -> Result<Response<ListNodesResponse>, Status> {
+        let journal = self.journal.clone();
+        let nodes = tokio::task::spawn_blocking(move || journal.nodes())
+            .await
+            .map_err(|e| Status::internal(format!("listing nodes: {e}")))?
+            .map_err(|e| journal_status(&e))?;
+        Ok(Response::new(ListNodesResponse {
+            nodes: nodes
+                .into_iter()
+                .map(|n| FleetNode {
+                    name: n.name,
+                    address: n.address,
+                    alive: n.alive,
+                    heartbeat_age_ms: n.heartbeat_age_ms,
+                    status_json: n.status,
+                })
+                .collect(),
+            this_node: self.name.clone(),
+        }))
+    }
+
+    async fn drain(
+        &self,
+        request: Request<DrainRequest>,
+    ) -> Result<Response<DrainResponse>, Status> {
+        let req = request.into_inner();
+        if req.name != self.name {
+            return Err(Status::failed_precondition(format!(
+                "name: this is node {:?}, not {:?}; drain a node at its own address (ListNodes \
+                 gives it)",
+                self.name, req.name
+            )));
+        }
+        let budget = std::time::Duration::from_secs(match req.timeout_secs {
+            0 => 60,
+            secs => u64::from(secs),
+        });
+        self.host.start_draining();
+        tracing::warn!(node = %self.name, "draining: new work is refused, running sessions are suspended");
+        let (suspended, failed) = self.host.suspend_all(budget).await;
+        let journal = self.journal.clone();
+        let released = tokio::task::spawn_blocking(move || journal.release_held())
+            .await
+            .map_err(|e| Status::internal(format!("releasing sessions: {e}")))?
+            .map_err(|e| journal_status(&e))?;
+        tracing::warn!(node = %self.name, suspended, failed = failed.len(), released, "drained");
+        Ok(Response::new(DrainResponse {
+            suspended: suspended as u64,
+            failed: failed
+                .into_iter()
+                .map(|(session, why)| format!("{session}: {why}"))
+                .collect(),
+            released,
+        }))
     }
 }

@@ -19,6 +19,7 @@ pub fn journal_status(err: &JournalError) -> Status {
         JournalError::Canon { .. } => Code::InvalidArgument,
         JournalError::CorruptRecord { .. } => Code::DataLoss,
         JournalError::Unavailable { .. } => Code::Unavailable,
+        JournalError::HeldElsewhere { .. } => Code::FailedPrecondition,
         JournalError::SchemaTooNew { .. }
         | JournalError::Storage { .. }
         | JournalError::Postgres { .. } => Code::Internal,

@@ -196,6 +196,12 @@ pub enum JournalError {
         #[source]
         source: tokio_postgres::Error,
     },
+    /// Another live node of the fleet holds the session: only it may mint its fences.
+    #[error(
+        "HeldByAnotherNode: session {session} is held by node {node}, which is alive; send the \
+         call there (ListNodes gives its address)"
+    )]
+    HeldElsewhere { session: String, node: String },
     /// The journal's database could not be reached (or its connection pool gave up).
     #[error("journal database unreachable ({context}): {reason}")]
     Unavailable { context: String, reason: String },
@@ -312,6 +318,12 @@ pub trait Journal: Send + Sync {
     /// The fleet's nodes, by name.
     fn nodes(&self) -> Result<Vec<NodeEntry>> {
         Ok(Vec::new())
+    }
+
+    /// Lets go of every session this node holds without running compute (after a drain
+    /// suspended them): any node may take each at its next call. Returns how many.
+    fn release_held(&self) -> Result<u64> {
+        Ok(0)
     }
 }
 

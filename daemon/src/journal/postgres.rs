@@ -460,21 +460,42 @@ impl Journal for PostgresJournal {
     }
 
     /// Also makes this node the session's holder: from here on its node-wide sweeps are
-    /// this node's, and another node's writes under an older fence are refused.
+    /// this node's, and another node's writes under an older fence are refused. Only a
+    /// session nobody holds, this node holds, or whose holder's heartbeats stopped for a
+    /// lease can be taken: of two nodes racing for one session, one gets it and the other
+    /// `HeldElsewhere`, in one statement.
     fn new_fence(&self, uid: &str) -> Result<i64> {
         let uid = uid.to_owned();
         let node = self.node.clone();
+        let lease_ns = i64::try_from(self.lease.as_nanos()).unwrap_or(i64::MAX);
         self.with("mint a fence", move |client| async move {
-            client
+            let minted = client
                 .query_opt(
-                    "UPDATE sessions SET fence = fence + 1, updated_at = $2, holder = $3
-                     WHERE session = $1 RETURNING fence",
-                    &[&uid, &now_nanos(), &node],
+                    &format!(
+                        "UPDATE sessions SET fence = fence + 1, updated_at = $2, holder = $3
+                         WHERE session = $1 AND (holder = '' OR holder = $3 OR NOT EXISTS (
+                           SELECT 1 FROM nodes WHERE nodes.name = sessions.holder
+                             AND nodes.heartbeat_at > {DB_NOW} - $4))
+                         RETURNING fence"
+                    ),
+                    &[&uid, &now_nanos(), &node, &lease_ns],
                 )
                 .await
-                .map_err(pg(format!("mint fence for {uid}")))?
-                .map(|row| row.get(0))
-                .ok_or(JournalError::NotFound(uid))
+                .map_err(pg(format!("mint fence for {uid}")))?;
+            if let Some(row) = minted {
+                return Ok(row.get(0));
+            }
+            let holder = client
+                .query_opt("SELECT holder FROM sessions WHERE session = $1", &[&uid])
+                .await
+                .map_err(pg(format!("read the holder of {uid}")))?;
+            match holder {
+                None => Err(JournalError::NotFound(uid)),
+                Some(row) => Err(JournalError::HeldElsewhere {
+                    session: uid,
+                    node: row.get(0),
+                }),
+            }
         })
     }
 
@@ -675,6 +696,19 @@ impl Journal for PostgresJournal {
 
     fn nodes(&self) -> Result<Vec<NodeEntry>> {
         self.fleet()
+    }
+
+    fn release_held(&self) -> Result<u64> {
+        let node = self.node.clone();
+        self.with("release held sessions", move |client| async move {
+            client
+                .execute(
+                    "UPDATE sessions SET holder = '' WHERE holder = $1 AND compute_state != $2",
+                    &[&node, &(ComputeState::ComputeLive as i32)],
+                )
+                .await
+                .map_err(pg(format!("release the sessions of {node}")))
+        })
     }
 
     fn open_operations(&self) -> Result<Vec<(i64, Operation)>> {

@@ -6,11 +6,27 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::journal::{Holder, Journal};
+use crate::journal::Holder;
 
 use super::SessionHost;
 
 impl SessionHost {
+    /// From now until the node restarts, new work (sessions, turns, resumes, forks) is
+    /// refused, so a drain's suspends are the last word here.
+    pub fn start_draining(&self) {
+        self.draining
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    pub(super) fn refuse_if_draining(&self) -> Result<(), tonic::Status> {
+        match self.draining.load(std::sync::atomic::Ordering::SeqCst) {
+            true => Err(tonic::Status::unavailable(
+                "NodeDraining: this node is draining; send the call to another node of the fleet",
+            )),
+            false => Ok(()),
+        }
+    }
+
     /// Stops this node's compute of every session another live node now holds. Nothing is
     /// recorded: the session's log is the new holder's to write.
     pub async fn release_taken_over(&self) -> usize {
@@ -42,23 +58,14 @@ impl SessionHost {
     }
 }
 
-/// What a node reports of itself with each heartbeat (`agentvm node list` shows it).
-fn status(journal: &dyn Journal) -> String {
-    let counts: serde_json::Map<String, serde_json::Value> = journal
-        .count_by_compute_state()
-        .unwrap_or_default()
-        .into_iter()
-        .map(|(state, n)| (state.as_str_name().to_owned(), n.into()))
-        .collect();
-    serde_json::json!({ "sessions": counts }).to_string()
-}
-
 /// Beats every `every` (a third of the lease) until the task is dropped, the first time at
-/// once; after each beat, lets go of what other nodes took over.
+/// once, with what `status` says of the node then (`agentvm node list` shows it); after
+/// each beat, lets go of what other nodes took over.
 pub fn heartbeat(
     host: Arc<SessionHost>,
     address: String,
     every: Duration,
+    status: Arc<dyn Fn() -> String + Send + Sync>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(every);
@@ -68,10 +75,9 @@ pub fn heartbeat(
             tick.tick().await;
             let journal = host.journal.clone();
             let address = address.clone();
-            let beat = tokio::task::spawn_blocking(move || {
-                journal.heartbeat(&address, &status(journal.as_ref()))
-            })
-            .await;
+            let status = status.clone();
+            let beat =
+                tokio::task::spawn_blocking(move || journal.heartbeat(&address, &status())).await;
             match beat {
                 Ok(Ok(())) if failing => {
                     tracing::info!("heartbeats reach the journal again");

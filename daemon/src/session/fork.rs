@@ -41,6 +41,7 @@ impl SessionHost {
     }
 
     async fn fork_children(&self, req: ForkRequest) -> Result<Vec<Session>, Status> {
+        self.refuse_if_draining()?;
         let parent = self.active_row(&req.session)?;
         let uid = parent.uid.clone();
         self.admit_disk("a fork")?;

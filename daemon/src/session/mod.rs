@@ -89,6 +89,8 @@ pub struct SessionHost {
     live: Mutex<HashMap<String, Live>>,
     /// Set once the runtimes' lost-compute reports are being recorded.
     watching: std::sync::atomic::AtomicBool,
+    /// Set by a drain: new work goes to other nodes.
+    draining: std::sync::atomic::AtomicBool,
     /// Free space new work must leave in the node's directories.
     disk: Option<crate::disk::DiskReserve>,
 }
@@ -144,6 +146,7 @@ impl SessionHost {
             guards: Arc::default(),
             live: Mutex::default(),
             watching: Default::default(),
+            draining: Default::default(),
             disk: None,
         }
     }
@@ -342,6 +345,7 @@ impl SessionHost {
     }
 
     fn create_row(&self, new: NewSession) -> Result<SessionRow, Status> {
+        self.refuse_if_draining()?;
         let harness = if new.harness.is_empty() {
             DEFAULT_HARNESS.to_owned()
         } else {

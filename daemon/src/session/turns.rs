@@ -87,6 +87,7 @@ impl SessionHost {
     /// Exec: streams the Session first, then records and deltas, then the final Session.
     /// An error after the first frame is returned for the caller to send as the stream's end.
     pub async fn exec(&self, req: ExecRequest, updates: &Updates) -> Result<(), Status> {
+        self.refuse_if_draining()?;
         let row = if req.session.is_empty() {
             self.create_row(NewSession {
                 harness: req.harness.clone(),
@@ -314,10 +315,18 @@ impl SessionHost {
                 return Err(s);
             }
         };
-        let fence = self
-            .journal
-            .new_fence(&row.uid)
-            .map_err(|e| journal_status(&e))?;
+        let fence = match self.journal.new_fence(&row.uid) {
+            Ok(fence) => fence,
+            Err(e) => {
+                if let crate::journal::JournalError::HeldElsewhere { .. } = e {
+                    // Another node took the session while this one started its compute.
+                    if let Some((inc, rt)) = self.live_take(&row.uid) {
+                        let _ = rt.stop(&inc).await;
+                    }
+                }
+                return Err(journal_status(&e));
+            }
+        };
         let (observer, forward) = match updates {
             Some(updates) => {
                 let (tx, mut rx) = mpsc::channel::<ExecUpdate>(64);
@@ -594,6 +603,7 @@ impl SessionHost {
     /// interrupted execution, then append RESUME, whether the session was cold or not, as
     /// upstream does (semantics.md, Resume step 6): a re-driven turn ends `END, RESUME`.
     pub async fn resume(&self, uid: &str) -> Result<Session, Status> {
+        self.refuse_if_draining()?;
         let row = self.active_row(uid)?;
         let held = self
             .guards

@@ -74,6 +74,16 @@ enum Command {
 enum NodeCommand {
     /// Capacity, KVM flavour, VMM version, free memory, sessions and harnesses.
     Status,
+    /// The nodes sharing this node's journal, with their heartbeats and sessions.
+    List,
+    /// Refuse new work on node NAME, suspend everything it runs and let go of its sessions,
+    /// so other nodes take them (found through the node at --addr).
+    Drain {
+        name: String,
+        /// How long the suspends may take in all, in seconds.
+        #[arg(long, default_value_t = 60)]
+        timeout_secs: u32,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -165,13 +175,22 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
             ))?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Node(NodeCommand::Status) => {
+        Command::Node(command) => {
             let addr = cli.addr.clone().unwrap_or_else(config::default_listen);
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
                 .context("starting the async runtime")?;
-            runtime.block_on(node_cmd::status(&addr, &cli.credentials(), cli.json))?;
+            let creds = cli.credentials();
+            runtime.block_on(async {
+                match command {
+                    NodeCommand::Status => node_cmd::status(&addr, &creds, cli.json).await,
+                    NodeCommand::List => node_cmd::list(&addr, &creds, cli.json).await,
+                    NodeCommand::Drain { name, timeout_secs } => {
+                        node_cmd::drain(&addr, &creds, name, *timeout_secs, cli.json).await
+                    }
+                }
+            })?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Harness(HarnessCommand::Serve { name, listen }) => {

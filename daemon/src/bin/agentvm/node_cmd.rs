@@ -1,8 +1,8 @@
 //! `agentvm node status`: the node's capacity and make-up, as a fleet scheduler sees it.
 
 use agentvm_proto::canon::to_proto_json;
-use agentvm_proto::node::v1::GetStatusRequest;
 use agentvm_proto::node::v1::node_client::NodeClient;
+use agentvm_proto::node::v1::{DrainRequest, GetStatusRequest, ListNodesRequest};
 use agentvmd::config::ListenAddr;
 use anyhow::Context;
 
@@ -10,13 +10,136 @@ fn mib(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / f64::from(1 << 20))
 }
 
+type Client = NodeClient<
+    tonic::service::interceptor::InterceptedService<
+        tonic::transport::Channel,
+        agentvmd::client::Bearer,
+    >,
+>;
+
+async fn client(
+    addr: &ListenAddr,
+    creds: &agentvmd::client::Credentials,
+) -> anyhow::Result<Client> {
+    let channel = agentvmd::client::connect_with(addr, creds).await?;
+    Ok(NodeClient::with_interceptor(
+        channel,
+        agentvmd::client::bearer(creds.token.clone())?,
+    ))
+}
+
+/// `agentvm node list`: the fleet as the node at `addr` sees it in the shared journal.
+pub async fn list(
+    addr: &ListenAddr,
+    creds: &agentvmd::client::Credentials,
+    json: bool,
+) -> anyhow::Result<()> {
+    let fleet = client(addr, creds)
+        .await?
+        .list_nodes(ListNodesRequest {})
+        .await?
+        .into_inner();
+    if json {
+        println!("{}", to_proto_json(&fleet).context("rendering JSON")?);
+        return Ok(());
+    }
+    if fleet.nodes.is_empty() {
+        println!(
+            "node {} keeps a journal of its own: it is not part of a fleet",
+            fleet.this_node
+        );
+        return Ok(());
+    }
+    println!(
+        "{:<20} {:<6} {:>10}  {:<12} address",
+        "node", "alive", "heartbeat", "sessions"
+    );
+    for n in &fleet.nodes {
+        let status: serde_json::Value = serde_json::from_str(&n.status_json).unwrap_or_default();
+        let count = |key: &str| {
+            status
+                .get(key)
+                .and_then(|v| v.as_str())
+                .unwrap_or("0")
+                .to_owned()
+        };
+        let marker = if n.name == fleet.this_node {
+            " (this)"
+        } else {
+            ""
+        };
+        println!(
+            "{:<20} {:<6} {:>8.1} s  {:<12} {}{marker}",
+            n.name,
+            if n.alive { "yes" } else { "no" },
+            n.heartbeat_age_ms as f64 / 1000.0,
+            format!("{} ({} live)", count("sessions"), count("sessionsLive")),
+            n.address
+        );
+    }
+    Ok(())
+}
+
+/// `agentvm node drain NAME`: asks node NAME (at the address the fleet gives for it, or
+/// `addr` itself) to drain.
+pub async fn drain(
+    addr: &ListenAddr,
+    creds: &agentvmd::client::Credentials,
+    name: &str,
+    timeout_secs: u32,
+    json: bool,
+) -> anyhow::Result<()> {
+    let mut here = client(addr, creds).await?;
+    let fleet = here.list_nodes(ListNodesRequest {}).await?.into_inner();
+    let mut target = if fleet.this_node == name {
+        here
+    } else {
+        let node = fleet
+            .nodes
+            .iter()
+            .find(|n| n.name == name)
+            .with_context(|| {
+                format!("no node {name:?} in the fleet of node {}", fleet.this_node)
+            })?;
+        let at: ListenAddr = node
+            .address
+            .parse()
+            .map_err(|e| anyhow::anyhow!("node {name}'s address {:?}: {e}", node.address))?;
+        client(&at, creds).await?
+    };
+    let drained = target
+        .drain(DrainRequest {
+            name: name.to_owned(),
+            timeout_secs,
+        })
+        .await?
+        .into_inner();
+    if json {
+        println!("{}", to_proto_json(&drained).context("rendering JSON")?);
+    } else {
+        println!(
+            "node {name} drained: {} suspended, {} released to the fleet",
+            drained.suspended, drained.released
+        );
+        for failed in &drained.failed {
+            println!("not suspended: {failed}");
+        }
+    }
+    anyhow::ensure!(
+        drained.failed.is_empty(),
+        "{} sessions could not be suspended",
+        drained.failed.len()
+    );
+    Ok(())
+}
+
 pub async fn status(
     addr: &ListenAddr,
     creds: &agentvmd::client::Credentials,
     json: bool,
 ) -> anyhow::Result<()> {
-    let channel = agentvmd::client::connect_with(addr, creds).await?;
-    let s = NodeClient::with_interceptor(channel, agentvmd::client::bearer(creds.token.clone())?)
+    let s = client(addr, creds)
+        .await?
         .get_status(GetStatusRequest {})
         .await?
         .into_inner();

@@ -284,3 +284,31 @@ fn a_holder_is_alive_while_it_beats_and_gone_after_a_lease() {
         other => panic!("{other:?}"),
     }
 }
+
+/// Nodes racing to take one session: each fence goes to a node that may take it, so while
+/// the winner beats, the others are told who holds it.
+#[test]
+fn of_nodes_racing_for_a_session_one_holds_it() {
+    use crate::journal::suite::session;
+    let Some(server) = server() else { return };
+    server.create_database("race_fence").unwrap();
+    let nodes: Vec<Arc<PostgresJournal>> = (0..4)
+        .map(|n| Arc::new(connect(&server, "race_fence", &format!("node-{n}"))))
+        .collect();
+    for j in &nodes {
+        j.heartbeat("unix:/nowhere", "{}").unwrap();
+    }
+    nodes[0].create_session(&session("s", "p", 1)).unwrap();
+    nodes[0].release_held().unwrap();
+    let threads: Vec<_> = nodes
+        .iter()
+        .cloned()
+        .map(|j| std::thread::spawn(move || j.new_fence("s")))
+        .collect();
+    let results: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    let won: Vec<_> = results.iter().filter(|r| r.is_ok()).collect();
+    assert_eq!(won.len(), 1, "{results:?}");
+    for lost in results.iter().filter_map(|r| r.as_ref().err()) {
+        assert!(matches!(lost, JournalError::HeldElsewhere { .. }), "{lost}");
+    }
+}
