@@ -9,6 +9,7 @@ use std::time::Instant;
 use agentvm_proto::v1::{
     ComputeState, Event, EventKind, Message, Part, TextPart, event::Body, part,
 };
+use agentvmd::journal::postgres::PostgresJournal;
 use agentvmd::journal::sqlite::{Durability, SqliteJournal};
 use agentvmd::journal::verify::verify_chain;
 use agentvmd::journal::{Journal, SessionRow};
@@ -93,6 +94,73 @@ fn concurrent_rate(
     (sessions * per_session) as f64 / start.elapsed().as_secs_f64()
 }
 
+/// Records per second appended to `j` (sessions created here as `PREFIX-N`): `sessions`
+/// threads at once, `per_session` calls each of `batch` records.
+fn rate_on(
+    j: Arc<dyn Journal>,
+    prefix: &str,
+    sessions: usize,
+    per_session: usize,
+    batch: usize,
+) -> f64 {
+    for s in 0..sessions {
+        j.create_session(&SessionRow {
+            uid: format!("{prefix}-{s}"),
+            project: "bench".into(),
+            compute_state: ComputeState::ComputeNone,
+            ..Default::default()
+        })
+        .unwrap();
+    }
+    let start = Instant::now();
+    let threads: Vec<_> = (0..sessions)
+        .map(|s| {
+            let j = Arc::clone(&j);
+            let uid = format!("{prefix}-{s}");
+            std::thread::spawn(move || {
+                let events: Vec<Event> = (0..batch).map(event).collect();
+                for n in 0..per_session {
+                    j.append(&uid, (n * batch) as i64, 0, &events).unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    (sessions * per_session * batch) as f64 / start.elapsed().as_secs_f64()
+}
+
+/// The same appends against a real PostgreSQL (a server of the bench's own, fsync on),
+/// when the host has one installed.
+fn postgres_rows(runs: usize) {
+    let server = match agentvmd::testing::TestPostgres::start() {
+        Ok(server) => server,
+        Err(why) => {
+            println!("SKIPPED: PostgreSQL rows: {why}");
+            return;
+        }
+    };
+    server.create_database("bench").unwrap();
+    let j: Arc<dyn Journal> =
+        Arc::new(PostgresJournal::connect(&server.url("bench"), "bench").unwrap());
+    let mut run = 0;
+    for (name, sessions, per_session, batch) in [
+        ("postgres: append, fsync per record", 1, 300, 1),
+        ("postgres: append, 16/txn", 1, 64, 16),
+        ("postgres: append, 16 sessions at once", 16, 50, 1),
+        ("postgres: append, 64 sessions at once", 64, 20, 1),
+    ] {
+        let rates: Vec<f64> = (0..runs)
+            .map(|_| {
+                run += 1;
+                rate_on(j.clone(), &format!("r{run}"), sessions, per_session, batch)
+            })
+            .collect();
+        summary(name, "records/s", rates);
+    }
+}
+
 fn summary(name: &str, unit: &str, mut xs: Vec<f64>) {
     xs.sort_by(|a, b| a.partial_cmp(b).unwrap());
     println!(
@@ -133,6 +201,8 @@ fn main() {
             rates,
         );
     }
+
+    postgres_rows(runs);
 
     let n = if quick { 5_000 } else { 100_000 };
     let j = fresh(&dir, "verify.db", Durability::Relaxed);
