@@ -43,6 +43,8 @@ pub struct NodeConfig {
     pub node_name: String,
     /// How long a node of the fleet may miss heartbeats before its sessions are taken over.
     pub lease: std::time::Duration,
+    /// Where snapshots are published for the fleet; `None`: the node's own store only.
+    pub snapshot_remote: Option<crate::runtime::microvm::remote::SnapshotRemote>,
     /// Program and leading arguments that serve a built-in harness; `NAME --listen unix:PATH`
     /// follow. Default: the `agentvm` binary beside this one, `harness serve`.
     pub harness_command: Vec<String>,
@@ -99,6 +101,7 @@ impl NodeConfig {
             journal_url: None,
             node_name: host_name(),
             lease: crate::journal::postgres::DEFAULT_LEASE,
+            snapshot_remote: None,
             harness_command: default_harness_command(),
             durability: Durability::Full,
             openai: None,
@@ -208,6 +211,7 @@ fn microvm_runtime(cfg: &NodeConfig) -> Result<MicrovmRuntime, String> {
         confine: cfg.confine_vmms,
         vm_uid_base: cfg.vm_uid_base,
         memory_limit_mib: cfg.vmm_memory_limit_mib,
+        snapshot_remote: cfg.snapshot_remote.clone(),
     })
 }
 

@@ -75,6 +75,10 @@ pub struct Settings {
     /// unix socket). Default: the embedded sqlite journal, STATE_DIR/journal.db.
     #[arg(long)]
     pub journal_url: Option<String>,
+    /// Where snapshots are published so any node of a fleet can resume any session:
+    /// `file:///DIR`, a directory every node mounts. Default: the node's own store only.
+    #[arg(long)]
+    pub snapshot_url: Option<String>,
     /// This node's name in the fleet (what its sessions and intents are recorded under).
     /// Default: the host name.
     #[arg(long)]
@@ -228,6 +232,7 @@ impl Settings {
             file,
             state_dir,
             journal_url,
+            snapshot_url,
             node_name,
             advertise_address,
             lease_secs,
@@ -275,6 +280,7 @@ impl Settings {
             self.journal_url.as_deref().map(without_password),
         );
         put("node_name", self.node_name.clone());
+        put("snapshot_url", self.snapshot_url.clone());
         put("advertise_address", self.advertise_address.clone());
         put("listen", self.listen.as_ref().map(|l| l.to_string()));
         put(

@@ -17,6 +17,8 @@
 
 mod support;
 
+use support::daemon::{kvm_unavailable, vmm_binary};
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
@@ -32,26 +34,6 @@ use agentvmd::crash_point;
 use agentvmd::journal::verify::verify_chain;
 use support::{create_for, replay};
 use tonic::transport::Channel;
-
-fn kvm_unavailable() -> Option<String> {
-    std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-        .err()
-        .map(|e| format!("/dev/kvm is not usable here ({e})"))
-}
-
-fn vmm_binary() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let binary = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .unwrap()
-        .join("agentvm-vmm");
-    assert!(binary.is_file(), "{} is missing", binary.display());
-    binary
-}
 
 /// One agentvmd process over `dir`; killed (and its VMMs reaped) when dropped.
 struct Daemon {

@@ -8,23 +8,36 @@ mod support;
 use std::time::{Duration, Instant};
 
 use agentvmd::testing::TestPostgres;
-use support::daemon::{Daemon, cli, start_daemon_with};
+use support::daemon::{Daemon, cli, kvm_unavailable, start_daemon_with, vmm_binary};
 
 const LEASE_SECS: u64 = 3;
 
 fn node(dir: &std::path::Path, name: &str, url: &str) -> Daemon {
+    node_with(dir, name, url, &[])
+}
+
+fn node_with(dir: &std::path::Path, name: &str, url: &str, extra: &[&str]) -> Daemon {
     let lease = LEASE_SECS.to_string();
-    start_daemon_with(
-        dir,
-        &[
-            "--journal-url",
-            url,
-            "--node-name",
-            name,
-            "--lease-secs",
-            &lease,
-        ],
-    )
+    let mut args = vec![
+        "--journal-url",
+        url,
+        "--node-name",
+        name,
+        "--lease-secs",
+        &lease,
+    ];
+    args.extend(extra);
+    start_daemon_with(dir, &args)
+}
+
+fn postgres() -> Option<TestPostgres> {
+    match TestPostgres::start() {
+        Ok(server) => Some(server),
+        Err(why) => {
+            println!("SKIPPED: no PostgreSQL server to test against: {why}");
+            None
+        }
+    }
 }
 
 fn exec(d: &Daemon, uid: &str, input: &str) -> (bool, String, String) {
@@ -33,13 +46,7 @@ fn exec(d: &Daemon, uid: &str, input: &str) -> (bool, String, String) {
 
 #[test]
 fn a_session_moves_to_another_node_only_when_its_holder_is_gone() {
-    let server = match TestPostgres::start() {
-        Ok(server) => server,
-        Err(why) => {
-            println!("SKIPPED: no PostgreSQL server to test against: {why}");
-            return;
-        }
-    };
+    let Some(server) = postgres() else { return };
     server.create_database("fleet").unwrap();
     let url = server.url("fleet");
     let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
@@ -142,4 +149,79 @@ fn a_session_moves_to_another_node_only_when_its_holder_is_gone() {
     assert_eq!(raced, 1, "{out}");
     let (ok, out, err) = cli(&c, &["verify", &uid]);
     assert!(ok && out.contains("chain intact"), "{out}{err}");
+}
+
+/// The counter harness keeps its count only in guest RAM: suspended on node-a, whose
+/// snapshot goes to the fleet's shared store, it answers its next turn on node-b from
+/// where it was, restored from that snapshot.
+#[test]
+fn a_suspended_memory_session_continues_on_another_node() {
+    if let Some(why) = kvm_unavailable() {
+        println!("SKIPPED: {why}");
+        return;
+    }
+    let Some(server) = postgres() else { return };
+    server.create_database("fleet_memory").unwrap();
+    let url = server.url("fleet_memory");
+    let shared = tempfile::tempdir().unwrap();
+    let snapshot_url = format!("file://{}", shared.path().display());
+    let vmm = vmm_binary();
+    let vmm = vmm.to_str().unwrap();
+    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = node_with(
+        dir_a.path(),
+        "node-a",
+        &url,
+        &["--vmm-binary", vmm, "--snapshot-url", &snapshot_url],
+    );
+    // Two nodes on one host: VM uids from ranges of their own.
+    let b = node_with(
+        dir_b.path(),
+        "node-b",
+        &url,
+        &[
+            "--vmm-binary",
+            vmm,
+            "--snapshot-url",
+            &snapshot_url,
+            "--vm-uid-base",
+            "1879179264",
+        ],
+    );
+    let (ok, out, err) = cli(&a, &["--json", "create", "--harness", "testguest"]);
+    assert!(ok, "{err}");
+    let created: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let uid = created["metadata"]["uid"].as_str().unwrap().to_owned();
+    let count = |d: &Daemon| -> String {
+        let (ok, out, err) = exec(d, &uid, "tick");
+        assert!(ok, "{out}{err}");
+        out
+    };
+    let first = count(&a);
+    let second = count(&a);
+    let (ok, out, err) = cli(&a, &["suspend", &uid]);
+    assert!(ok && out.contains("compute=COLD"), "{out}{err}");
+    let published: Vec<_> = std::fs::read_dir(shared.path())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        published.len() == 1 && published[0].ends_with(".agvmsnap"),
+        "{published:?}"
+    );
+    let third = count(&b);
+    assert!(
+        first.contains("assistant: 1") && second.contains("assistant: 2"),
+        "{first}\n{second}"
+    );
+    assert!(
+        third.contains("assistant: 3"),
+        "node-b did not go on from node-a's count:\n{third}"
+    );
+    let (ok, out, err) = cli(&b, &["verify", &uid]);
+    assert!(ok && out.contains("chain intact"), "{out}{err}");
+    // node-a is told the session is node-b's now.
+    let (ok, _, err) = exec(&a, &uid, "tick");
+    assert!(!ok && err.contains("node-b"), "{err}");
 }

@@ -223,6 +223,7 @@ fn runtime_config(
         confine: true,
         vm_uid_base: agentvmd::runtime::microvm::DEFAULT_VM_UID_BASE,
         memory_limit_mib: None,
+        snapshot_remote: None,
     }
 }
 

@@ -81,6 +81,17 @@ fn copy_snapshot_files(from: &Path, to: &Path) -> Result<(), SnapshotError> {
     sync_dir(to)
 }
 
+/// Syncs every file in `dir`, then the directory.
+fn sync_files(dir: &Path) -> Result<(), SnapshotError> {
+    for entry in std::fs::read_dir(dir).map_err(io(dir))? {
+        let path = entry.map_err(io(dir))?.path();
+        std::fs::File::open(&path)
+            .and_then(|f| f.sync_all())
+            .map_err(io(&path))?;
+    }
+    sync_dir(dir)
+}
+
 fn sync_dir(dir: &Path) -> Result<(), SnapshotError> {
     std::fs::File::open(dir)
         .and_then(|d| d.sync_all())
@@ -424,6 +435,30 @@ impl LocalStore {
     /// Writes snapshot `id` (flattened) as a portable archive.
     pub fn export(&self, id: &str, out: impl Write) -> Result<(), SnapshotError> {
         archive::export(&self.get(id)?, out)
+    }
+
+    /// Imports an archive another node exported as snapshot `id`, durably: checked against
+    /// every digest, each file and the directory synced, before it appears under its name;
+    /// then sealed and stamped like every snapshot of the store. Nothing stays if it fails.
+    pub fn fetch(&self, id: &str, input: impl Read) -> Result<PathBuf, SnapshotError> {
+        let dir = self.unused_dir(id)?;
+        let incoming = self.root.join(format!("{INCOMING}{id}"));
+        let _ = std::fs::remove_dir_all(&incoming);
+        let fetched = std::fs::create_dir(&incoming)
+            .map_err(io(&incoming))
+            .and_then(|()| archive::import(input, &incoming))
+            .and_then(|_| sync_files(&incoming))
+            .and_then(|()| {
+                std::fs::rename(&incoming, &dir).map_err(io(&dir))?;
+                sync_dir(&self.root)
+            });
+        if let Err(e) = fetched {
+            let _ = std::fs::remove_dir_all(&incoming);
+            return Err(e);
+        }
+        seal(&dir)?;
+        restamp(&dir)?;
+        Ok(dir)
     }
 
     /// Imports an archive as snapshot `id`; nothing is left behind if it fails.

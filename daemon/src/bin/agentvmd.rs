@@ -67,6 +67,17 @@ fn node_config(s: &Settings) -> anyhow::Result<(NodeConfig, ListenAddr, ListenAd
         .unwrap_or_else(|| config::default_admin_listen(&listen));
     let mut node_config = NodeConfig::new(state_dir);
     node_config.journal_url = s.journal_url.clone();
+    if let Some(url) = &s.snapshot_url {
+        let remote: agentvmd::runtime::microvm::remote::SnapshotRemote =
+            url.parse().map_err(|e: String| anyhow::anyhow!(e))?;
+        let agentvmd::runtime::microvm::remote::SnapshotRemote::Dir(dir) = &remote;
+        anyhow::ensure!(
+            dir.is_dir(),
+            "snapshot_url: {} is not a directory",
+            dir.display()
+        );
+        node_config.snapshot_remote = Some(remote);
+    }
     if let Some(secs) = s.lease_secs {
         anyhow::ensure!(
             secs >= 3,

@@ -325,6 +325,13 @@ pub trait Journal: Send + Sync {
     fn release_held(&self) -> Result<u64> {
         Ok(0)
     }
+
+    /// Lets go of `uid` if this node holds it and its compute is not LIVE (it was just
+    /// suspended): any node may take it at its next call.
+    fn release(&self, uid: &str) -> Result<()> {
+        let _ = uid;
+        Ok(())
+    }
 }
 
 /// A stored record as the log holds it; an event blob that no longer decodes is reported

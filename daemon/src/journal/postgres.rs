@@ -698,6 +698,21 @@ impl Journal for PostgresJournal {
         self.fleet()
     }
 
+    fn release(&self, uid: &str) -> Result<()> {
+        let (node, uid) = (self.node.clone(), uid.to_owned());
+        self.with("release a session", move |client| async move {
+            client
+                .execute(
+                    "UPDATE sessions SET holder = '' WHERE session = $1 AND holder = $2
+                       AND compute_state != $3",
+                    &[&uid, &node, &(ComputeState::ComputeLive as i32)],
+                )
+                .await
+                .map_err(pg(format!("release {uid}")))?;
+            Ok(())
+        })
+    }
+
     fn release_held(&self) -> Result<u64> {
         let node = self.node.clone();
         self.with("release held sessions", move |client| async move {

@@ -556,6 +556,10 @@ impl SessionHost {
         self.suspend_at_head(uid, "", Some(snapshot))?;
         crash_point::reached(crash_point::SUSPEND_RECORDED);
         drop(intent);
+        // Nothing runs here any more: any node of a fleet may take it at its next call.
+        if let Err(e) = self.journal.release(uid) {
+            tracing::warn!(session = %uid, error = %e, "the suspended session stays held here");
+        }
         tracing::info!(session = %uid, "session suspended");
         self.view(uid)
     }

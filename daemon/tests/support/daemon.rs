@@ -8,13 +8,38 @@ use std::time::{Duration, Instant};
 pub struct Daemon {
     pub child: Child,
     pub api: PathBuf,
+    dir: PathBuf,
 }
 
+/// Stops the daemon and the VMMs it started (they outlive a daemon by design).
 impl Drop for Daemon {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        super::reap_vmms(&self.dir.join("state").join("vms"));
     }
+}
+
+/// The agentvm-vmm this build made (beside the test binaries' directory).
+pub fn vmm_binary() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let binary = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .unwrap()
+        .join("agentvm-vmm");
+    assert!(binary.is_file(), "{} is missing", binary.display());
+    binary
+}
+
+/// Why the microVM tests cannot run here, if they cannot.
+pub fn kvm_unavailable() -> Option<String> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .err()
+        .map(|e| format!("/dev/kvm is not usable here ({e})"))
 }
 
 impl Daemon {
@@ -61,7 +86,11 @@ pub fn start_daemon_with(dir: &Path, extra: &[&str]) -> Daemon {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    Daemon { child, api }
+    Daemon {
+        child,
+        api,
+        dir: dir.to_owned(),
+    }
 }
 
 /// Runs `agentvm --addr <the daemon> ARGS`: (success, stdout, stderr).

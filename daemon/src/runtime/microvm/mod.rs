@@ -18,6 +18,7 @@ mod fast_moves;
 pub mod flavour;
 pub mod guest;
 pub mod jail;
+pub mod remote;
 pub mod vmm_process;
 
 use std::path::{Path, PathBuf};
@@ -92,6 +93,9 @@ pub struct MicrovmConfig {
     /// The memory limit of each VMM's cgroup. Default: the largest guest memory of any image
     /// plus 128 MiB for the VMM itself.
     pub memory_limit_mib: Option<u64>,
+    /// Where snapshots are published for the whole fleet (`remote.rs`); `None`: they stay in
+    /// this node's store.
+    pub snapshot_remote: Option<remote::SnapshotRemote>,
 }
 
 /// Prefix of the directories and cgroups of a VMM on its way out (see `retire_vmm`).
@@ -428,6 +432,46 @@ impl MicrovmRuntime {
         }
     }
 
+    /// The URI the journal records for snapshot `id` (sealed in the store at `target`): its
+    /// published archive when the fleet shares a snapshot store, else the local directory.
+    async fn publish(
+        &self,
+        id: &str,
+        target: &std::path::Path,
+    ) -> std::result::Result<String, String> {
+        let Some(remote) = self.config.snapshot_remote.clone() else {
+            return Ok(format!("file://{}", target.display()));
+        };
+        let (store, id) = (self.store.clone(), id.to_owned());
+        tokio::task::spawn_blocking(move || remote.publish(&store, &id))
+            .await
+            .map_err(|e| format!("publishing the snapshot: {e}"))?
+            .map_err(|e| format!("publishing the snapshot for the fleet: {e}"))
+    }
+
+    /// The local directory of the snapshot `snapshot` names: this node's own, or fetched
+    /// from the fleet's snapshot store.
+    async fn local_snapshot(&self, snapshot: &SnapshotRef) -> std::result::Result<PathBuf, String> {
+        if let Some(remote) = &self.config.snapshot_remote
+            && remote.id_of(&snapshot.external_uri).is_some()
+        {
+            let (remote, store, uri) = (
+                remote.clone(),
+                self.store.clone(),
+                snapshot.external_uri.clone(),
+            );
+            return tokio::task::spawn_blocking(move || remote.fetch(&uri, &store))
+                .await
+                .map_err(|e| format!("fetching the snapshot: {e}"))?;
+        }
+        snapshot_dir(snapshot).ok_or_else(|| {
+            format!(
+                "snapshot {:?} holds no memory to restore",
+                snapshot.external_uri
+            )
+        })
+    }
+
     /// Restores `snapshot` as `session` and tells the guest it was restored or forked.
     async fn restore_as(
         &self,
@@ -435,15 +479,10 @@ impl MicrovmRuntime {
         session: &str,
         kind: RestoredKind,
     ) -> Result<Incarnation> {
-        let source = snapshot_dir(snapshot).ok_or_else(|| {
-            failed(
-                session,
-                format!(
-                    "snapshot {:?} holds no memory to restore",
-                    snapshot.external_uri
-                ),
-            )
-        })?;
+        let source = self
+            .local_snapshot(snapshot)
+            .await
+            .map_err(|e| failed(session, e))?;
         let id = source
             .file_name()
             .and_then(|n| n.to_str())
@@ -839,6 +878,15 @@ impl Runtime for MicrovmRuntime {
                 return Err(failed(session, e));
             }
         };
+        // Published for the fleet while the VM is still there to go on if that fails.
+        let external_uri = match self.publish(&id, &target).await {
+            Ok(uri) => uri,
+            Err(e) => {
+                let _ = self.store.delete(&id);
+                let _ = client.resume_idempotent().await;
+                return Err(failed(session, e));
+            }
+        };
         crate::metrics::global()
             .vmm_snapshot
             .observe(started.elapsed());
@@ -846,7 +894,7 @@ impl Runtime for MicrovmRuntime {
         self.retire_vmm(session, &dir).await;
         Ok(SnapshotRef {
             local: session.clone(),
-            external_uri: format!("file://{}", target.display()),
+            external_uri,
             memory: true,
             sealed: false,
         })
@@ -898,6 +946,13 @@ impl Runtime for MicrovmRuntime {
             .await
             .map_err(|e| failed(session, format!("copying the fork into the store: {e}")))?
             .map_err(|e| failed(session, format!("copying the fork into the store: {e}")))?;
+        let external_uri = match self.publish(&id, &target).await {
+            Ok(uri) => uri,
+            Err(e) => {
+                let _ = self.store.delete(&id);
+                return Err(failed(session, e));
+            }
+        };
         crate::crash_point::reached(crate::crash_point::SUSPEND_STORED);
         // A layer (the VM runs from a snapshot) is not what the VM runs over: only the store's
         // copy is needed. A fork of a booted VM is its RAM, which stays while the VM runs.
@@ -918,7 +973,7 @@ impl Runtime for MicrovmRuntime {
         );
         Ok(Some(SnapshotRef {
             local: session.clone(),
-            external_uri: format!("file://{}", target.display()),
+            external_uri,
             memory: true,
             sealed: false,
         }))
