@@ -153,7 +153,8 @@ fn a_session_moves_to_another_node_only_when_its_holder_is_gone() {
 
 /// The counter harness keeps its count only in guest RAM: suspended on node-a, whose
 /// snapshot goes to the fleet's shared store, it answers its next turn on node-b from
-/// where it was, restored from that snapshot.
+/// where it was, restored from that snapshot. A suspend that cannot publish fails and
+/// leaves the VM running.
 #[test]
 fn a_suspended_memory_session_continues_on_another_node() {
     if let Some(why) = kvm_unavailable() {
@@ -198,6 +199,14 @@ fn a_suspended_memory_session_continues_on_another_node() {
         out
     };
     let first = count(&a);
+    // With the shared store gone, a suspend fails and says why; the VM goes on where it was.
+    let away = shared.path().with_extension("away");
+    std::fs::rename(shared.path(), &away).unwrap();
+    let (ok, out, err) = cli(&a, &["suspend", &uid]);
+    std::fs::rename(&away, shared.path()).unwrap();
+    assert!(!ok && err.contains("publishing"), "{out}{err}");
+    let (ok, out, err) = cli(&a, &["get", &uid]);
+    assert!(ok && out.contains("compute=LIVE"), "{out}{err}");
     let second = count(&a);
     let (ok, out, err) = cli(&a, &["suspend", &uid]);
     assert!(ok && out.contains("compute=COLD"), "{out}{err}");
@@ -224,4 +233,73 @@ fn a_suspended_memory_session_continues_on_another_node() {
     // node-a is told the session is node-b's now.
     let (ok, _, err) = exec(&a, &uid, "tick");
     assert!(!ok && err.contains("node-b"), "{err}");
+}
+
+/// Processes under `dir` (a node's state) serving `session`: its harness, on the process
+/// runtime.
+fn serving(dir: &std::path::Path, session: &str) -> usize {
+    let dir = dir.to_string_lossy().into_owned();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().parse::<u32>().is_ok())
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .map(|cmdline| String::from_utf8_lossy(&cmdline).replace('\0', " "))
+        .filter(|args| args.contains(&dir) && args.contains(session) && args.contains("--listen"))
+        .count()
+}
+
+fn signal(d: &Daemon, name: &str) {
+    let sent = std::process::Command::new("kill")
+        .args([format!("-{name}"), d.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+}
+
+/// A node that stops beating (here: stopped with SIGSTOP, as a long pause or a partition
+/// would) loses its session to another node after a lease; once it runs again it stops its
+/// own compute of that session rather than run it beside the new holder's.
+#[test]
+fn a_node_that_missed_its_heartbeats_lets_go_of_what_was_taken() {
+    let Some(server) = postgres() else { return };
+    server.create_database("paused").unwrap();
+    let url = server.url("paused");
+    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = node(dir_a.path(), "node-a", &url);
+    let b = node(dir_b.path(), "node-b", &url);
+    let (ok, out, err) = cli(&a, &["--json", "create", "--harness", "echo"]);
+    assert!(ok, "{err}");
+    let created: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let uid = created["metadata"]["uid"].as_str().unwrap().to_owned();
+    let (ok, out, err) = exec(&a, &uid, "hello");
+    assert!(ok && out.contains("echo:hello"), "{out}{err}");
+    assert_eq!(serving(dir_a.path(), &uid), 1, "node-a runs the harness");
+
+    signal(&a, "STOP");
+    let paused = Instant::now();
+    loop {
+        let (ok, out, err) = exec(&b, &uid, "again");
+        if ok {
+            assert!(out.contains("echo:again"), "{out}");
+            break;
+        }
+        assert!(
+            paused.elapsed() < Duration::from_secs(LEASE_SECS * 4),
+            "node-b never took the session over: {err}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    signal(&a, "CONT");
+    let resumed = Instant::now();
+    while serving(dir_a.path(), &uid) > 0 {
+        assert!(
+            resumed.elapsed() < Duration::from_secs(LEASE_SECS * 3),
+            "node-a still runs the session node-b took"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (ok, _, err) = exec(&a, &uid, "mine?");
+    assert!(!ok && err.contains("node-b"), "{err}");
+    assert_eq!(serving(dir_b.path(), &uid), 1, "node-b runs it");
 }

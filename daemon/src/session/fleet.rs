@@ -37,16 +37,25 @@ impl SessionHost {
             .keys()
             .cloned()
             .collect();
+        // The journal is asked off the async threads: one question per running session.
+        let journal = self.journal.clone();
+        let taken = tokio::task::spawn_blocking(move || {
+            held.into_iter()
+                .filter_map(|uid| {
+                    let row = journal.get_session(&uid).ok()??;
+                    match journal.holder_of(&row) {
+                        Ok(Holder::Alive(node)) => Some((uid, node.name)),
+                        _ => None,
+                    }
+                })
+                .collect::<Vec<_>>()
+        })
+        .await
+        .unwrap_or_default();
         let mut released = 0;
-        for uid in held {
-            let Ok(Some(row)) = self.journal.get_session(&uid) else {
-                continue;
-            };
-            let Ok(Holder::Alive(node)) = self.journal.holder_of(&row) else {
-                continue;
-            };
+        for (uid, holder) in taken {
             if let Some((inc, runtime)) = self.live_take(&uid) {
-                tracing::warn!(session = %uid, holder = %node.name,
+                tracing::warn!(session = %uid, %holder,
                     "another node took the session over: stopping its compute here");
                 if let Err(e) = runtime.stop(&inc).await {
                     tracing::warn!(session = %uid, error = %e, "stopping taken-over compute");
