@@ -2,8 +2,9 @@
 //! first turn (create → VM booted → answered), warm turn latency, suspend, resume → first
 //! event, fork fan-out 1/16/64/128 → every child answered, memory per idle session and
 //! sessions per GiB, and density: host memory (MemAvailable) and page cache per idle
-//! session for 200 booted, resumed and forked sessions. Prints a table and writes the figures as JSON (`AGENTVM_BENCH_JSON`,
-//! default `target/bench-microvm.json`).
+//! session for 200 booted, resumed and forked sessions, and (where PostgreSQL is installed)
+//! a counter suspended on one node of a fleet resuming on another. Prints a table and
+//! writes the figures as JSON (`AGENTVM_BENCH_JSON`, default `target/bench-microvm.json`).
 //!
 //! `cargo build --release -p agentvm-vmm && cargo bench -p agentvmd --bench microvm`
 //! (the VMM is taken from beside this benchmark; `AGENTVM_VMM_BIN` overrides it).
@@ -219,6 +220,78 @@ async fn density(
     .await;
 }
 
+/// A counter suspended on node-a resumes on node-b: two nodes sharing a PostgreSQL journal
+/// (a server of the bench's own) and a snapshot directory. Reports suspend (snapshot
+/// published) → first event on node-b (archive fetched into node-b's store, restored, the
+/// turn's first record), and the archive's size.
+async fn cross_node(
+    binary: &std::path::Path,
+    runs: usize,
+    out: &mut serde_json::Map<String, serde_json::Value>,
+) {
+    let server = match agentvmd::testing::TestPostgres::start() {
+        Ok(server) => server,
+        Err(why) => {
+            println!("SKIPPED: cross-node resume: {why}");
+            return;
+        }
+    };
+    server.create_database("bench_fleet").unwrap();
+    let shared = tempfile::tempdir().unwrap();
+    let remote = agentvmd::runtime::microvm::remote::SnapshotRemote::Dir(shared.path().into());
+    let node = |name: &'static str, uid_base: u32| {
+        let (url, remote, binary) = (server.url("bench_fleet"), remote.clone(), binary.to_owned());
+        support::start_with(move |cfg| {
+            cfg.vmm_binary = Some(binary);
+            cfg.ram_dir = "/dev/shm".into();
+            cfg.journal_url = Some(url);
+            cfg.node_name = name.into();
+            cfg.snapshot_remote = Some(remote);
+            cfg.vm_uid_base = uid_base;
+        })
+    };
+    let base = agentvmd::runtime::microvm::DEFAULT_VM_UID_BASE;
+    let a = node("node-a", base).await;
+    let b = node("node-b", base + 65_536).await;
+    let (mut ca, mut cb) = (a.c(), b.c());
+    let (mut suspend, mut moved, mut sizes) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..runs {
+        let s = create(&mut ca).await;
+        turn(&mut ca, &s).await;
+        let start = Instant::now();
+        ca.suspend(SuspendRequest { session: s.clone() })
+            .await
+            .unwrap();
+        suspend.push(ms(start.elapsed()));
+        moved.push(ms(turn(&mut cb, &s).await.0));
+        let archives: u64 = std::fs::read_dir(shared.path())
+            .unwrap()
+            .filter_map(|e| e.ok()?.metadata().ok())
+            .map(|m| m.len())
+            .sum();
+        sizes.push(archives as f64 / f64::from(1 << 20));
+        cb.delete_session(DeleteSessionRequest { uid: s })
+            .await
+            .unwrap();
+        for archive in std::fs::read_dir(shared.path()).unwrap().flatten() {
+            let _ = std::fs::remove_file(archive.path());
+        }
+    }
+    stats("fleet: suspend, snapshot published", "ms", suspend, out);
+    stats(
+        "fleet: resume on another node -> first event",
+        "ms",
+        moved,
+        out,
+    );
+    stats(
+        "fleet: published archive (256 MiB guest)",
+        "MiB",
+        sizes,
+        out,
+    );
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let quick = !std::env::args().any(|a| a == "--bench");
@@ -356,6 +429,7 @@ async fn main() {
         }
     }
     density(&c, if quick { 4 } else { 200 }, &mut out).await;
+    cross_node(&binary, runs, &mut out).await;
 
     let path = std::env::var_os("AGENTVM_BENCH_JSON")
         .map(PathBuf::from)
