@@ -241,20 +241,29 @@ impl Node {
         std::fs::create_dir_all(&cfg.state_dir)
             .with_context(|| format!("creating state directory {}", cfg.state_dir.display()))?;
         let journal_path = config::journal_path(&cfg.state_dir);
-        let journal: Arc<dyn Journal> = match &cfg.journal_url {
-            Some(url) => Arc::new(
-                PostgresJournal::connect(url, &cfg.node_name)
-                    .with_context(|| {
-                        format!(
-                            "opening the journal at {}",
-                            crate::settings::without_password(url)
-                        )
-                    })?
-                    .with_lease(cfg.lease),
-            ),
-            None => Arc::new(
-                SqliteJournal::open(&journal_path, cfg.durability)
-                    .with_context(|| format!("opening journal {}", journal_path.display()))?,
+        // A fleet's journal also keeps its harness registry; a node's own keeps it in its file.
+        let (journal, harnesses): (Arc<dyn Journal>, RegistryStore) = match &cfg.journal_url {
+            Some(url) => {
+                let shared = Arc::new(
+                    PostgresJournal::connect(url, &cfg.node_name)
+                        .with_context(|| {
+                            format!(
+                                "opening the journal at {}",
+                                crate::settings::without_password(url)
+                            )
+                        })?
+                        .with_lease(cfg.lease),
+                );
+                (shared.clone(), RegistryStore::shared(shared))
+            }
+            None => (
+                Arc::new(
+                    SqliteJournal::open(&journal_path, cfg.durability)
+                        .with_context(|| format!("opening journal {}", journal_path.display()))?,
+                ),
+                RegistryStore::open(&journal_path).with_context(|| {
+                    format!("opening harness registry in {}", journal_path.display())
+                })?,
             ),
         };
         let process: Arc<dyn Runtime> = Arc::new(ProcessRuntime::new(
@@ -330,12 +339,7 @@ impl Node {
                 unservable_reason: String::new(),
             }
         }));
-        let registry = Arc::new(Registry::new(
-            statics,
-            RegistryStore::open(&journal_path).with_context(|| {
-                format!("opening harness registry in {}", journal_path.display())
-            })?,
-        ));
+        let registry = Arc::new(Registry::new(statics, harnesses));
         let tool_executor = match &cfg.tool_executor {
             Some(c) => Some(Arc::new(WebhookExecutor::new(c.clone())?) as Arc<dyn ToolExecutor>),
             None => None,

@@ -14,6 +14,7 @@
 //! belong to the node that began them, so a node never settles another node's sessions.
 
 mod bridge;
+mod harnesses;
 mod schema;
 
 use std::collections::BTreeMap;

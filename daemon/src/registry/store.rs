@@ -1,7 +1,9 @@
-//! Durable registrations, in the journal's database file (table `harnesses`).
+//! Durable registrations, in the journal's database (table `harnesses`): the node's own
+//! sqlite file, or the PostgreSQL journal a fleet shares (so a harness registered through
+//! any node serves sessions on every node).
 
 use std::path::Path;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use agentvm_proto::v1::{HarnessSpec, HarnessState};
 use prost::Message;
@@ -14,12 +16,33 @@ use crate::journal::sqlite::{Durability, open_connection};
 pub struct StoreError {
     context: String,
     #[source]
-    source: rusqlite::Error,
+    source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+impl StoreError {
+    pub fn new(
+        context: impl Into<String>,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        Self {
+            context: context.into(),
+            source: source.into(),
+        }
+    }
 }
 
 fn storage(context: impl Into<String>) -> impl FnOnce(rusqlite::Error) -> StoreError {
     let context = context.into();
-    move |source| StoreError { context, source }
+    move |source| StoreError::new(context, source)
+}
+
+/// Where registrations are kept.
+pub trait HarnessTable: Send + Sync {
+    fn get(&self, name: &str) -> Result<Option<StoredHarness>, StoreError>;
+    /// Registrations with names strictly after `after`, in name order.
+    fn list_after(&self, after: &str, limit: usize) -> Result<Vec<StoredHarness>, StoreError>;
+    /// Inserts or replaces one registration.
+    fn put(&self, h: &StoredHarness, spec: &HarnessSpec) -> Result<(), StoreError>;
 }
 
 /// One stored registration. `spec` is `None` when the stored bytes no longer decode on this
@@ -37,7 +60,35 @@ pub struct StoredHarness {
     pub updated_at: i64,
 }
 
-pub struct RegistryStore {
+/// The registry's table, in whichever database holds it.
+#[derive(Clone)]
+pub struct RegistryStore(Arc<dyn HarnessTable>);
+
+impl RegistryStore {
+    /// The table in the sqlite journal file at `path`.
+    pub fn open(path: &Path) -> Result<Self, StoreError> {
+        Ok(Self(Arc::new(SqliteHarnesses::open(path)?)))
+    }
+
+    /// The table of a journal a fleet shares.
+    pub fn shared(table: Arc<dyn HarnessTable>) -> Self {
+        Self(table)
+    }
+
+    pub fn get(&self, name: &str) -> Result<Option<StoredHarness>, StoreError> {
+        self.0.get(name)
+    }
+
+    pub fn list_after(&self, after: &str, limit: usize) -> Result<Vec<StoredHarness>, StoreError> {
+        self.0.list_after(after, limit)
+    }
+
+    pub fn put(&self, h: &StoredHarness, spec: &HarnessSpec) -> Result<(), StoreError> {
+        self.0.put(h, spec)
+    }
+}
+
+struct SqliteHarnesses {
     conn: Mutex<Connection>,
 }
 
@@ -59,8 +110,8 @@ fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<StoredHarness> {
     })
 }
 
-impl RegistryStore {
-    pub fn open(path: &Path) -> Result<Self, StoreError> {
+impl SqliteHarnesses {
+    fn open(path: &Path) -> Result<Self, StoreError> {
         let conn = open_connection(path, Durability::Full)
             .map_err(storage(format!("open {}", path.display())))?;
         conn.execute_batch(
@@ -85,16 +136,17 @@ impl RegistryStore {
     fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
         self.conn.lock().unwrap_or_else(|p| p.into_inner())
     }
+}
 
-    pub fn get(&self, name: &str) -> Result<Option<StoredHarness>, StoreError> {
+impl HarnessTable for SqliteHarnesses {
+    fn get(&self, name: &str) -> Result<Option<StoredHarness>, StoreError> {
         self.conn()
             .prepare_cached(&format!("SELECT {COLUMNS} FROM harnesses WHERE name = ?1"))
             .and_then(|mut st| st.query_row([name], row).optional())
             .map_err(storage(format!("get harness {name}")))
     }
 
-    /// Registrations with names strictly after `after`, in name order.
-    pub fn list_after(&self, after: &str, limit: usize) -> Result<Vec<StoredHarness>, StoreError> {
+    fn list_after(&self, after: &str, limit: usize) -> Result<Vec<StoredHarness>, StoreError> {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         self.conn()
             .prepare_cached(&format!(
@@ -107,8 +159,7 @@ impl RegistryStore {
             .map_err(storage("list harnesses"))
     }
 
-    /// Inserts or replaces one registration.
-    pub fn put(&self, h: &StoredHarness, spec: &HarnessSpec) -> Result<(), StoreError> {
+    fn put(&self, h: &StoredHarness, spec: &HarnessSpec) -> Result<(), StoreError> {
         self.conn()
             .prepare_cached(&format!(
                 "INSERT OR REPLACE INTO harnesses ({COLUMNS})

@@ -12,7 +12,8 @@ use crate::journal::{JournalError, Result};
 const MIGRATIONS: &[&str] = &[
     // 1: sessions (with the node that holds each: the last to mint its fence), their logs
     // (upstream's column names, events as proto binary), the lifecycle intents of each
-    // node, and the nodes with their heartbeats (by the database's clock, nanoseconds).
+    // node, the harness registry, and the nodes with their heartbeats (by the database's
+    // clock, nanoseconds).
     "CREATE TABLE sessions (
         session        TEXT PRIMARY KEY,
         fence          BIGINT NOT NULL DEFAULT 0,
@@ -54,6 +55,17 @@ const MIGRATIONS: &[&str] = &[
         started_at BIGINT NOT NULL
     );
     CREATE INDEX operations_by_node ON operations (node, id);
+    CREATE TABLE harnesses (
+        name          TEXT PRIMARY KEY,
+        uid           TEXT NOT NULL,
+        spec          BYTEA NOT NULL,
+        spec_digest   TEXT NOT NULL,
+        state         INTEGER NOT NULL,
+        retire_time   BIGINT,
+        retire_reason TEXT NOT NULL DEFAULT '',
+        created_at    BIGINT NOT NULL,
+        updated_at    BIGINT NOT NULL
+    );
     CREATE TABLE nodes (
         name         TEXT PRIMARY KEY,
         address      TEXT NOT NULL,

@@ -312,3 +312,55 @@ fn of_nodes_racing_for_a_session_one_holds_it() {
         assert!(matches!(lost, JournalError::HeldElsewhere { .. }), "{lost}");
     }
 }
+
+/// A harness registered through one node serves every node of the fleet: its registration
+/// lives in the shared journal, and so does its retirement.
+#[test]
+fn a_harness_registered_on_one_node_is_known_to_every_node() {
+    use crate::registry::store::RegistryStore;
+    use crate::registry::{Entry, Registry, builtin_harnesses};
+    use agentvm_proto::v1::{
+        Capabilities, HarnessSpec, HarnessState, RegisterOutcome, RemotePlacement, Resumability,
+        harness_spec::Placement,
+    };
+    let Some(server) = server() else { return };
+    server.create_database("registry").unwrap();
+    let registry = |node: &str| {
+        Registry::new(
+            builtin_harnesses(|_, _| None),
+            RegistryStore::shared(Arc::new(connect(&server, "registry", node))),
+        )
+    };
+    let (a, b) = (registry("node-a"), registry("node-b"));
+    let spec = |address: &str| HarnessSpec {
+        placement: Some(Placement::Remote(RemotePlacement {
+            address: address.into(),
+        })),
+        capabilities: Some(Capabilities {
+            resumability: Resumability::StatelessReplay as i32,
+            ..Default::default()
+        }),
+        descriptor_id: "echo".into(),
+    };
+    let (made, outcome) = a
+        .register("shared-echo", Some(spec("unix:///run/e.sock")))
+        .unwrap();
+    assert_eq!(outcome, RegisterOutcome::Created);
+    match b.get("shared-echo").unwrap() {
+        Entry::Registered(h) => {
+            assert_eq!(h.uid, made.metadata.as_ref().unwrap().uid);
+            assert_eq!(h.spec, Some(spec("unix:///run/e.sock")));
+        }
+        Entry::Static(_) => panic!("a registration read back as a built-in"),
+    }
+    // The name is taken fleet-wide: another spec under it is refused on the other node.
+    let err = b
+        .register("shared-echo", Some(spec("unix:///run/other.sock")))
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::AlreadyExists);
+    b.retire("shared-echo", "moved").unwrap();
+    match a.get("shared-echo").unwrap() {
+        Entry::Registered(h) => assert_eq!(h.state, HarnessState::Retired),
+        Entry::Static(_) => panic!("a registration read back as a built-in"),
+    }
+}
