@@ -36,3 +36,10 @@ if ! command -v cargo >/dev/null 2>&1; then
     echo "setup: cargo not found; install Rust 1.95 with rustup (rust-toolchain.toml pins it)" >&2
     exit 1
 fi
+
+# The fleet's tests publish snapshots to a real S3-compatible server: s3s-fs, from the Rust
+# registry (into cargo's bin directory).
+cargo_bin="${CARGO_HOME:-$HOME/.cargo}/bin"
+if ! command -v s3s-fs >/dev/null 2>&1 && [ ! -x "$cargo_bin/s3s-fs" ]; then
+    cargo install --quiet --locked s3s-fs --version 0.14.1 --features binary
+fi

@@ -38,10 +38,10 @@ if [ -n "$leftover" ]; then
     echo "$leftover"
     exit 1
 fi
-echo "== leftover test database servers"
-left=$(ps -eo pid=,comm=,args= | awk '$2 == "postgres" && /agentvm-pg-/' || true)
+echo "== leftover test servers"
+left=$(ps -eo pid=,comm=,args= | awk '($2 == "postgres" && /agentvm-pg-/) || $2 == "s3s-fs"' || true)
 if [ -n "$left" ]; then
-    echo "these PostgreSQL servers outlived the tests:"
+    echo "these PostgreSQL or S3 servers outlived the tests:"
     echo "$left"
     exit 1
 fi

@@ -76,7 +76,8 @@ pub struct Settings {
     #[arg(long)]
     pub journal_url: Option<String>,
     /// Where snapshots are published so any node of a fleet can resume any session:
-    /// `file:///DIR`, a directory every node mounts. Default: the node's own store only.
+    /// `file:///DIR`, a directory every node mounts, or `s3://BUCKET/PREFIX` (endpoint,
+    /// region and credentials from the AWS_* environment). Default: the node's own store only.
     #[arg(long)]
     pub snapshot_url: Option<String>,
     /// This node's name in the fleet (what its sessions and intents are recorded under).

@@ -171,3 +171,152 @@ fn passwd_entry(name: &str) -> Option<(u32, u32)> {
         Some((fields.next()?.parse().ok()?, fields.next()?.parse().ok()?))
     })
 }
+
+/// An S3-compatible server of its own (`s3s-fs`, from the Rust registry: `cargo install
+/// s3s-fs --features binary`), serving one bucket from a temporary directory on a loopback
+/// port, with credentials of its own; stopped on drop.
+pub struct TestS3 {
+    dir: tempfile::TempDir,
+    child: Option<std::process::Child>,
+    bin: PathBuf,
+    port: u16,
+}
+
+const S3_BUCKET: &str = "agentvm";
+const S3_KEY: &str = "agentvm-test";
+const S3_SECRET: &str = "agentvm-test-secret";
+
+impl TestS3 {
+    pub fn start() -> Result<Self, String> {
+        let bin = find_program("s3s-fs").ok_or(
+            "s3s-fs is not installed (cargo install s3s-fs --features binary; scripts/setup.sh \
+             does it)",
+        )?;
+        let dir = tempfile::Builder::new()
+            .prefix("agentvm-s3-")
+            .tempdir()
+            .map_err(|e| format!("creating a directory for the S3 server: {e}"))?;
+        let bucket = dir.path().join("data").join(S3_BUCKET);
+        std::fs::create_dir_all(&bucket)
+            .map_err(|e| format!("creating {}: {e}", bucket.display()))?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_err(|e| format!("finding a free port: {e}"))?
+            .port();
+        let mut server = Self {
+            dir,
+            child: None,
+            bin,
+            port,
+        };
+        server.run()?;
+        Ok(server)
+    }
+
+    fn run(&mut self) -> Result<(), String> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join("server.log"))
+            .map_err(|e| format!("opening the S3 server's log: {e}"))?;
+        let child = Command::new(&self.bin)
+            .args(["--host", "127.0.0.1", "--port", &self.port.to_string()])
+            .args(["--access-key", S3_KEY, "--secret-key", S3_SECRET])
+            .arg(self.dir.path().join("data"))
+            .stdout(log.try_clone().map_err(|e| e.to_string())?)
+            .stderr(log)
+            .spawn()
+            .map_err(|e| format!("starting {}: {e}", self.bin.display()))?;
+        self.child = Some(child);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            if std::time::Instant::now() > deadline {
+                return Err(format!(
+                    "the S3 server never listened on port {}: {}",
+                    self.port,
+                    std::fs::read_to_string(self.dir.path().join("server.log")).unwrap_or_default()
+                ));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        Ok(())
+    }
+
+    /// Stops the server (the store becomes unreachable); `resume` starts it again on the
+    /// same data and port.
+    pub fn pause(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    pub fn resume(&mut self) -> Result<(), String> {
+        self.run()
+    }
+
+    /// `--snapshot-url` for keys under `prefix`.
+    pub fn url(&self, prefix: &str) -> String {
+        format!("s3://{S3_BUCKET}/{prefix}")
+    }
+
+    /// The `AWS_*` environment that reaches this server.
+    pub fn env(&self) -> Vec<(String, String)> {
+        [
+            (
+                "AWS_ENDPOINT_URL",
+                format!("http://127.0.0.1:{}", self.port),
+            ),
+            ("AWS_REGION", "us-east-1".to_owned()),
+            ("AWS_ACCESS_KEY_ID", S3_KEY.to_owned()),
+            ("AWS_SECRET_ACCESS_KEY", S3_SECRET.to_owned()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect()
+    }
+
+    /// Where the server keeps object `key` of the bucket, for tests that damage one.
+    pub fn object_file(&self, key: &str) -> PathBuf {
+        self.dir.path().join("data").join(S3_BUCKET).join(key)
+    }
+
+    /// The objects the bucket holds (file names under the key prefix directories).
+    pub fn objects(&self) -> Vec<String> {
+        fn walk(dir: &Path, out: &mut Vec<String>) {
+            for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+                let path = entry.path();
+                if path.is_dir() {
+                    walk(&path, out);
+                } else if let Some(name) = path.file_name().and_then(|n| n.to_str()) {
+                    out.push(name.to_owned());
+                }
+            }
+        }
+        let mut out = Vec::new();
+        walk(&self.dir.path().join("data").join(S3_BUCKET), &mut out);
+        out.sort();
+        out
+    }
+}
+
+impl Drop for TestS3 {
+    fn drop(&mut self) {
+        self.pause();
+    }
+}
+
+/// `name` on PATH, or in cargo's bin directory.
+fn find_program(name: &str) -> Option<PathBuf> {
+    let cargo_bin = std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")))
+        .map(|home| home.join("bin"));
+    std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .unwrap_or_default()
+        .into_iter()
+        .chain(cargo_bin)
+        .map(|dir| dir.join(name))
+        .find(|candidate| candidate.is_file())
+}

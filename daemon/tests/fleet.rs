@@ -7,27 +7,26 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use agentvmd::testing::TestPostgres;
-use support::daemon::{Daemon, cli, kvm_unavailable, start_daemon_with, vmm_binary};
+use agentvmd::testing::{TestPostgres, TestS3};
+use support::daemon::{
+    Daemon, cli, kvm_unavailable, start_daemon_env, start_daemon_with, vmm_binary,
+};
 
 const LEASE_SECS: u64 = 3;
 
 fn node(dir: &std::path::Path, name: &str, url: &str) -> Daemon {
-    node_with(dir, name, url, &[])
-}
-
-fn node_with(dir: &std::path::Path, name: &str, url: &str, extra: &[&str]) -> Daemon {
     let lease = LEASE_SECS.to_string();
-    let mut args = vec![
-        "--journal-url",
-        url,
-        "--node-name",
-        name,
-        "--lease-secs",
-        &lease,
-    ];
-    args.extend(extra);
-    start_daemon_with(dir, &args)
+    start_daemon_with(
+        dir,
+        &[
+            "--journal-url",
+            url,
+            "--node-name",
+            name,
+            "--lease-secs",
+            &lease,
+        ],
+    )
 }
 
 fn postgres() -> Option<TestPostgres> {
@@ -151,44 +150,99 @@ fn a_session_moves_to_another_node_only_when_its_holder_is_gone() {
     assert!(ok && out.contains("chain intact"), "{out}{err}");
 }
 
+/// The fleet's snapshot store under test: a shared directory or an S3-compatible server.
+enum SharedStore {
+    Dir(tempfile::TempDir),
+    S3(TestS3),
+}
+
+impl SharedStore {
+    fn url(&self) -> String {
+        match self {
+            Self::Dir(dir) => format!("file://{}", dir.path().display()),
+            Self::S3(server) => server.url("fleet"),
+        }
+    }
+
+    fn env(&self) -> Vec<(String, String)> {
+        match self {
+            Self::Dir(_) => Vec::new(),
+            Self::S3(server) => server.env(),
+        }
+    }
+
+    /// Makes the store unreachable; `reconnect` undoes it.
+    fn cut(&mut self) {
+        match self {
+            Self::Dir(dir) => {
+                std::fs::rename(dir.path(), dir.path().with_extension("away")).unwrap()
+            }
+            Self::S3(server) => server.pause(),
+        }
+    }
+
+    fn reconnect(&mut self) {
+        match self {
+            Self::Dir(dir) => {
+                std::fs::rename(dir.path().with_extension("away"), dir.path()).unwrap()
+            }
+            Self::S3(server) => server.resume().unwrap(),
+        }
+    }
+
+    fn published(&self) -> Vec<String> {
+        match self {
+            Self::Dir(dir) => std::fs::read_dir(dir.path())
+                .unwrap()
+                .filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect(),
+            Self::S3(server) => server.objects(),
+        }
+    }
+}
+
 /// The counter harness keeps its count only in guest RAM: suspended on node-a, whose
 /// snapshot goes to the fleet's shared store, it answers its next turn on node-b from
-/// where it was, restored from that snapshot. A suspend that cannot publish fails and
-/// leaves the VM running.
-#[test]
-fn a_suspended_memory_session_continues_on_another_node() {
+/// where it was, restored from that snapshot. A suspend that cannot publish (the store
+/// unreachable) fails, says why, and leaves the VM running.
+fn a_memory_session_moves_through(mut store: SharedStore, db: &str) {
     if let Some(why) = kvm_unavailable() {
         println!("SKIPPED: {why}");
         return;
     }
     let Some(server) = postgres() else { return };
-    server.create_database("fleet_memory").unwrap();
-    let url = server.url("fleet_memory");
-    let shared = tempfile::tempdir().unwrap();
-    let snapshot_url = format!("file://{}", shared.path().display());
+    server.create_database(db).unwrap();
+    let url = server.url(db);
+    let snapshot_url = store.url();
+    let env = store.env();
     let vmm = vmm_binary();
     let vmm = vmm.to_str().unwrap();
     let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let a = node_with(
-        dir_a.path(),
-        "node-a",
-        &url,
-        &["--vmm-binary", vmm, "--snapshot-url", &snapshot_url],
-    );
-    // Two nodes on one host: VM uids from ranges of their own.
-    let b = node_with(
-        dir_b.path(),
-        "node-b",
-        &url,
-        &[
-            "--vmm-binary",
-            vmm,
-            "--snapshot-url",
-            &snapshot_url,
-            "--vm-uid-base",
-            "1879179264",
-        ],
-    );
+    let lease = LEASE_SECS.to_string();
+    let node = |dir: &std::path::Path, name: &str, uid_base: &str| {
+        start_daemon_env(
+            dir,
+            &[
+                "--journal-url",
+                &url,
+                "--node-name",
+                name,
+                "--lease-secs",
+                &lease,
+                "--vmm-binary",
+                vmm,
+                "--snapshot-url",
+                &snapshot_url,
+                // Two nodes on one host: VM uids from ranges of their own.
+                "--vm-uid-base",
+                uid_base,
+            ],
+            &env,
+        )
+    };
+    let a = node(dir_a.path(), "node-a", "1879048192");
+    let b = node(dir_b.path(), "node-b", "1879179264");
     let (ok, out, err) = cli(&a, &["--json", "create", "--harness", "testguest"]);
     assert!(ok, "{err}");
     let created: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
@@ -199,22 +253,16 @@ fn a_suspended_memory_session_continues_on_another_node() {
         out
     };
     let first = count(&a);
-    // With the shared store gone, a suspend fails and says why; the VM goes on where it was.
-    let away = shared.path().with_extension("away");
-    std::fs::rename(shared.path(), &away).unwrap();
+    store.cut();
     let (ok, out, err) = cli(&a, &["suspend", &uid]);
-    std::fs::rename(&away, shared.path()).unwrap();
+    store.reconnect();
     assert!(!ok && err.contains("publishing"), "{out}{err}");
     let (ok, out, err) = cli(&a, &["get", &uid]);
     assert!(ok && out.contains("compute=LIVE"), "{out}{err}");
     let second = count(&a);
     let (ok, out, err) = cli(&a, &["suspend", &uid]);
     assert!(ok && out.contains("compute=COLD"), "{out}{err}");
-    let published: Vec<_> = std::fs::read_dir(shared.path())
-        .unwrap()
-        .filter_map(|e| e.ok())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect();
+    let published = store.published();
     assert!(
         published.len() == 1 && published[0].ends_with(".agvmsnap"),
         "{published:?}"
@@ -233,6 +281,19 @@ fn a_suspended_memory_session_continues_on_another_node() {
     // node-a is told the session is node-b's now.
     let (ok, _, err) = exec(&a, &uid, "tick");
     assert!(!ok && err.contains("node-b"), "{err}");
+}
+
+#[test]
+fn a_memory_session_moves_through_a_shared_directory() {
+    a_memory_session_moves_through(SharedStore::Dir(tempfile::tempdir().unwrap()), "fleet_dir");
+}
+
+#[test]
+fn a_memory_session_moves_through_an_s3_bucket() {
+    match TestS3::start() {
+        Ok(server) => a_memory_session_moves_through(SharedStore::S3(server), "fleet_s3"),
+        Err(why) => println!("SKIPPED: no S3-compatible server to test against: {why}"),
+    }
 }
 
 /// Processes under `dir` (a node's state) serving `session`: its harness, on the process

@@ -70,12 +70,13 @@ fn node_config(s: &Settings) -> anyhow::Result<(NodeConfig, ListenAddr, ListenAd
     if let Some(url) = &s.snapshot_url {
         let remote: agentvmd::runtime::microvm::remote::SnapshotRemote =
             url.parse().map_err(|e: String| anyhow::anyhow!(e))?;
-        let agentvmd::runtime::microvm::remote::SnapshotRemote::Dir(dir) = &remote;
-        anyhow::ensure!(
-            dir.is_dir(),
-            "snapshot_url: {} is not a directory",
-            dir.display()
-        );
+        if let agentvmd::runtime::microvm::remote::SnapshotRemote::Dir(dir) = &remote {
+            anyhow::ensure!(
+                dir.is_dir(),
+                "snapshot_url: {} is not a directory",
+                dir.display()
+            );
+        }
         node_config.snapshot_remote = Some(remote);
     }
     if let Some(secs) = s.lease_secs {

@@ -54,6 +54,11 @@ pub fn start_daemon(dir: &Path) -> Daemon {
 }
 
 pub fn start_daemon_with(dir: &Path, extra: &[&str]) -> Daemon {
+    start_daemon_env(dir, extra, &[])
+}
+
+/// As [`start_daemon_with`], with `env` added to the daemon's environment.
+pub fn start_daemon_env(dir: &Path, extra: &[&str], env: &[(String, String)]) -> Daemon {
     let api = dir.join("run/api.sock");
     let admin = dir.join("run/admin.sock");
     let _ = std::fs::remove_file(&api);
@@ -73,6 +78,7 @@ pub fn start_daemon_with(dir: &Path, extra: &[&str]) -> Daemon {
         .arg("--harness-bin")
         .arg(env!("CARGO_BIN_EXE_agentvm"))
         .args(extra)
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdout(Stdio::null())
         .stderr(log)
         .spawn()

@@ -439,13 +439,12 @@ impl MicrovmRuntime {
         id: &str,
         target: &std::path::Path,
     ) -> std::result::Result<String, String> {
-        let Some(remote) = self.config.snapshot_remote.clone() else {
+        let Some(remote) = &self.config.snapshot_remote else {
             return Ok(format!("file://{}", target.display()));
         };
-        let (store, id) = (self.store.clone(), id.to_owned());
-        tokio::task::spawn_blocking(move || remote.publish(&store, &id))
+        remote
+            .publish(&self.store, id)
             .await
-            .map_err(|e| format!("publishing the snapshot: {e}"))?
             .map_err(|e| format!("publishing the snapshot for the fleet: {e}"))
     }
 
@@ -455,14 +454,7 @@ impl MicrovmRuntime {
         if let Some(remote) = &self.config.snapshot_remote
             && remote.id_of(&snapshot.external_uri).is_some()
         {
-            let (remote, store, uri) = (
-                remote.clone(),
-                self.store.clone(),
-                snapshot.external_uri.clone(),
-            );
-            return tokio::task::spawn_blocking(move || remote.fetch(&uri, &store))
-                .await
-                .map_err(|e| format!("fetching the snapshot: {e}"))?;
+            return remote.fetch(&snapshot.external_uri, &self.store).await;
         }
         snapshot_dir(snapshot).ok_or_else(|| {
             format!(

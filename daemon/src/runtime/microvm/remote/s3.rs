@@ -1,0 +1,189 @@
+//! Snapshot archives in an S3-compatible bucket, through the `object_store` client: uploads
+//! in parts streamed from a file (the object appears whole when the upload completes, or
+//! not at all), downloads streamed to a file, and a size check after each upload.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use futures_util::StreamExt;
+use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::path::Path as Key;
+use object_store::{ObjectStore, WriteMultipart};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::{ARCHIVE_SUFFIX, id_in};
+
+/// Parts of a multipart upload (S3's minimum is 5 MiB, the last part aside).
+const PART_SIZE: usize = 8 << 20;
+/// Parts in flight at once.
+const PARTS_IN_FLIGHT: usize = 4;
+/// How long a request is retried before the store counts as unreachable: a suspend waits
+/// for its upload with the VM paused, so it must fail in bounded time (and the VM go on).
+const RETRY_FOR: std::time::Duration = std::time::Duration::from_secs(20);
+const RETRIES: usize = 4;
+
+#[derive(Clone)]
+pub struct S3Remote {
+    bucket: String,
+    /// Key prefix, without leading or trailing slash (may be empty).
+    prefix: String,
+    store: Arc<AmazonS3>,
+}
+
+impl std::fmt::Debug for S3Remote {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.describe())
+    }
+}
+
+impl S3Remote {
+    /// `BUCKET/PREFIX` (after `s3://`), with the endpoint, region and credentials of the
+    /// standard `AWS_*` environment. An `http://` endpoint is allowed only when given
+    /// explicitly.
+    pub fn from_env(rest: &str) -> Result<Self, String> {
+        Self::with_vars(rest, std::env::vars())
+    }
+
+    /// As [`Self::from_env`], with `vars` (`AWS_*` names and values) for the environment.
+    pub fn with_vars(
+        rest: &str,
+        vars: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, String> {
+        let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+        if bucket.is_empty() {
+            return Err(format!(
+                "snapshot_url s3://{rest}: the bucket is missing (s3://BUCKET/PREFIX)"
+            ));
+        }
+        let prefix = prefix.trim_matches('/').to_owned();
+        let mut builder = AmazonS3Builder::new().with_bucket_name(bucket);
+        let mut endpoint = String::new();
+        for (key, value) in vars {
+            if !key.starts_with("AWS_") {
+                continue;
+            }
+            if key == "AWS_ENDPOINT_URL" || key == "AWS_ENDPOINT" {
+                endpoint = value.clone();
+            }
+            if let Ok(config) = key.to_ascii_lowercase().parse() {
+                builder = builder.with_config(config, value);
+            }
+        }
+        if endpoint.starts_with("http://") {
+            builder = builder.with_allow_http(true);
+        }
+        builder = builder.with_retry(object_store::RetryConfig {
+            backoff: Default::default(),
+            max_retries: RETRIES,
+            retry_timeout: RETRY_FOR,
+        });
+        let store = builder
+            .build()
+            .map_err(|e| format!("snapshot_url s3://{rest}: {e}"))?;
+        Ok(Self {
+            bucket: bucket.to_owned(),
+            prefix,
+            store: Arc::new(store),
+        })
+    }
+
+    fn key(&self, id: &str) -> Key {
+        match self.prefix.is_empty() {
+            true => Key::from(format!("{id}{ARCHIVE_SUFFIX}")),
+            false => Key::from(format!("{}/{id}{ARCHIVE_SUFFIX}", self.prefix)),
+        }
+    }
+
+    pub fn uri(&self, id: &str) -> String {
+        format!("s3://{}/{}", self.bucket, self.key(id))
+    }
+
+    pub fn id_of(&self, uri: &str) -> Option<String> {
+        let rest = uri.strip_prefix("s3://")?;
+        let (bucket, key) = rest.split_once('/')?;
+        if bucket != self.bucket {
+            return None;
+        }
+        let name = match self.prefix.is_empty() {
+            true => key,
+            false => key.strip_prefix(&self.prefix)?.strip_prefix('/')?,
+        };
+        id_in(name)
+    }
+
+    pub fn describe(&self) -> String {
+        format!("s3://{}/{}", self.bucket, self.prefix)
+    }
+
+    /// Uploads the archive at `file` as snapshot `id`'s object.
+    pub async fn upload(&self, file: &Path, id: &str) -> Result<(), String> {
+        let key = self.key(id);
+        let what = |e: &dyn std::fmt::Display| format!("uploading {}: {e}", self.uri(id));
+        let mut source = tokio::fs::File::open(file)
+            .await
+            .map_err(|e| format!("opening {}: {e}", file.display()))?;
+        let size = source
+            .metadata()
+            .await
+            .map_err(|e| format!("{}: {e}", file.display()))?
+            .len();
+        let upload = self.store.put_multipart(&key).await.map_err(|e| what(&e))?;
+        let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_SIZE);
+        let mut buf = vec![0u8; PART_SIZE];
+        let streamed = async {
+            loop {
+                let n = source.read(&mut buf).await.map_err(|e| what(&e))?;
+                if n == 0 {
+                    return Ok(());
+                }
+                writer
+                    .wait_for_capacity(PARTS_IN_FLIGHT)
+                    .await
+                    .map_err(|e| what(&e))?;
+                writer.write(&buf[..n]);
+            }
+        }
+        .await;
+        if let Err(e) = streamed {
+            let _ = writer.abort().await;
+            return Err(e);
+        }
+        writer.finish().await.map_err(|e| what(&e))?;
+        let stored = self.store.head(&key).await.map_err(|e| what(&e))?;
+        if stored.size != size {
+            return Err(format!(
+                "uploading {}: the store holds {} bytes of {size}",
+                self.uri(id),
+                stored.size
+            ));
+        }
+        Ok(())
+    }
+
+    /// Downloads snapshot `id`'s object into `file` (synced).
+    pub async fn download(&self, id: &str, file: &Path) -> Result<(), String> {
+        let what = |e: &dyn std::fmt::Display| format!("downloading {}: {e}", self.uri(id));
+        let got = self.store.get(&self.key(id)).await.map_err(|e| what(&e))?;
+        let mut out = tokio::fs::File::create(file)
+            .await
+            .map_err(|e| format!("creating {}: {e}", file.display()))?;
+        let mut stream = got.into_stream();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| what(&e))?;
+            out.write_all(&chunk)
+                .await
+                .map_err(|e| format!("writing {}: {e}", file.display()))?;
+        }
+        out.sync_all()
+            .await
+            .map_err(|e| format!("syncing {}: {e}", file.display()))
+    }
+
+    /// Deletes snapshot `id`'s object (gone already is fine).
+    pub async fn remove(&self, id: &str) -> Result<(), String> {
+        match self.store.delete(&self.key(id)).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(format!("deleting {}: {e}", self.uri(id))),
+        }
+    }
+}
