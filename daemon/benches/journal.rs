@@ -62,36 +62,12 @@ fn concurrent_rate(
     sessions: usize,
     per_session: usize,
 ) -> f64 {
-    let j = Arc::new(fresh(
+    let j = fresh(
         dir,
         &format!("concurrent-{sessions}-{run}.db"),
         Durability::Full,
-    ));
-    for s in 0..sessions {
-        j.create_session(&SessionRow {
-            uid: format!("c{s}"),
-            project: "bench".into(),
-            compute_state: ComputeState::ComputeNone,
-            ..Default::default()
-        })
-        .unwrap();
-    }
-    let start = Instant::now();
-    let threads: Vec<_> = (0..sessions)
-        .map(|s| {
-            let j = Arc::clone(&j);
-            std::thread::spawn(move || {
-                let uid = format!("c{s}");
-                for n in 0..per_session {
-                    j.append(&uid, n as i64, 0, &[event(n)]).unwrap();
-                }
-            })
-        })
-        .collect();
-    for t in threads {
-        t.join().unwrap();
-    }
-    (sessions * per_session) as f64 / start.elapsed().as_secs_f64()
+    );
+    rate_on(Arc::new(j), "c", sessions, per_session, 1)
 }
 
 /// Records per second appended to `j` (sessions created here as `PREFIX-N`): `sessions`

@@ -8,25 +8,33 @@ mod support;
 use std::time::{Duration, Instant};
 
 use agentvmd::testing::{TestPostgres, TestS3};
-use support::daemon::{
-    Daemon, cli, kvm_unavailable, start_daemon_env, start_daemon_with, vmm_binary,
-};
+use support::daemon::{Daemon, cli, kvm_unavailable, start_daemon_env, vmm_binary};
 
 const LEASE_SECS: u64 = 3;
 
 fn node(dir: &std::path::Path, name: &str, url: &str) -> Daemon {
+    node_env(dir, name, url, &[], &[])
+}
+
+/// A node of the fleet on journal `url`, with `extra` flags and `env` added.
+fn node_env(
+    dir: &std::path::Path,
+    name: &str,
+    url: &str,
+    extra: &[&str],
+    env: &[(String, String)],
+) -> Daemon {
     let lease = LEASE_SECS.to_string();
-    start_daemon_with(
-        dir,
-        &[
-            "--journal-url",
-            url,
-            "--node-name",
-            name,
-            "--lease-secs",
-            &lease,
-        ],
-    )
+    let mut args = vec![
+        "--journal-url",
+        url,
+        "--node-name",
+        name,
+        "--lease-secs",
+        &lease,
+    ];
+    args.extend(extra);
+    start_daemon_env(dir, &args, env)
 }
 
 fn postgres() -> Option<TestPostgres> {
@@ -219,27 +227,17 @@ fn a_memory_session_moves_through(mut store: SharedStore, db: &str) {
     let vmm = vmm_binary();
     let vmm = vmm.to_str().unwrap();
     let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let lease = LEASE_SECS.to_string();
     let node = |dir: &std::path::Path, name: &str, uid_base: &str| {
-        start_daemon_env(
-            dir,
-            &[
-                "--journal-url",
-                &url,
-                "--node-name",
-                name,
-                "--lease-secs",
-                &lease,
-                "--vmm-binary",
-                vmm,
-                "--snapshot-url",
-                &snapshot_url,
-                // Two nodes on one host: VM uids from ranges of their own.
-                "--vm-uid-base",
-                uid_base,
-            ],
-            &env,
-        )
+        // Two nodes on one host: VM uids from ranges of their own.
+        let extra = [
+            "--vmm-binary",
+            vmm,
+            "--snapshot-url",
+            &snapshot_url,
+            "--vm-uid-base",
+            uid_base,
+        ];
+        node_env(dir, name, &url, &extra, &env)
     };
     let a = node(dir_a.path(), "node-a", "1879048192");
     let b = node(dir_b.path(), "node-b", "1879179264");

@@ -14,17 +14,9 @@ use agentvm_proto::v1::{
     part,
 };
 use agentvmd::journal::verify::verify_chain;
+use support::daemon::{kvm_unavailable, vmm_binary};
 use support::{TestNode, create_for, replay, start_with};
 use tonic::transport::Channel;
-
-fn kvm_unavailable() -> Option<String> {
-    std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-        .err()
-        .map(|e| format!("/dev/kvm is not usable here ({e})"))
-}
 
 macro_rules! require_kvm {
     () => {
@@ -33,19 +25,6 @@ macro_rules! require_kvm {
             return;
         }
     };
-}
-
-/// The VMM built beside this test (`target/<profile>/agentvm-vmm`).
-fn vmm_binary() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().and_then(|d| d.parent()).unwrap();
-    let binary = profile_dir.join("agentvm-vmm");
-    assert!(
-        binary.is_file(),
-        "{} is missing: build the workspace (cargo build -p agentvm-vmm) before these tests",
-        binary.display()
-    );
-    binary
 }
 
 async fn microvm_node() -> TestNode {

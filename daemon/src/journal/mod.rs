@@ -334,6 +334,100 @@ pub trait Journal: Send + Sync {
     }
 }
 
+/// The head of one session as a backend reads it inside a write transaction.
+struct Head {
+    fence: i64,
+    last_seq: i64,
+    head_hash: String,
+    compute_state: ComputeState,
+}
+
+/// What appending `events` to `uid` at `head` writes: checked first (the CAS, then the
+/// fence, so a stale caller learns it is stale before it learns it was superseded:
+/// semantics.md §1.4), then each event hashed into the chain. Returns the records and the
+/// compute state they leave the session in.
+fn chain_onto(
+    uid: &str,
+    head: Head,
+    expected_last_seq: i64,
+    fence: i64,
+    events: &[Event],
+) -> Result<(Vec<LogRecord>, ComputeState)> {
+    if expected_last_seq != head.last_seq {
+        return Err(JournalError::Conflict {
+            session: uid.to_owned(),
+            expected: expected_last_seq,
+            head: head.last_seq,
+        });
+    }
+    if fence < head.fence {
+        return Err(JournalError::Fenced {
+            session: uid.to_owned(),
+            fence,
+            current: head.fence,
+        });
+    }
+    let mut records = Vec::with_capacity(events.len());
+    let (mut prev, mut seq, mut compute) = (head.head_hash, head.last_seq, head.compute_state);
+    for event in events {
+        seq += 1;
+        let hash = agentvm_proto::canon::content_hash(seq, &prev, event).map_err(|source| {
+            JournalError::Canon {
+                session: uid.to_owned(),
+                source,
+            }
+        })?;
+        compute = project_compute_state(compute, event);
+        records.push(LogRecord {
+            seq,
+            prev_hash: std::mem::replace(&mut prev, hash.clone()),
+            content_hash: hash,
+            fence,
+            event: Some(event.clone()),
+        });
+    }
+    Ok((records, compute))
+}
+
+/// A fork copy of `parent`'s records 1..=`upto_seq` needs an empty child and a prefix the
+/// parent has.
+fn check_copy(
+    parent: &str,
+    parent_last_seq: i64,
+    child: &str,
+    child_last_seq: i64,
+    upto_seq: i64,
+) -> Result<()> {
+    if child_last_seq != 0 {
+        return Err(JournalError::Conflict {
+            session: child.to_owned(),
+            expected: 0,
+            head: child_last_seq,
+        });
+    }
+    if upto_seq > parent_last_seq || upto_seq < 0 {
+        return Err(JournalError::Conflict {
+            session: parent.to_owned(),
+            expected: upto_seq,
+            head: parent_last_seq,
+        });
+    }
+    Ok(())
+}
+
+/// A copy that moved other than `upto_seq` records found a hole in the parent's log:
+/// refused rather than fork a broken chain.
+fn check_copied(parent: &str, upto_seq: i64, copied: u64) -> Result<()> {
+    if copied as i64 != upto_seq {
+        return Err(JournalError::CorruptRecord {
+            session: parent.to_owned(),
+            seq: upto_seq,
+            reason: format!("expected {upto_seq} records up to seq {upto_seq}, found {copied}"),
+        });
+    }
+    Ok(())
+}
+
 /// A stored record as the log holds it; an event blob that no longer decodes is reported
 /// with where it sits.
 fn decode_record(

@@ -19,7 +19,6 @@ mod schema;
 
 use std::collections::BTreeMap;
 
-use agentvm_proto::canon;
 use agentvm_proto::v1::{ComputeState, Event, IdentityRef, LogRecord, Origin};
 use deadpool_postgres::{GenericClient, Manager, ManagerConfig, Pool, RecyclingMethod};
 use prost::Message;
@@ -27,8 +26,9 @@ use tokio_postgres::Row;
 
 pub use self::schema::SCHEMA_VERSION;
 use super::{
-    DeletionState, Holder, Journal, JournalError, ListCursor, NodeEntry, Operation, OperationKind,
-    Result, SessionRow, decode_record, json_map, project_compute_state,
+    DeletionState, Head, Holder, Journal, JournalError, ListCursor, NodeEntry, Operation,
+    OperationKind, Result, SessionRow, chain_onto, check_copied, check_copy, decode_record,
+    json_map,
 };
 use crate::clock::now_nanos;
 use bridge::Bridge;
@@ -190,14 +190,6 @@ fn session_from(row: &Row) -> Result<SessionRow> {
     })
 }
 
-/// The head of one session, locked for the rest of the caller's transaction.
-struct Head {
-    fence: i64,
-    last_seq: i64,
-    head_hash: String,
-    compute_state: ComputeState,
-}
-
 async fn lock_head(tx: &impl GenericClient, uid: &str) -> Result<Head> {
     let statement = tx
         .prepare_cached(
@@ -228,21 +220,8 @@ async fn append_in(
     events: &[Event],
 ) -> Result<Vec<LogRecord>> {
     let head = lock_head(tx, uid).await?;
-    // CAS first, then the fence, as the sqlite backend (semantics.md §1.4).
-    if expected_last_seq != head.last_seq {
-        return Err(JournalError::Conflict {
-            session: uid.to_owned(),
-            expected: expected_last_seq,
-            head: head.last_seq,
-        });
-    }
-    if fence < head.fence {
-        return Err(JournalError::Fenced {
-            session: uid.to_owned(),
-            fence,
-            current: head.fence,
-        });
-    }
+    let (last_seq, head_hash) = (head.last_seq, head.head_hash.clone());
+    let (records, compute) = chain_onto(uid, head, expected_last_seq, fence, events)?;
     let insert = tx
         .prepare_cached(
             "INSERT INTO events (session, seq, prev_hash, hash, fence, event)
@@ -250,32 +229,22 @@ async fn append_in(
         )
         .await
         .map_err(pg("prepare appending"))?;
-    let mut records = Vec::with_capacity(events.len());
-    let mut prev = head.head_hash;
-    let mut seq = head.last_seq;
-    let mut compute = head.compute_state;
-    for event in events {
-        seq += 1;
-        let hash =
-            canon::content_hash(seq, &prev, event).map_err(|source| JournalError::Canon {
-                session: uid.to_owned(),
-                source,
-            })?;
+    for r in &records {
+        let event = r
+            .event
+            .as_ref()
+            .map(Message::encode_to_vec)
+            .unwrap_or_default();
         tx.execute(
             &insert,
-            &[&uid, &seq, &prev, &hash, &fence, &event.encode_to_vec()],
+            &[&uid, &r.seq, &r.prev_hash, &r.content_hash, &fence, &event],
         )
         .await
-        .map_err(pg(format!("append seq {seq} to {uid}")))?;
-        compute = project_compute_state(compute, event);
-        records.push(LogRecord {
-            seq,
-            prev_hash: std::mem::replace(&mut prev, hash.clone()),
-            content_hash: hash,
-            fence,
-            event: Some(event.clone()),
-        });
+        .map_err(pg(format!("append seq {} to {uid}", r.seq)))?;
     }
+    let (seq, hash) = records
+        .last()
+        .map_or((last_seq, head_hash), |r| (r.seq, r.content_hash.clone()));
     let advance = tx
         .prepare_cached(
             "UPDATE sessions SET last_seq = $2, head_hash = $3, compute_state = $4,
@@ -285,7 +254,7 @@ async fn append_in(
         .map_err(pg("prepare advancing a head"))?;
     tx.execute(
         &advance,
-        &[&uid, &seq, &prev, &(compute as i32), &now_nanos()],
+        &[&uid, &seq, &hash, &(compute as i32), &now_nanos()],
     )
     .await
     .map_err(pg(format!("advance head of {uid}")))?;
@@ -339,20 +308,13 @@ async fn copy_in(
 ) -> Result<()> {
     let parent_head = lock_head(tx, parent).await?;
     let child_head = lock_head(tx, child).await?;
-    if child_head.last_seq != 0 {
-        return Err(JournalError::Conflict {
-            session: child.to_owned(),
-            expected: 0,
-            head: child_head.last_seq,
-        });
-    }
-    if upto_seq > parent_head.last_seq || upto_seq < 0 {
-        return Err(JournalError::Conflict {
-            session: parent.to_owned(),
-            expected: upto_seq,
-            head: parent_head.last_seq,
-        });
-    }
+    check_copy(
+        parent,
+        parent_head.last_seq,
+        child,
+        child_head.last_seq,
+        upto_seq,
+    )?;
     let copied = tx
         .execute(
             "INSERT INTO events (session, seq, prev_hash, hash, fence, event)
@@ -362,13 +324,7 @@ async fn copy_in(
         )
         .await
         .map_err(pg(format!("copy {parent}@{upto_seq} into {child}")))?;
-    if copied as i64 != upto_seq {
-        return Err(JournalError::CorruptRecord {
-            session: parent.to_owned(),
-            seq: upto_seq,
-            reason: format!("expected {upto_seq} records up to seq {upto_seq}, found {copied}"),
-        });
-    }
+    check_copied(parent, upto_seq, copied)?;
     let head_hash: String = match upto_seq {
         0 => String::new(),
         _ => tx

@@ -9,14 +9,13 @@
 use std::path::Path;
 use std::sync::Mutex;
 
-use agentvm_proto::canon;
 use agentvm_proto::v1::{ComputeState, Event, IdentityRef, LogRecord, Origin};
 use prost::Message;
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
 use super::{
-    DeletionState, Journal, JournalError, ListCursor, Operation, OperationKind, Result, SessionRow,
-    decode_record, json_map, project_compute_state,
+    DeletionState, Head, Journal, JournalError, ListCursor, Operation, OperationKind, Result,
+    SessionRow, chain_onto, check_copied, check_copy, decode_record, json_map,
 };
 use crate::clock::now_nanos;
 use group_commit::GroupCommit;
@@ -186,14 +185,6 @@ fn row_to_session(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessionRow> {
     })
 }
 
-/// The head of one session as seen inside a write transaction.
-struct Head {
-    fence: i64,
-    last_seq: i64,
-    head_hash: String,
-    compute_state: ComputeState,
-}
-
 fn read_head(tx: &Connection, uid: &str) -> Result<Head> {
     tx.prepare_cached(
         "SELECT fence, last_seq, head_hash, compute_state FROM sessions WHERE session = ?1",
@@ -259,26 +250,8 @@ fn append_events(
     events: &[Event],
 ) -> Result<Vec<LogRecord>> {
     let head = read_head(tx, uid)?;
-    // CAS first, then the fence: a stale caller learns it is stale before it learns
-    // it was superseded (semantics.md §1.4).
-    if expected_last_seq != head.last_seq {
-        return Err(JournalError::Conflict {
-            session: uid.to_owned(),
-            expected: expected_last_seq,
-            head: head.last_seq,
-        });
-    }
-    if fence < head.fence {
-        return Err(JournalError::Fenced {
-            session: uid.to_owned(),
-            fence,
-            current: head.fence,
-        });
-    }
-    let mut records = Vec::with_capacity(events.len());
-    let mut prev = head.head_hash;
-    let mut seq = head.last_seq;
-    let mut compute = head.compute_state;
+    let (last_seq, head_hash) = (head.last_seq, head.head_hash.clone());
+    let (records, compute) = chain_onto(uid, head, expected_last_seq, fence, events)?;
     {
         let mut insert = tx
             .prepare_cached(
@@ -286,15 +259,15 @@ fn append_events(
              VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
             )
             .map_err(storage(format!("prepare append to {uid}")))?;
-        for event in events {
-            seq += 1;
-            let hash =
-                canon::content_hash(seq, &prev, event).map_err(|source| JournalError::Canon {
-                    session: uid.to_owned(),
-                    source,
-                })?;
+        for r in &records {
+            let seq = r.seq;
+            let event = r
+                .event
+                .as_ref()
+                .map(Message::encode_to_vec)
+                .unwrap_or_default();
             insert
-                .execute(params![uid, seq, prev, hash, fence, event.encode_to_vec()])
+                .execute(params![uid, seq, r.prev_hash, r.content_hash, fence, event])
                 .map_err(|e| match e {
                     // A primary-key clash means another writer got there first.
                     rusqlite::Error::SqliteFailure(f, _)
@@ -308,21 +281,16 @@ fn append_events(
                     }
                     e => storage(format!("append seq {seq} to {uid}"))(e),
                 })?;
-            compute = project_compute_state(compute, event);
-            records.push(LogRecord {
-                seq,
-                prev_hash: std::mem::replace(&mut prev, hash.clone()),
-                content_hash: hash,
-                fence,
-                event: Some(event.clone()),
-            });
         }
     }
+    let (seq, hash) = records
+        .last()
+        .map_or((last_seq, head_hash), |r| (r.seq, r.content_hash.clone()));
     tx.prepare_cached(
         "UPDATE sessions SET last_seq = ?2, head_hash = ?3, compute_state = ?4,
          updated_at = ?5 WHERE session = ?1",
     )
-    .and_then(|mut st| st.execute(params![uid, seq, prev, compute as i32, now_nanos()]))
+    .and_then(|mut st| st.execute(params![uid, seq, hash, compute as i32, now_nanos()]))
     .map_err(storage(format!("advance head of {uid}")))?;
     Ok(records)
 }
@@ -338,20 +306,13 @@ fn copy_events(
 ) -> Result<()> {
     let parent_head = read_head(tx, parent)?;
     let child_head = read_head(tx, child)?;
-    if child_head.last_seq != 0 {
-        return Err(JournalError::Conflict {
-            session: child.to_owned(),
-            expected: 0,
-            head: child_head.last_seq,
-        });
-    }
-    if upto_seq > parent_head.last_seq || upto_seq < 0 {
-        return Err(JournalError::Conflict {
-            session: parent.to_owned(),
-            expected: upto_seq,
-            head: parent_head.last_seq,
-        });
-    }
+    check_copy(
+        parent,
+        parent_head.last_seq,
+        child,
+        child_head.last_seq,
+        upto_seq,
+    )?;
     let copied = tx
         .prepare_cached(
             "INSERT INTO events (session, seq, prev_hash, hash, fence, event)
@@ -360,14 +321,7 @@ fn copy_events(
         )
         .and_then(|mut st| st.execute(params![parent, child, upto_seq, fence]))
         .map_err(storage(format!("copy {parent}@{upto_seq} into {child}")))?;
-    if copied as i64 != upto_seq {
-        // The parent's log has a hole: refuse rather than fork a broken chain.
-        return Err(JournalError::CorruptRecord {
-            session: parent.to_owned(),
-            seq: upto_seq,
-            reason: format!("expected {upto_seq} records up to seq {upto_seq}, found {copied}"),
-        });
-    }
+    check_copied(parent, upto_seq, copied as u64)?;
     let head_hash: String = if upto_seq == 0 {
         String::new()
     } else {

@@ -248,12 +248,22 @@ pub fn compute_state_follows_lifecycle_records(open: &Opener) {
 pub fn concurrent_appenders_never_gap_or_fork_the_chain(open: &Opener) {
     let j = open();
     j.create_session(&session("s", "p", 1)).unwrap();
-    let threads: Vec<_> = (0..4)
-        .map(|t| {
-            let j = Arc::clone(&j);
+    race_appends(vec![j.clone(); 4], 25);
+    let all = j.read("s", 0, 0).unwrap();
+    assert_eq!(all.len(), 100);
+    assert_eq!(verify_chain(&all), Ok(100));
+}
+
+/// Each of `writers` (one thread each) appends to session "s" at the head it last read
+/// until `wins` of its appends went in, retrying on conflicts.
+pub fn race_appends(writers: Vec<Arc<dyn Journal>>, wins: usize) {
+    let threads: Vec<_> = writers
+        .into_iter()
+        .enumerate()
+        .map(|(t, j)| {
             std::thread::spawn(move || {
                 let mut won = 0;
-                while won < 25 {
+                while won < wins {
                     let head = j.get_session("s").unwrap().unwrap().last_seq;
                     match j.append("s", head, 0, &[input(&format!("t{t}-{won}"))]) {
                         Ok(_) => won += 1,
@@ -267,9 +277,6 @@ pub fn concurrent_appenders_never_gap_or_fork_the_chain(open: &Opener) {
     for t in threads {
         t.join().unwrap();
     }
-    let all = j.read("s", 0, 0).unwrap();
-    assert_eq!(all.len(), 100);
-    assert_eq!(verify_chain(&all), Ok(100));
 }
 
 pub fn concurrent_sessions_share_commits_and_each_chain_stays_whole(open: &Opener) {

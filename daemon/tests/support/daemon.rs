@@ -20,7 +20,8 @@ impl Drop for Daemon {
     }
 }
 
-/// The agentvm-vmm this build made (beside the test binaries' directory).
+/// The agentvm-vmm this build made (`target/<profile>/agentvm-vmm`, beside the test
+/// binaries' directory).
 pub fn vmm_binary() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let binary = exe
@@ -28,7 +29,11 @@ pub fn vmm_binary() -> PathBuf {
         .and_then(|d| d.parent())
         .unwrap()
         .join("agentvm-vmm");
-    assert!(binary.is_file(), "{} is missing", binary.display());
+    assert!(
+        binary.is_file(),
+        "{} is missing: build the workspace (cargo build -p agentvm-vmm) before these tests",
+        binary.display()
+    );
     binary
 }
 

@@ -84,38 +84,17 @@ fn both_backends_store_the_same_records_byte_for_byte() {
 /// that returned is in the log exactly once and the chain has no gap or fork.
 #[test]
 fn two_nodes_appending_to_one_session_serialize_on_its_head() {
-    use crate::journal::suite::{input, session};
+    use crate::journal::suite::{race_appends, session};
     use crate::journal::verify::verify_chain;
     let Some(server) = server() else { return };
     server.create_database("race").unwrap();
-    let nodes: Vec<Arc<PostgresJournal>> = ["node-a", "node-b"]
-        .iter()
-        .map(|n| Arc::new(connect(&server, "race", n)))
-        .collect();
-    nodes[0].create_session(&session("s", "p", 1)).unwrap();
-    let threads: Vec<_> = nodes
-        .iter()
-        .cloned()
-        .enumerate()
-        .flat_map(|(n, j)| (0..2).map(move |t| (n, t, j.clone())))
-        .map(|(n, t, j)| {
-            std::thread::spawn(move || {
-                let mut won = 0;
-                while won < 10 {
-                    let head = j.get_session("s").unwrap().unwrap().last_seq;
-                    match j.append("s", head, 0, &[input(&format!("{n}-{t}-{won}"))]) {
-                        Ok(_) => won += 1,
-                        Err(JournalError::Conflict { .. }) => {}
-                        Err(e) => panic!("{e}"),
-                    }
-                }
-            })
-        })
-        .collect();
-    for t in threads {
-        t.join().unwrap();
-    }
-    let all = nodes[1].read("s", 0, 0).unwrap();
+    let (a, b): (Arc<dyn Journal>, Arc<dyn Journal>) = (
+        Arc::new(connect(&server, "race", "node-a")),
+        Arc::new(connect(&server, "race", "node-b")),
+    );
+    a.create_session(&session("s", "p", 1)).unwrap();
+    race_appends(vec![a.clone(), a, b.clone(), b.clone()], 10);
+    let all = b.read("s", 0, 0).unwrap();
     assert_eq!(verify_chain(&all), Ok(40));
 }
 
