@@ -47,6 +47,14 @@ fn postgres() -> Option<TestPostgres> {
     }
 }
 
+/// Creates a session of `harness` through `d`; its uid.
+fn create_on(d: &Daemon, harness: &str) -> String {
+    let (ok, out, err) = cli(d, &["--json", "create", "--harness", harness]);
+    assert!(ok, "{err}");
+    let created: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    created["metadata"]["uid"].as_str().unwrap().to_owned()
+}
+
 fn exec(d: &Daemon, uid: &str, input: &str) -> (bool, String, String) {
     cli(d, &["exec", "--session", uid, "-i", input])
 }
@@ -60,10 +68,7 @@ fn a_session_moves_to_another_node_only_when_its_holder_is_gone() {
     let a = node(dir_a.path(), "node-a", &url);
     let b = node(dir_b.path(), "node-b", &url);
 
-    let (ok, out, err) = cli(&a, &["--json", "create", "--harness", "echo"]);
-    assert!(ok, "{err}");
-    let created: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
-    let uid = created["metadata"]["uid"].as_str().unwrap().to_owned();
+    let uid = create_on(&a, "echo");
     let (ok, out, err) = exec(&a, &uid, "hello");
     assert!(ok && out.contains("echo:hello"), "{out}{err}");
 
@@ -241,10 +246,7 @@ fn a_memory_session_moves_through(mut store: SharedStore, db: &str) {
     };
     let a = node(dir_a.path(), "node-a", "1879048192");
     let b = node(dir_b.path(), "node-b", "1879179264");
-    let (ok, out, err) = cli(&a, &["--json", "create", "--harness", "testguest"]);
-    assert!(ok, "{err}");
-    let created: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
-    let uid = created["metadata"]["uid"].as_str().unwrap().to_owned();
+    let uid = create_on(&a, "testguest");
     let count = |d: &Daemon| -> String {
         let (ok, out, err) = exec(d, &uid, "tick");
         assert!(ok, "{out}{err}");
@@ -327,10 +329,7 @@ fn a_node_that_missed_its_heartbeats_lets_go_of_what_was_taken() {
     let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let a = node(dir_a.path(), "node-a", &url);
     let b = node(dir_b.path(), "node-b", &url);
-    let (ok, out, err) = cli(&a, &["--json", "create", "--harness", "echo"]);
-    assert!(ok, "{err}");
-    let created: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
-    let uid = created["metadata"]["uid"].as_str().unwrap().to_owned();
+    let uid = create_on(&a, "echo");
     let (ok, out, err) = exec(&a, &uid, "hello");
     assert!(ok && out.contains("echo:hello"), "{out}{err}");
     assert_eq!(serving(dir_a.path(), &uid), 1, "node-a runs the harness");
