@@ -361,3 +361,29 @@ fn a_node_that_missed_its_heartbeats_lets_go_of_what_was_taken() {
     assert!(!ok && err.contains("node-b"), "{err}");
     assert_eq!(serving(dir_b.path(), &uid), 1, "node-b runs it");
 }
+
+/// The journal's server crashes and comes back while nodes run: every turn acknowledged
+/// before is in the log, and turns go on through the same nodes.
+#[test]
+fn a_journal_server_crash_loses_no_acknowledged_turn() {
+    let Some(server) = postgres() else { return };
+    server.create_database("pg_crash").unwrap();
+    let url = server.url("pg_crash");
+    let dir = tempfile::tempdir().unwrap();
+    let a = node(dir.path(), "node-a", &url);
+    let uid = create_on(&a, "echo");
+    for n in 0..3 {
+        let (ok, out, err) = exec(&a, &uid, &format!("before {n}"));
+        assert!(ok && out.contains(&format!("echo:before {n}")), "{out}{err}");
+    }
+    server.restart_after_crash().unwrap();
+    let (ok, out, err) = exec(&a, &uid, "after");
+    assert!(ok && out.contains("echo:after"), "{out}{err}");
+    let (ok, out, err) = cli(&a, &["replay", &uid]);
+    assert!(ok, "{err}");
+    for turn in ["echo:before 0", "echo:before 1", "echo:before 2", "echo:after"] {
+        assert!(out.contains(turn), "{turn} missing from:\n{out}");
+    }
+    let (ok, out, err) = cli(&a, &["verify", &uid]);
+    assert!(ok && out.contains("chain intact"), "{out}{err}");
+}
