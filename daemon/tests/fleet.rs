@@ -281,6 +281,22 @@ fn a_memory_session_moves_through(mut store: SharedStore, db: &str) {
     // node-a is told the session is node-b's now.
     let (ok, _, err) = exec(&a, &uid, "tick");
     assert!(!ok && err.contains("node-b"), "{err}");
+    // Suspended on node-b, it forks on node-a: every child restores the snapshot node-b
+    // published, which node-a fetches once, and goes on from node-b's count.
+    let (ok, out, err) = cli(&b, &["suspend", &uid]);
+    assert!(ok && out.contains("compute=COLD"), "{out}{err}");
+    let (ok, out, err) = cli(&a, &["--json", "fork", &uid, "--count", "3"]);
+    assert!(ok, "{out}{err}");
+    let children: Vec<String> = out
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|c| c["metadata"]["uid"].as_str().map(str::to_owned))
+        .collect();
+    assert_eq!(children.len(), 3, "{out}");
+    for child in &children {
+        let (ok, out, err) = exec(&a, child, "tick");
+        assert!(ok && out.contains("assistant: 4"), "{child}: {out}{err}");
+    }
 }
 
 #[test]
@@ -374,14 +390,22 @@ fn a_journal_server_crash_loses_no_acknowledged_turn() {
     let uid = create_on(&a, "echo");
     for n in 0..3 {
         let (ok, out, err) = exec(&a, &uid, &format!("before {n}"));
-        assert!(ok && out.contains(&format!("echo:before {n}")), "{out}{err}");
+        assert!(
+            ok && out.contains(&format!("echo:before {n}")),
+            "{out}{err}"
+        );
     }
     server.restart_after_crash().unwrap();
     let (ok, out, err) = exec(&a, &uid, "after");
     assert!(ok && out.contains("echo:after"), "{out}{err}");
     let (ok, out, err) = cli(&a, &["replay", &uid]);
     assert!(ok, "{err}");
-    for turn in ["echo:before 0", "echo:before 1", "echo:before 2", "echo:after"] {
+    for turn in [
+        "echo:before 0",
+        "echo:before 1",
+        "echo:before 2",
+        "echo:after",
+    ] {
         assert!(out.contains(turn), "{turn} missing from:\n{out}");
     }
     let (ok, out, err) = cli(&a, &["verify", &uid]);

@@ -116,6 +116,9 @@ pub struct MicrovmRuntime {
     /// VMMs a suspend asked to exit, still on their way out (their files and cgroups go
     /// once they have): the session's next VMM waits for that.
     retiring: std::sync::Mutex<std::collections::HashMap<String, tokio::task::JoinHandle<()>>>,
+    /// Held while a snapshot is fetched from the fleet's store: the children of one fork
+    /// restore the same snapshot at once, and it is fetched once.
+    fetching: tokio::sync::Mutex<()>,
 }
 
 /// The limits every VMM of this runtime runs under.
@@ -202,6 +205,7 @@ impl MicrovmRuntime {
             confinement,
             ready_conns: Default::default(),
             retiring: Default::default(),
+            fetching: Default::default(),
         })
     }
 
@@ -454,6 +458,7 @@ impl MicrovmRuntime {
         if let Some(remote) = &self.config.snapshot_remote
             && remote.id_of(&snapshot.external_uri).is_some()
         {
+            let _one_at_a_time = self.fetching.lock().await;
             return remote.fetch(&snapshot.external_uri, &self.store).await;
         }
         snapshot_dir(snapshot).ok_or_else(|| {
