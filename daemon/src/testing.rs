@@ -89,11 +89,22 @@ impl TestPostgres {
         )
     }
 
+    /// Stops the server at once (as a crash would): the database is unreachable until
+    /// `start_again`.
+    pub fn crash(&self) -> Result<(), String> {
+        self.pg_ctl(&["stop", "-m", "immediate"])
+    }
+
+    /// Starts a crashed server again on the same files.
+    pub fn start_again(&self) -> Result<(), String> {
+        self.pg_ctl_start()
+    }
+
     /// Stops the server at once (as a crash would: nothing flushed beyond what committed
     /// transactions already made durable) and starts it again on the same files.
     pub fn restart_after_crash(&self) -> Result<(), String> {
-        self.pg_ctl(&["stop", "-m", "immediate"])?;
-        self.pg_ctl_start()
+        self.crash()?;
+        self.start_again()
     }
 
     fn pg_ctl_start(&self) -> Result<(), String> {

@@ -35,6 +35,10 @@ use bridge::Bridge;
 
 /// Connections a node keeps to the database at most.
 const POOL_SIZE: usize = 16;
+/// How long a call waits for a connection (a free one, or a new one to connect) before the
+/// journal counts as unreachable: an unreachable database fails calls, it does not hang
+/// them.
+const CONNECTION_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 pub struct PostgresJournal {
     pool: Pool,
@@ -99,6 +103,9 @@ impl PostgresJournal {
             let _entered = bridge.enter();
             Pool::builder(manager)
                 .max_size(POOL_SIZE)
+                .wait_timeout(Some(CONNECTION_TIMEOUT))
+                .create_timeout(Some(CONNECTION_TIMEOUT))
+                .recycle_timeout(Some(CONNECTION_TIMEOUT))
                 .runtime(deadpool_postgres::Runtime::Tokio1)
                 .build()
                 .map_err(|e| JournalError::Unavailable {

@@ -343,3 +343,21 @@ fn a_harness_registered_on_one_node_is_known_to_every_node() {
         Entry::Static(_) => panic!("a registration read back as a built-in"),
     }
 }
+
+/// With the database gone, calls fail with the cause rather than hang, and work again once
+/// it is back.
+#[test]
+fn an_unreachable_database_fails_calls_and_they_work_again_when_it_is_back() {
+    use crate::journal::suite::session;
+    let Some(server) = server() else { return };
+    server.create_database("gone").unwrap();
+    let j = connect(&server, "gone", "node-a");
+    j.create_session(&session("s", "p", 1)).unwrap();
+    server.crash().unwrap();
+    match j.get_session("s") {
+        Err(JournalError::Postgres { .. } | JournalError::Unavailable { .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    server.start_again().unwrap();
+    assert!(j.get_session("s").unwrap().is_some());
+}
