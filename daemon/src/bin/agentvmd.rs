@@ -274,18 +274,31 @@ fn run(s: Settings) -> anyhow::Result<()> {
     runtime.block_on(async move {
         // In a fleet, beat before anything else: recovery below works on what this node
         // still holds.
-        let _heartbeat = fleet.then(|| {
-            let service = node.node_service();
-            let status = std::sync::Arc::new(move || {
-                service
-                    .status()
-                    .ok()
-                    .and_then(|s| agentvm_proto::canon::to_proto_json(&s).ok())
-                    .map(|json| json.to_string())
-                    .unwrap_or_default()
-            });
-            agentvmd::session::fleet::heartbeat(node.host.clone(), advertise, lease / 3, status)
-        });
+        let _heartbeat = match fleet {
+            true => {
+                let service = node.node_service();
+                let status = std::sync::Arc::new(move || {
+                    service
+                        .status()
+                        .ok()
+                        .and_then(|s| agentvm_proto::canon::to_proto_json(&s).ok())
+                        .map(|json| json.to_string())
+                        .unwrap_or_default()
+                });
+                let beating = agentvmd::session::fleet::heartbeat(
+                    node.host.clone(),
+                    advertise,
+                    lease / 3,
+                    status,
+                );
+                Some(
+                    beating
+                        .await
+                        .context("the first heartbeat into the journal")?,
+                )
+            }
+            false => None,
+        };
         if let Some(addr) = metrics_listen {
             let listener = tokio::net::TcpListener::bind(addr)
                 .await

@@ -67,32 +67,44 @@ impl SessionHost {
     }
 }
 
-/// Beats every `every` (a third of the lease) until the task is dropped, the first time at
-/// once, with what `status` says of the node then (`agentvm node list` shows it); after
+/// One heartbeat: this node's address and what `status` says of it, into the journal.
+async fn beat(
+    host: &SessionHost,
+    address: &str,
+    status: &Arc<dyn Fn() -> String + Send + Sync>,
+) -> Result<(), crate::journal::JournalError> {
+    let (journal, address, status) = (host.journal.clone(), address.to_owned(), status.clone());
+    tokio::task::spawn_blocking(move || journal.heartbeat(&address, &status()))
+        .await
+        .unwrap_or_else(|e| {
+            Err(crate::journal::JournalError::Unavailable {
+                context: "heartbeat".into(),
+                reason: e.to_string(),
+            })
+        })
+}
+
+/// Beats once now, before the node serves (a session it creates is held by a node the
+/// fleet already sees alive), then every `every` (a third of the lease) until the task is
+/// dropped, with what `status` says of the node then (`agentvm node list` shows it); after
 /// each beat, lets go of what other nodes took over.
-pub fn heartbeat(
+pub async fn heartbeat(
     host: Arc<SessionHost>,
     address: String,
     every: Duration,
     status: Arc<dyn Fn() -> String + Send + Sync>,
-) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(every);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+) -> Result<tokio::task::JoinHandle<()>, crate::journal::JournalError> {
+    beat(&host, &address, &status).await?;
+    Ok(tokio::spawn(async move {
         let mut failing = false;
         loop {
-            tick.tick().await;
-            let journal = host.journal.clone();
-            let address = address.clone();
-            let status = status.clone();
-            let beat =
-                tokio::task::spawn_blocking(move || journal.heartbeat(&address, &status())).await;
-            match beat {
-                Ok(Ok(())) if failing => {
+            tokio::time::sleep(every).await;
+            match beat(&host, &address, &status).await {
+                Ok(()) if failing => {
                     tracing::info!("heartbeats reach the journal again");
                     failing = false;
                 }
-                Ok(Err(e)) if !failing => {
+                Err(e) if !failing => {
                     tracing::error!(error = %e,
                         "heartbeat failed: other nodes take this node's sessions over after a lease");
                     failing = true;
@@ -101,5 +113,5 @@ pub fn heartbeat(
             }
             host.release_taken_over().await;
         }
-    })
+    }))
 }
