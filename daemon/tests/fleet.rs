@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 use agentvmd::testing::{TestPostgres, TestS3};
 use support::daemon::{Daemon, cli, kvm_unavailable, start_daemon_env, vmm_binary};
 
-const LEASE_SECS: u64 = 3;
+/// Short for a quick test, long enough that a heartbeat delayed on a loaded machine does not
+/// lose a node its sessions.
+const LEASE_SECS: u64 = 5;
 
 fn node(dir: &std::path::Path, name: &str, url: &str) -> Daemon {
     node_env(dir, name, url, &[], &[])
