@@ -61,18 +61,53 @@ fn exec(d: &Daemon, uid: &str, input: &str) -> (bool, String, String) {
     cli(d, &["exec", "--session", uid, "-i", input])
 }
 
-#[test]
-fn a_session_moves_to_another_node_only_when_its_holder_is_gone() {
-    let Some(server) = postgres() else { return };
-    server.create_database("fleet").unwrap();
-    let url = server.url("fleet");
+/// Two nodes on a fresh journal database, and an echo session node-a created and ran a
+/// turn of ("echo:hello"). Bound in this order, they drop nodes first, server last.
+struct TwoNodes {
+    server: TestPostgres,
+    url: String,
+    dir_a: tempfile::TempDir,
+    dir_b: tempfile::TempDir,
+    a: Daemon,
+    b: Daemon,
+    uid: String,
+}
+
+fn two_nodes(db: &str) -> Option<TwoNodes> {
+    let server = postgres()?;
+    server.create_database(db).unwrap();
+    let url = server.url(db);
     let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let a = node(dir_a.path(), "node-a", &url);
     let b = node(dir_b.path(), "node-b", &url);
-
     let uid = create_on(&a, "echo");
     let (ok, out, err) = exec(&a, &uid, "hello");
     assert!(ok && out.contains("echo:hello"), "{out}{err}");
+    Some(TwoNodes {
+        server,
+        url,
+        dir_a,
+        dir_b,
+        a,
+        b,
+        uid,
+    })
+}
+
+#[test]
+fn a_session_moves_to_another_node_only_when_its_holder_is_gone() {
+    let Some(TwoNodes {
+        server: _server,
+        url,
+        dir_a,
+        dir_b: _dir_b,
+        a,
+        b,
+        uid,
+    }) = two_nodes("fleet")
+    else {
+        return;
+    };
 
     // Every node reads every session; node-b is told where the session lives.
     let (ok, out, err) = cli(&b, &["get", &uid]);
@@ -346,15 +381,18 @@ fn signal(d: &Daemon, name: &str) {
 /// own compute of that session rather than run it beside the new holder's.
 #[test]
 fn a_node_that_missed_its_heartbeats_lets_go_of_what_was_taken() {
-    let Some(server) = postgres() else { return };
-    server.create_database("paused").unwrap();
-    let url = server.url("paused");
-    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let a = node(dir_a.path(), "node-a", &url);
-    let b = node(dir_b.path(), "node-b", &url);
-    let uid = create_on(&a, "echo");
-    let (ok, out, err) = exec(&a, &uid, "hello");
-    assert!(ok && out.contains("echo:hello"), "{out}{err}");
+    let Some(TwoNodes {
+        server: _server,
+        url: _url,
+        dir_a,
+        dir_b,
+        a,
+        b,
+        uid,
+    }) = two_nodes("paused")
+    else {
+        return;
+    };
     assert_eq!(serving(dir_a.path(), &uid), 1, "node-a runs the harness");
 
     signal(&a, "STOP");
