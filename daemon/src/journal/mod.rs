@@ -334,6 +334,23 @@ pub trait Journal: Send + Sync {
     }
 }
 
+/// Runs one backend's append, timing it into the append metric when it succeeds.
+fn timed_append(append: impl FnOnce() -> Result<Vec<LogRecord>>) -> Result<Vec<LogRecord>> {
+    let started = std::time::Instant::now();
+    let result = append();
+    if result.is_ok() {
+        crate::metrics::global()
+            .journal_append
+            .observe(started.elapsed());
+    }
+    result
+}
+
+/// The last seq a read covers (`to_seq` 0 or below: the head).
+fn read_upto(to_seq: i64) -> i64 {
+    if to_seq <= 0 { i64::MAX } else { to_seq }
+}
+
 /// The head of one session as a backend reads it inside a write transaction.
 struct Head {
     fence: i64,

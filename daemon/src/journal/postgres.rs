@@ -28,7 +28,7 @@ pub use self::schema::SCHEMA_VERSION;
 use super::{
     DeletionState, Head, Holder, Journal, JournalError, ListCursor, NodeEntry, Operation,
     OperationKind, Result, SessionRow, chain_onto, check_copied, check_copy, decode_record,
-    json_map,
+    json_map, read_upto, timed_append,
 };
 use crate::clock::now_nanos;
 use bridge::Bridge;
@@ -53,7 +53,15 @@ pub const DEFAULT_LEASE: std::time::Duration = std::time::Duration::from_secs(15
 
 /// The database's clock in nanoseconds: every node's heartbeat and every lease check read
 /// the same clock, so the nodes' own clocks may disagree.
-const DB_NOW: &str = "(extract(epoch from clock_timestamp()) * 1000000000)::bigint";
+macro_rules! db_now {
+    () => {
+        "(extract(epoch from clock_timestamp()) * 1000000000)::bigint"
+    };
+}
+const DB_NOW: &str = db_now!();
+
+/// What `node_from` reads: a node's name, address, heartbeat age and status.
+const NODE_COLUMNS: &str = concat!("name, address, ", db_now!(), " - heartbeat_at, status");
 
 fn node_from(row: &Row, lease: std::time::Duration) -> NodeEntry {
     let age_ns: i64 = row.get(2);
@@ -470,31 +478,26 @@ impl Journal for PostgresJournal {
         fence: i64,
         events: &[Event],
     ) -> Result<Vec<LogRecord>> {
-        let started = std::time::Instant::now();
         let uid = uid.to_owned();
         let events = events.to_vec();
-        let result = self.with("append", move |mut client| async move {
-            let tx = client
-                .transaction()
-                .await
-                .map_err(pg(format!("begin append to {uid}")))?;
-            let records = append_in(&tx, &uid, expected_last_seq, fence, &events).await?;
-            tx.commit()
-                .await
-                .map_err(pg(format!("commit append to {uid}")))?;
-            Ok(records)
-        });
-        if result.is_ok() {
-            crate::metrics::global()
-                .journal_append
-                .observe(started.elapsed());
-        }
-        result
+        timed_append(|| {
+            self.with("append", move |mut client| async move {
+                let tx = client
+                    .transaction()
+                    .await
+                    .map_err(pg(format!("begin append to {uid}")))?;
+                let records = append_in(&tx, &uid, expected_last_seq, fence, &events).await?;
+                tx.commit()
+                    .await
+                    .map_err(pg(format!("commit append to {uid}")))?;
+                Ok(records)
+            })
+        })
     }
 
     fn read(&self, uid: &str, from_seq: i64, to_seq: i64) -> Result<Vec<LogRecord>> {
         let uid = uid.to_owned();
-        let to = if to_seq <= 0 { i64::MAX } else { to_seq };
+        let to = read_upto(to_seq);
         self.with("read a log", move |client| async move {
             let statement = client
                 .prepare_cached(
@@ -728,10 +731,7 @@ impl PostgresJournal {
         self.with("look up a node", move |client| async move {
             Ok(client
                 .query_opt(
-                    &format!(
-                        "SELECT name, address, {DB_NOW} - heartbeat_at, status FROM nodes
-                         WHERE name = $1"
-                    ),
+                    &format!("SELECT {NODE_COLUMNS} FROM nodes WHERE name = $1"),
                     &[&name],
                 )
                 .await
@@ -774,10 +774,7 @@ impl PostgresJournal {
         self.with("list nodes", move |client| async move {
             Ok(client
                 .query(
-                    &format!(
-                        "SELECT name, address, {DB_NOW} - heartbeat_at, status FROM nodes
-                         ORDER BY name"
-                    ),
+                    &format!("SELECT {NODE_COLUMNS} FROM nodes ORDER BY name"),
                     &[],
                 )
                 .await

@@ -15,7 +15,8 @@ use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
 use super::{
     DeletionState, Head, Journal, JournalError, ListCursor, Operation, OperationKind, Result,
-    SessionRow, chain_onto, check_copied, check_copy, decode_record, json_map,
+    SessionRow, chain_onto, check_copied, check_copy, decode_record, json_map, read_upto,
+    timed_append,
 };
 use crate::clock::now_nanos;
 use group_commit::GroupCommit;
@@ -448,21 +449,15 @@ impl Journal for SqliteJournal {
         fence: i64,
         events: &[Event],
     ) -> Result<Vec<LogRecord>> {
-        let started = std::time::Instant::now();
-        let result = self
-            .appends
-            .append(|| self.writer(), uid, expected_last_seq, fence, events);
-        if result.is_ok() {
-            crate::metrics::global()
-                .journal_append
-                .observe(started.elapsed());
-        }
-        result
+        timed_append(|| {
+            self.appends
+                .append(|| self.writer(), uid, expected_last_seq, fence, events)
+        })
     }
 
     fn read(&self, uid: &str, from_seq: i64, to_seq: i64) -> Result<Vec<LogRecord>> {
         let conn = self.reader();
-        let to = if to_seq <= 0 { i64::MAX } else { to_seq };
+        let to = read_upto(to_seq);
         let rows = conn
             .prepare_cached(
                 "SELECT seq, prev_hash, hash, fence, event FROM events
