@@ -92,6 +92,11 @@ pub struct Settings {
     /// may take each over at its next call. It beats every third of it. Default: 15.
     #[arg(long)]
     pub lease_secs: Option<u64>,
+    /// How often (seconds) the node deletes the snapshots of deleted sessions that it or the
+    /// fleet's snapshot store still holds (with --journal-url or --snapshot-url).
+    /// Default: 300.
+    #[arg(long)]
+    pub snapshot_sweep_secs: Option<u64>,
     /// Listener, `unix:PATH` or `HOST:PORT` (loopback). Default: unix:/run/agentvm/agentvmd.sock.
     #[arg(long)]
     #[serde(default, deserialize_with = "parsed")]
@@ -237,6 +242,7 @@ impl Settings {
             node_name,
             advertise_address,
             lease_secs,
+            snapshot_sweep_secs,
             listen,
             admin_listen,
             metrics_listen,
@@ -338,6 +344,7 @@ impl Settings {
             ("min_free_disk_mib", self.min_free_disk_mib),
             ("vm_uid_base", self.vm_uid_base.map(u64::from)),
             ("lease_secs", self.lease_secs),
+            ("snapshot_sweep_secs", self.snapshot_sweep_secs),
         ] {
             if let Some(v) = v {
                 text.push_str(&format!("{k} = {v}\n"));

@@ -245,10 +245,13 @@ impl SharedStore {
         }
     }
 
+    /// The names of the archives the store holds.
     fn published(&self) -> Vec<String> {
         match self {
             Self::Dir(dir) => std::fs::read_dir(dir.path())
                 .unwrap()
+                .filter_map(|e| e.ok())
+                .flat_map(|session| std::fs::read_dir(session.path()).unwrap())
                 .filter_map(|e| e.ok())
                 .map(|e| e.file_name().to_string_lossy().into_owned())
                 .collect(),
@@ -257,10 +260,23 @@ impl SharedStore {
     }
 }
 
+/// The snapshots a node's store holds.
+fn stored(dir: &std::path::Path) -> Vec<String> {
+    std::fs::read_dir(dir.join("state/snapshots"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|name| !name.starts_with('.'))
+        .collect()
+}
+
 /// The counter harness keeps its count only in guest RAM: suspended on node-a, whose
 /// snapshot goes to the fleet's shared store, it answers its next turn on node-b from
 /// where it was, restored from that snapshot. A suspend that cannot publish (the store
-/// unreachable) fails, says why, and leaves the VM running.
+/// unreachable) fails, says why, and leaves the VM running. Suspended again on node-b, it
+/// is published as a layer on node-a's archive (only what changed travels), and its forks
+/// on node-a fetch only that layer. Deleted, the session and its children leave no
+/// archive in the fleet's store and no snapshot on either node.
 fn a_memory_session_moves_through(mut store: SharedStore, db: &str) {
     if let Some(why) = kvm_unavailable() {
         println!("SKIPPED: {why}");
@@ -283,6 +299,8 @@ fn a_memory_session_moves_through(mut store: SharedStore, db: &str) {
             &snapshot_url,
             "--vm-uid-base",
             uid_base,
+            "--snapshot-sweep-secs",
+            "1",
         ];
         node_env(dir, name, &url, &extra, &env)
     };
@@ -327,6 +345,11 @@ fn a_memory_session_moves_through(mut store: SharedStore, db: &str) {
     // published, which node-a fetches once, and goes on from node-b's count.
     let (ok, out, err) = cli(&b, &["suspend", &uid]);
     assert!(ok && out.contains("compute=COLD"), "{out}{err}");
+    let published = store.published();
+    assert!(
+        published.len() == 2 && published.iter().any(|name| name.contains('@')),
+        "node-b's snapshot was not published as a layer: {published:?}"
+    );
     let (ok, out, err) = cli(&a, &["--json", "fork", &uid, "--count", "3"]);
     assert!(ok, "{out}{err}");
     let children: Vec<String> = out
@@ -338,6 +361,29 @@ fn a_memory_session_moves_through(mut store: SharedStore, db: &str) {
     for child in &children {
         let (ok, out, err) = exec(&a, child, "tick");
         assert!(ok && out.contains("assistant: 4"), "{child}: {out}{err}");
+    }
+
+    // Deleted through node-a (the fork took the parent there), the sessions' snapshots go
+    // from both nodes and from the fleet's store: node-b's copies by node-b's own sweep.
+    for session in children.iter().chain([&uid]) {
+        let (ok, out, err) = cli(&a, &["delete", session]);
+        assert!(ok, "deleting {session}: {out}{err}");
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let left = (
+            store.published(),
+            stored(dir_a.path()),
+            stored(dir_b.path()),
+        );
+        if left.0.is_empty() && left.1.is_empty() && left.2.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "left after deleting (fleet store, node-a, node-b): {left:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
     }
 }
 

@@ -3,8 +3,15 @@
 //! Layout inside the zstd stream, all integers little-endian:
 //! `b"AGVMSNAP"`, u32 archive version, then per file `u16 name length, name, u64 size,
 //! (u64 offset, u64 length, bytes)*` closed by an extent of length 0, and after the last
-//! file a zero name length. Only non-zero pages of guest memory are stored. A layered snapshot is exported flattened (its
-//! bases composed in), so an archive never depends on anything outside itself.
+//! file a zero name length.
+//!
+//! Two kinds travel this way:
+//! - a flattened archive (`export`): a layered snapshot's bases composed in, only the non-zero
+//!   pages of guest memory stored, so it depends on nothing outside itself;
+//! - a layer archive (`export_layer`): only what the layer itself stores, its stored zero
+//!   pages included (they override the base), for a node that already holds the base. The
+//!   base is named by whoever carries the archive, never inside it: a path means nothing on
+//!   another node.
 //!
 //! Import trusts nothing: names are checked against the manifest (no paths), every extent
 //! against its file's size, sizes against the manifest, and every digest is recomputed
@@ -66,6 +73,56 @@ pub fn export(snapshot: &Snapshot, out: impl Write) -> Result<(), SnapshotError>
     z.finish().and_then(|mut w| w.flush()).map_err(io_err)
 }
 
+/// Writes layered `snapshot` as a layer archive: its own files as they are, guest memory as
+/// exactly the pages its layer stores.
+pub fn export_layer(snapshot: &Snapshot, out: impl Write) -> Result<(), SnapshotError> {
+    if snapshot.manifest.memory.base.is_none() {
+        return Err(archive_err("a layer archive needs a layered snapshot"));
+    }
+    let mut z = zstd::Encoder::new(BufWriter::new(out), ZSTD_LEVEL).map_err(io_err)?;
+    z.write_all(MAGIC).map_err(io_err)?;
+    z.write_all(&ARCHIVE_VERSION.to_le_bytes())
+        .map_err(io_err)?;
+    let mut manifest = snapshot.manifest.clone();
+    manifest.memory.base = None;
+    for (name, entry) in manifest.files.iter_mut() {
+        write_header(&mut z, name, entry.size)?;
+        if entry.digest == DigestKind::LayerPages {
+            write_stored_pages(&mut z, &snapshot.path(name))?;
+        } else {
+            write_extent(&mut z, 0, &snapshot.read(name)?)?;
+        }
+        write_extent(&mut z, 0, &[])?;
+        entry.stamp = None;
+    }
+    let json = manifest.to_json();
+    write_header(&mut z, MANIFEST_FILE, json.len() as u64)?;
+    write_extent(&mut z, 0, &json)?;
+    write_extent(&mut z, 0, &[])?;
+    z.write_all(&0u16.to_le_bytes()).map_err(io_err)?;
+    z.finish().and_then(|mut w| w.flush()).map_err(io_err)
+}
+
+/// Streams every data extent of a layer's memory file, zero pages included, in pieces the
+/// importer accepts.
+fn write_stored_pages(z: &mut impl Write, path: &Path) -> Result<(), SnapshotError> {
+    const PIECE: u64 = 1 << 20;
+    let file = File::open(path).map_err(io_err)?;
+    let len = file.metadata().map_err(io_err)?.len();
+    let mut buf = vec![0u8; PIECE as usize];
+    for (offset, extent) in pages::data_extents(&file).map_err(io_err)? {
+        let end = (offset + extent).min(len);
+        let mut at = offset;
+        while at < end {
+            let n = (end - at).min(PIECE) as usize;
+            file.read_exact_at(&mut buf[..n], at).map_err(io_err)?;
+            write_extent(z, at, &buf[..n])?;
+            at += n as u64;
+        }
+    }
+    Ok(())
+}
+
 fn write_header(z: &mut impl Write, name: &str, size: u64) -> Result<(), SnapshotError> {
     z.write_all(&(name.len() as u16).to_le_bytes())
         .map_err(io_err)?;
@@ -106,8 +163,14 @@ fn write_composed_memory(z: &mut impl Write, chain: &[Snapshot]) -> Result<Strin
     Ok(hasher.finish())
 }
 
-/// Unpacks an archive into `dir` (existing, without a snapshot) and verifies it.
-pub fn import(input: impl Read, dir: &Path) -> Result<Snapshot, SnapshotError> {
+/// Unpacks an archive into `dir` (existing, without a snapshot) and verifies it: a
+/// flattened archive when `base` is `None`, else a layer archive, which becomes a snapshot
+/// layered on `base`.
+pub fn import(
+    input: impl Read,
+    dir: &Path,
+    base: Option<&Snapshot>,
+) -> Result<Snapshot, SnapshotError> {
     let mut z = zstd::Decoder::new(BufReader::new(input)).map_err(io_err)?;
     let mut magic = [0u8; 8];
     read_exact(&mut z, &mut magic)?;
@@ -177,7 +240,28 @@ pub fn import(input: impl Read, dir: &Path) -> Result<Snapshot, SnapshotError> {
     let manifest_bytes = manifest_bytes.ok_or_else(|| archive_err("no manifest"))?;
     let manifest = Manifest::from_json(&manifest_bytes)?;
     if manifest.memory.base.is_some() {
-        return Err(archive_err("an archive must not depend on a base snapshot"));
+        return Err(archive_err("an archive must not name a base snapshot"));
+    }
+    let layered = manifest
+        .files
+        .values()
+        .any(|entry| entry.digest == DigestKind::LayerPages);
+    match base {
+        Some(_) if !layered => {
+            return Err(archive_err(
+                "not a layer archive: it stores no memory layer",
+            ));
+        }
+        Some(base) if base.manifest.memory.size != manifest.memory.size => {
+            return Err(archive_err(format!(
+                "the layer's guest memory is {} bytes, its base's {}",
+                manifest.memory.size, base.manifest.memory.size
+            )));
+        }
+        None if layered => {
+            return Err(archive_err("a layer archive needs its base snapshot"));
+        }
+        _ => {}
     }
     for (name, size) in &written {
         match manifest.files.get(name) {
@@ -203,11 +287,10 @@ pub fn import(input: impl Read, dir: &Path) -> Result<Snapshot, SnapshotError> {
                     .map_err(io_err)?
                     .0
             }
-            // Archives are flattened: layer files never travel in them.
             DigestKind::LayerPages => {
-                return Err(archive_err(format!(
-                    "{name} is a layer; archives hold none"
-                )));
+                pages::layer_digest(&File::open(&path).map_err(io_err)?)
+                    .map_err(io_err)?
+                    .0
             }
         };
         if found != entry.sha256 {
@@ -224,7 +307,7 @@ pub fn import(input: impl Read, dir: &Path) -> Result<Snapshot, SnapshotError> {
         &manifest.vmm_version,
         MemoryLayout {
             size: manifest.memory.size,
-            base: None,
+            base: base.map(Snapshot::base_ref),
         },
     )?;
     Snapshot::open(dir)
@@ -298,7 +381,7 @@ mod tests {
         export(&top, &mut archive).unwrap();
         assert!(archive.len() < 64 << 10, "{} bytes", archive.len());
         let out = tempfile::tempdir().unwrap();
-        let imported = import(&archive[..], out.path()).unwrap();
+        let imported = import(&archive[..], out.path(), None).unwrap();
         assert!(imported.manifest.memory.base.is_none());
         imported.verify().unwrap();
         let mem = File::open(out.path().join(MEMORY_FILE)).unwrap();
@@ -308,6 +391,94 @@ mod tests {
             assert_eq!(page, [want; 4096], "page {index}");
         }
         assert_eq!(imported.read(STATE_FILE).unwrap(), b"{\"s\":1}");
+    }
+
+    /// A layer on `base` storing `pages` (a byte of 0 is a stored page of zeros).
+    fn layer(dir: &Path, pages: &[(u64, u8)], base: &Snapshot) -> Snapshot {
+        let mut w = SnapshotWriter::create(dir, false).unwrap();
+        w.write_file(STATE_FILE, b"{\"s\":2}").unwrap();
+        let mem = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(dir.join(MEMORY_FILE))
+            .unwrap();
+        mem.set_len(8 << 20).unwrap();
+        for (index, byte) in pages {
+            mem.write_all_at(&[*byte; 4096], index * PAGE_SIZE).unwrap();
+        }
+        let digest = pages::layer_digest(&mem).unwrap().0;
+        w.add_memory_file(MEMORY_FILE, DigestKind::LayerPages, digest)
+            .unwrap();
+        w.finish(
+            HostIdentity::current("PVM"),
+            "t",
+            MemoryLayout {
+                size: 8 << 20,
+                base: Some(base.base_ref()),
+            },
+        )
+        .unwrap();
+        Snapshot::open(dir).unwrap()
+    }
+
+    #[test]
+    fn a_layer_archive_carries_only_the_layer_and_lands_on_another_copy_of_its_base() {
+        let base_dir = tempfile::tempdir().unwrap();
+        let base = snapshot(base_dir.path(), &[(1, 1), (2, 2), (3, 3)], None);
+        let top_dir = tempfile::tempdir().unwrap();
+        let top = layer(top_dir.path(), &[(2, 22), (3, 0), (9, 9)], &base);
+        // The receiving node's copy of the base came to it flattened, in another directory.
+        let mut flat = Vec::new();
+        export(&base, &mut flat).unwrap();
+        let there = tempfile::tempdir().unwrap();
+        let base_there = import(&flat[..], there.path(), None).unwrap();
+
+        let mut archive = Vec::new();
+        export_layer(&top, &mut archive).unwrap();
+        let out = tempfile::tempdir().unwrap();
+        let imported = import(&archive[..], out.path(), Some(&base_there)).unwrap();
+        assert_eq!(imported.manifest.memory.base, Some(base_there.base_ref()));
+        imported.verify().unwrap();
+        // Exactly the layer's pages, its stored zero page kept as data.
+        let mem = File::open(out.path().join(MEMORY_FILE)).unwrap();
+        assert_eq!(
+            pages::layer_digest(&mem).unwrap(),
+            pages::layer_digest(&File::open(top.path(MEMORY_FILE)).unwrap()).unwrap()
+        );
+        assert_eq!(pages::layer_digest(&mem).unwrap().1, 3);
+        // Composed, the copy reads as the original chain does.
+        let mut composed_here = Vec::new();
+        export(&top, &mut composed_here).unwrap();
+        let mut composed_there = Vec::new();
+        export(&imported, &mut composed_there).unwrap();
+        let memory_of = |archive: &[u8]| {
+            let out = tempfile::tempdir().unwrap();
+            let flat = import(archive, out.path(), None).unwrap();
+            pages::file_digest(&File::open(flat.path(MEMORY_FILE)).unwrap()).unwrap()
+        };
+        let here = memory_of(&composed_here);
+        assert_eq!(here.1, 3, "pages 1, 2 and 9 hold data once composed");
+        assert!(
+            here == memory_of(&composed_there),
+            "the compositions differ"
+        );
+        assert_eq!(imported.chain().unwrap().len(), 2);
+
+        // A layer archive needs its base, a flattened one takes none, a flat snapshot has no
+        // layer to send, and a base of another memory size is refused.
+        let out = tempfile::tempdir().unwrap();
+        let err = import(&archive[..], out.path(), None).unwrap_err();
+        assert!(err.to_string().contains("needs its base"), "{err}");
+        let out = tempfile::tempdir().unwrap();
+        let err = import(&flat[..], out.path(), Some(&base_there)).unwrap_err();
+        assert!(err.to_string().contains("not a layer archive"), "{err}");
+        assert!(export_layer(&base, &mut Vec::new()).is_err());
+        let mut smaller = base_there.clone();
+        smaller.manifest.memory.size = 4 << 20;
+        let out = tempfile::tempdir().unwrap();
+        let err = import(&archive[..], out.path(), Some(&smaller)).unwrap_err();
+        assert!(err.to_string().contains("its base's"), "{err}");
     }
 
     #[test]
@@ -321,7 +492,7 @@ mod tests {
         // Truncated.
         let out = tempfile::tempdir().unwrap();
         let cut = zstd::encode_all(&raw[..raw.len() - 10], 1).unwrap();
-        assert!(import(&cut[..], out.path()).is_err());
+        assert!(import(&cut[..], out.path(), None).is_err());
         // One payload byte flipped: the digest check catches it.
         let out = tempfile::tempdir().unwrap();
         let mut flipped = raw.clone();
@@ -332,7 +503,7 @@ mod tests {
         flipped[at + 100] ^= 0xff;
         let flipped = zstd::encode_all(&flipped[..], 1).unwrap();
         assert!(matches!(
-            import(&flipped[..], out.path()),
+            import(&flipped[..], out.path(), None),
             Err(SnapshotError::DigestMismatch { .. })
         ));
         // A path in a file name.
@@ -345,10 +516,10 @@ mod tests {
         evil.extend_from_slice(name);
         evil.extend_from_slice(&0u64.to_le_bytes());
         let evil = zstd::encode_all(&evil[..], 1).unwrap();
-        assert!(import(&evil[..], out.path()).is_err());
+        assert!(import(&evil[..], out.path(), None).is_err());
         assert!(!out.path().parent().unwrap().join("escape").exists());
         // Not an archive at all.
         let out = tempfile::tempdir().unwrap();
-        assert!(import(&b"hello"[..], out.path()).is_err());
+        assert!(import(&b"hello"[..], out.path(), None).is_err());
     }
 }

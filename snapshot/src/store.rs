@@ -437,16 +437,38 @@ impl LocalStore {
         archive::export(&self.get(id)?, out)
     }
 
+    /// Writes layered snapshot `id` as a layer archive: only what it stores over its base.
+    pub fn export_layer(&self, id: &str, out: impl Write) -> Result<(), SnapshotError> {
+        archive::export_layer(&self.get(id)?, out)
+    }
+
+    /// The store's snapshot `id` is layered on, if any (a base outside the store has none).
+    pub fn base_of(&self, id: &str) -> Result<Option<String>, SnapshotError> {
+        let Some(base) = self.get(id)?.manifest.memory.base else {
+            return Ok(None);
+        };
+        Ok((base.dir.parent() == Some(self.root.as_path()))
+            .then(|| base.dir.file_name()?.to_str().map(str::to_owned))
+            .flatten())
+    }
+
     /// Imports an archive another node exported as snapshot `id`, durably: checked against
     /// every digest, each file and the directory synced, before it appears under its name;
-    /// then sealed and stamped like every snapshot of the store. Nothing stays if it fails.
-    pub fn fetch(&self, id: &str, input: impl Read) -> Result<PathBuf, SnapshotError> {
+    /// then sealed and stamped like every snapshot of the store. A layer archive lands on
+    /// this store's snapshot `base`, which must be there. Nothing stays if it fails.
+    pub fn fetch(
+        &self,
+        id: &str,
+        input: impl Read,
+        base: Option<&str>,
+    ) -> Result<PathBuf, SnapshotError> {
+        let base = base.map(|base| self.get(base)).transpose()?;
         let dir = self.unused_dir(id)?;
         let incoming = self.root.join(format!("{INCOMING}{id}"));
         let _ = std::fs::remove_dir_all(&incoming);
         let fetched = std::fs::create_dir(&incoming)
             .map_err(io(&incoming))
-            .and_then(|()| archive::import(input, &incoming))
+            .and_then(|()| archive::import(input, &incoming, base.as_ref()))
             .and_then(|_| sync_files(&incoming))
             .and_then(|()| {
                 std::fs::rename(&incoming, &dir).map_err(io(&dir))?;
@@ -464,7 +486,7 @@ impl LocalStore {
     /// Imports an archive as snapshot `id`; nothing is left behind if it fails.
     pub fn import(&self, id: &str, input: impl Read) -> Result<Snapshot, SnapshotError> {
         let dir = self.create_dir(id)?;
-        archive::import(input, &dir).inspect_err(|_| {
+        archive::import(input, &dir, None).inspect_err(|_| {
             let _ = std::fs::remove_dir_all(&dir);
         })
     }

@@ -257,6 +257,9 @@ fn run(s: Settings) -> anyhow::Result<()> {
     let _instance = lock_state_dir(&state_dir)?;
     let lease = node_config.lease;
     let fleet = node_config.journal_url.is_some();
+    // A shared journal or snapshot store holds what other nodes' deletes leave here.
+    let sweep_every = (fleet || node_config.snapshot_remote.is_some())
+        .then(|| std::time::Duration::from_secs(s.snapshot_sweep_secs.unwrap_or(300).max(1)));
     let node = Node::open(node_config)?;
     info!(state_dir = %state_dir.display(), "journal open");
     let advertise = s
@@ -299,6 +302,8 @@ fn run(s: Settings) -> anyhow::Result<()> {
             }
             false => None,
         };
+        let _sweeping = sweep_every
+            .map(|every| agentvmd::session::sweep::sweeping(node.host.clone(), every, fleet));
         if let Some(addr) = metrics_listen {
             let listener = tokio::net::TcpListener::bind(addr)
                 .await

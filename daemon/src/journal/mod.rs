@@ -285,6 +285,10 @@ pub trait Journal: Send + Sync {
 
     fn set_deletion(&self, uid: &str, state: DeletionState) -> Result<()>;
 
+    /// Whether a fork child of `uid` is not DELETED yet: it may restore from `uid`'s
+    /// snapshots, or its own may be layered on them.
+    fn has_undeleted_children(&self, uid: &str) -> Result<bool>;
+
     /// Active sessions whose stored compute state is `state`, of those this node holds (in a
     /// journal shared by a fleet: the ones it created or last minted a fence for).
     fn sessions_in_state(&self, state: ComputeState) -> Result<Vec<String>>;

@@ -576,6 +576,21 @@ impl Journal for PostgresJournal {
         })
     }
 
+    fn has_undeleted_children(&self, uid: &str) -> Result<bool> {
+        let uid = uid.to_owned();
+        self.with("look for children", move |client| async move {
+            client
+                .query_one(
+                    "SELECT EXISTS (SELECT 1 FROM sessions WHERE parent_uid = $1
+                       AND deletion_state <> 'DELETED')",
+                    &[&uid],
+                )
+                .await
+                .map(|row| row.get(0))
+                .map_err(pg(format!("look for children of {uid}")))
+        })
+    }
+
     fn sessions_in_state(&self, state: ComputeState) -> Result<Vec<String>> {
         let node = self.node.clone();
         self.with("list sessions by state", move |client| async move {

@@ -49,6 +49,7 @@ CREATE TABLE IF NOT EXISTS sessions (
     head_hash      TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS sessions_by_project ON sessions (project, created_at DESC, session);
+CREATE INDEX IF NOT EXISTS sessions_by_parent ON sessions (parent_uid);
 CREATE TABLE IF NOT EXISTS events (
     session   TEXT NOT NULL,
     seq       INTEGER NOT NULL,
@@ -566,6 +567,16 @@ impl Journal for SqliteJournal {
             return Err(JournalError::NotFound(uid.to_owned()));
         }
         Ok(())
+    }
+
+    fn has_undeleted_children(&self, uid: &str) -> Result<bool> {
+        self.reader()
+            .prepare_cached(
+                "SELECT EXISTS (SELECT 1 FROM sessions WHERE parent_uid = ?1
+                   AND deletion_state != 'DELETED')",
+            )
+            .and_then(|mut st| st.query_row([uid], |r| r.get(0)))
+            .map_err(storage(format!("look for children of {uid}")))
     }
 }
 

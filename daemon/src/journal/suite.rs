@@ -34,6 +34,7 @@ macro_rules! journal_cases {
             fork_children_are_written_all_or_none,
             list_pages_newest_first_with_a_keyset_cursor,
             deletion_state_persists,
+            children_count_until_they_are_deleted,
             operations_are_durable_until_ended
         }
     };
@@ -433,6 +434,32 @@ pub fn deletion_state_persists(open: &Opener) {
         j.set_deletion("nope", DeletionState::Deleted),
         Err(JournalError::NotFound(_))
     ));
+}
+
+/// A session's fork children keep its snapshots wanted until each is DELETED.
+pub fn children_count_until_they_are_deleted(open: &Opener) {
+    let j = open();
+    let child = |uid: &str, parent: &str| SessionRow {
+        parent_uid: parent.into(),
+        fork_seq: 1,
+        ..session(uid, "p", 2)
+    };
+    j.create_session(&session("parent", "p", 1)).unwrap();
+    j.create_session(&child("c1", "parent")).unwrap();
+    j.create_session(&child("c2", "parent")).unwrap();
+    j.create_session(&child("grandchild", "c1")).unwrap();
+    assert!(j.has_undeleted_children("parent").unwrap());
+    assert!(!j.has_undeleted_children("c2").unwrap());
+    assert!(!j.has_undeleted_children("nobody").unwrap());
+    j.set_deletion("c1", DeletionState::Deleting).unwrap();
+    j.set_deletion("c2", DeletionState::Deleted).unwrap();
+    assert!(
+        j.has_undeleted_children("parent").unwrap(),
+        "c1 is only DELETING"
+    );
+    j.set_deletion("c1", DeletionState::Deleted).unwrap();
+    assert!(!j.has_undeleted_children("parent").unwrap());
+    assert!(j.has_undeleted_children("c1").unwrap());
 }
 
 /// Intents survive a reopen (a crash) until ended, in the order they were begun.

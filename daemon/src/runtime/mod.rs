@@ -112,6 +112,20 @@ pub struct ComputeLost {
     pub reason: String,
 }
 
+/// What the journal says of the session a snapshot belongs to, for a sweep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SnapshotOwner {
+    /// Not DELETED, or one of its fork children is not (or the journal could not say):
+    /// its snapshots stay.
+    Wanted,
+    /// DELETED, and its children too: its snapshots go once nothing kept is layered on
+    /// them.
+    Gone,
+    /// No such session: a snapshot of a fork whose children were never written. It goes
+    /// once older than any fork takes to write them.
+    Unknown,
+}
+
 #[async_trait::async_trait]
 pub trait Runtime: Send + Sync {
     /// The backend's name as ComputeRef.runtime reports it.
@@ -184,6 +198,15 @@ pub trait Runtime: Send + Sync {
     /// whatever belongs to no session that `owned` accepts is stopped or removed, and each
     /// decision is logged. Runs before the node serves anything.
     async fn reconcile(&self, _owned: &(dyn for<'s> Fn(&'s str) -> bool + Send + Sync)) {}
+
+    /// Deletes the snapshots of sessions that are gone, on this node and in the fleet's
+    /// snapshot store, as `owner` judges each snapshot's session. Runs while the node
+    /// serves: in a fleet, other nodes delete sessions whose snapshots this one holds.
+    async fn sweep_snapshots(
+        &self,
+        _owner: &(dyn for<'s> Fn(&'s str) -> SnapshotOwner + Send + Sync),
+    ) {
+    }
 
     /// The memory snapshots this runtime holds of `session_uid`, newest first (a Suspend the
     /// daemon did not live to record leaves one that no record names).

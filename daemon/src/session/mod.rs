@@ -10,6 +10,7 @@ pub mod guard;
 mod intent;
 mod lost;
 mod recovery;
+pub mod sweep;
 mod turns;
 
 use std::collections::{BTreeMap, HashMap};

@@ -72,6 +72,8 @@ const MIGRATIONS: &[&str] = &[
         heartbeat_at BIGINT NOT NULL,
         status       TEXT NOT NULL DEFAULT '{}'
     );",
+    // 2: a session's fork children are looked up when its snapshots may be deleted.
+    "CREATE INDEX sessions_by_parent ON sessions (parent_uid);",
 ];
 
 /// What this build knows.

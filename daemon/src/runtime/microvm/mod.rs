@@ -44,6 +44,7 @@ use self::guest::{GuestConn, GuestEndpoint};
 use self::vmm_process::VmmDir;
 use super::{
     ForkOpts, Incarnation, ObservedState, Result, Runtime, RuntimeError, SessionSpec, SnapshotKind,
+    SnapshotOwner,
 };
 use crate::controller::endpoint::HarnessEndpoint;
 
@@ -100,6 +101,9 @@ pub struct MicrovmConfig {
 
 /// Prefix of the directories and cgroups of a VMM on its way out (see `retire_vmm`).
 const RETIRED: &str = ".retired-";
+/// How old a snapshot of no known session must be before a sweep deletes it: longer than
+/// any fork takes to write the children it was taken for.
+const ORPHAN_GRACE: Duration = Duration::from_secs(15 * 60);
 
 /// What a VMM costs beyond its guest's RAM, in the default cgroup limit.
 const VMM_MEMORY_OVERHEAD_MIB: u64 = 128;
@@ -456,7 +460,7 @@ impl MicrovmRuntime {
     /// from the fleet's snapshot store.
     async fn local_snapshot(&self, snapshot: &SnapshotRef) -> std::result::Result<PathBuf, String> {
         if let Some(remote) = &self.config.snapshot_remote
-            && remote.id_of(&snapshot.external_uri).is_some()
+            && remote.archive_of(&snapshot.external_uri).is_some()
         {
             let _one_at_a_time = self.fetching.lock().await;
             return remote.fetch(&snapshot.external_uri, &self.store).await;
@@ -679,32 +683,36 @@ impl MicrovmRuntime {
                 }
             }
         }
-        let mut orphans: Vec<&String> = ids
-            .iter()
+        let orphans: Vec<String> = ids
+            .into_iter()
             .filter(|id| snapshot_owner(id).is_some_and(|owner| !owned(owner)))
             .collect();
+        for id in self.delete_layers_first(orphans) {
+            tracing::info!(snapshot = %id, "reconcile: snapshot of a gone session kept: still in use");
+        }
+    }
+
+    /// Deletes the snapshots `ids` that nothing uses, layers before the bases under them
+    /// (a pass at a time while one frees something); returns those still in use.
+    fn delete_layers_first(&self, mut ids: Vec<String>) -> Vec<String> {
         loop {
-            let before = orphans.len();
-            orphans.retain(|id| match self.store.delete(id) {
+            let before = ids.len();
+            ids.retain(|id| match self.store.delete(id) {
                 Ok(()) => {
-                    tracing::info!(snapshot = %id,
-                        "reconcile: deleted a snapshot of a session that does not exist or is deleted");
+                    tracing::info!(snapshot = %id, "deleted a snapshot of a session that is gone");
                     false
                 }
                 Err(_) => true,
             });
-            if orphans.len() == before {
-                break;
+            if ids.len() == before {
+                return ids;
             }
-        }
-        for id in orphans {
-            tracing::info!(snapshot = %id, "reconcile: snapshot of a gone session kept: still in use");
         }
     }
 }
 
 /// The session a snapshot id (`SESSION-PID-N`) was taken of.
-fn snapshot_owner(id: &str) -> Option<&str> {
+pub(super) fn snapshot_owner(id: &str) -> Option<&str> {
     let mut parts = id.rsplitn(3, '-');
     let n = parts.next()?;
     let pid = parts.next()?;
@@ -1012,7 +1020,7 @@ impl Runtime for MicrovmRuntime {
         // directory and cgroups for the next start, which a deleted session never has).
         self.stop_vmm(session_uid, &self.vmm_dir(session_uid)).await;
         self.release_snapshots(session_uid);
-        let mut left: Vec<String> = self
+        let mine: Vec<String> = self
             .store
             .list()
             .unwrap_or_default()
@@ -1021,15 +1029,7 @@ impl Runtime for MicrovmRuntime {
                 snapshot_owner(id).is_some_and(|owner| owner == session_uid || !owned(owner))
             })
             .collect();
-        // Layers go before the bases under them: repeat while a pass frees something.
-        loop {
-            let before = left.len();
-            left.retain(|id| self.store.delete(id).is_err());
-            if left.len() == before {
-                break;
-            }
-        }
-        for id in &left {
+        for id in &self.delete_layers_first(mine) {
             tracing::info!(session = session_uid, snapshot = %id, "snapshot kept: still in use");
         }
         Ok(())
@@ -1109,6 +1109,65 @@ impl Runtime for MicrovmRuntime {
             }
         }
         self.reconcile_snapshots(owned);
+    }
+
+    async fn sweep_snapshots(
+        &self,
+        owner: &(dyn for<'s> Fn(&'s str) -> SnapshotOwner + Send + Sync),
+    ) {
+        let verdicts = std::sync::Mutex::new(std::collections::HashMap::new());
+        let judge = |session: &str| {
+            *verdicts
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .entry(session.to_owned())
+                .or_insert_with(|| owner(session))
+        };
+        let now = SystemTime::now();
+        let stale = |at: SystemTime| now.duration_since(at).is_ok_and(|age| age > ORPHAN_GRACE);
+        let unwanted = |session: &str, at: SystemTime| match judge(session) {
+            SnapshotOwner::Gone => true,
+            SnapshotOwner::Unknown => stale(at),
+            SnapshotOwner::Wanted => false,
+        };
+        let mut doomed: Vec<String> = Vec::new();
+        for id in self.store.list().unwrap_or_default() {
+            let Some(session) = snapshot_owner(&id) else {
+                continue;
+            };
+            let made = self
+                .store
+                .dir(&id)
+                .ok()
+                .and_then(|dir| std::fs::metadata(dir).ok()?.modified().ok())
+                .unwrap_or(now);
+            if !unwanted(session, made) {
+                continue;
+            }
+            // Uses by sessions that are gone as well (fork children deleted on other nodes).
+            for holder in self.store.holders(&id).unwrap_or_default() {
+                if judge(&holder) != SnapshotOwner::Wanted {
+                    let _ = self.store.release(&id, &holder);
+                }
+            }
+            doomed.push(id);
+        }
+        let kept = self.delete_layers_first(doomed);
+        for id in kept {
+            tracing::debug!(snapshot = %id, "sweep: a gone session's snapshot is still in use here");
+        }
+        if let Some(remote) = &self.config.snapshot_remote {
+            match remote
+                .sweep(|archive, at| unwanted(archive.session(), at))
+                .await
+            {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(archives = n, remote = %remote.describe(),
+                    "sweep: deleted the archives of sessions that are gone"),
+                Err(e) => tracing::warn!(error = %e, remote = %remote.describe(),
+                    "sweep: the fleet's snapshot store"),
+            }
+        }
     }
 
     fn snapshots_of(&self, session_uid: &str) -> Vec<SnapshotRef> {

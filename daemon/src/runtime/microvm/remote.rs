@@ -2,20 +2,27 @@
 //! other (`--snapshot-url`):
 //! - `file:///DIR`: a directory every node mounts (a shared filesystem);
 //! - `s3://BUCKET/PREFIX`: an S3-compatible object store (endpoint, region and credentials
-//!   from the standard `AWS_ENDPOINT_URL`, `AWS_REGION`, `AWS_ACCESS_KEY_ID` and
-//!   `AWS_SECRET_ACCESS_KEY`; `remote/s3.rs`).
+//!   from the standard `AWS_*` environment; `remote/s3.rs`).
 //!
-//! A snapshot taken into a node's local store is published as one portable archive (the
-//! snapshot crate's, flattened: it depends on nothing else), and the journal records the
-//! archive's URI. A node restoring a snapshot it lacks fetches the archive into its own
-//! store (every digest checked) and restores `MAP_PRIVATE` from there; the node that took
-//! it restores from its own copy at once.
+//! A snapshot taken into a node's local store is published as a portable archive of the
+//! snapshot crate, and the journal records the archive's URI. A snapshot layered on one the
+//! fleet already has is published as a layer (only the pages it changed), named after its
+//! base: `SESSION/ID@BASE.agvmsnap`; any other flattened: `SESSION/ID.agvmsnap`. A node
+//! restoring a snapshot it lacks fetches the archive, and the chain of bases under it that
+//! it lacks too, into its own store (every digest checked), and restores `MAP_PRIVATE` from
+//! there; the node that took it restores from its own copy at once.
+//!
+//! Archives are kept per session (its directory of the remote), so a session's are found
+//! without listing the fleet's; they are deleted once their session is gone and nothing
+//! layered on them is kept (`sweep`).
 
 mod s3;
 
+use std::collections::HashSet;
 use std::fs::File;
 use std::io::{BufReader, BufWriter};
 use std::path::{Path, PathBuf};
+use std::time::SystemTime;
 
 use agentvm_snapshot::LocalStore;
 
@@ -23,6 +30,61 @@ pub use self::s3::S3Remote;
 
 /// How a published archive's name ends.
 const ARCHIVE_SUFFIX: &str = ".agvmsnap";
+/// Between a layer's id and its base's in its name (never part of a snapshot id).
+const LAYER_MARK: char = '@';
+/// The directory of archives whose id names no session.
+const NO_SESSION: &str = "_";
+/// Deeper chains of archives are refused (the VMM flattens long before).
+const MAX_CHAIN: usize = 64;
+
+/// One published archive: snapshot `id`, flattened, or its layer on snapshot `base`.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Archive {
+    pub id: String,
+    pub base: Option<String>,
+}
+
+fn plain_id(id: &str) -> bool {
+    !id.is_empty() && !id.starts_with('.') && !id.contains(['/', LAYER_MARK])
+}
+
+impl Archive {
+    /// The session whose directory holds the archive.
+    pub fn session(&self) -> &str {
+        super::snapshot_owner(&self.id).unwrap_or(NO_SESSION)
+    }
+
+    /// Its name in its session's directory.
+    fn name(&self) -> String {
+        match &self.base {
+            None => format!("{}{ARCHIVE_SUFFIX}", self.id),
+            Some(base) => format!("{}{LAYER_MARK}{base}{ARCHIVE_SUFFIX}", self.id),
+        }
+    }
+
+    /// Its path below the remote's root: `SESSION/NAME`.
+    fn key(&self) -> String {
+        format!("{}/{}", self.session(), self.name())
+    }
+
+    /// The archive a `SESSION/NAME` path below the remote's root names.
+    fn from_key(key: &str) -> Option<Self> {
+        let (session, name) = key.split_once('/')?;
+        let stem = name.strip_suffix(ARCHIVE_SUFFIX)?;
+        let archive = match stem.split_once(LAYER_MARK) {
+            None => Self {
+                id: stem.to_owned(),
+                base: None,
+            },
+            Some((id, base)) => Self {
+                id: id.to_owned(),
+                base: Some(base.to_owned()),
+            },
+        };
+        let ids_ok = plain_id(&archive.id) && archive.base.as_deref().is_none_or(plain_id);
+        (ids_ok && archive.session() == session).then_some(archive)
+    }
+}
 
 #[derive(Debug, Clone)]
 pub enum SnapshotRemote {
@@ -52,30 +114,26 @@ impl std::str::FromStr for SnapshotRemote {
     }
 }
 
-/// `ID.agvmsnap` → `ID`.
-fn id_in(name: &str) -> Option<String> {
-    let id = name.strip_suffix(ARCHIVE_SUFFIX)?;
-    (!id.is_empty() && !id.starts_with('.') && !id.contains('/')).then(|| id.to_owned())
-}
-
-/// Exports snapshot `id` of `store` into `to` as an archive, synced.
-fn export(store: &LocalStore, id: &str, to: &Path) -> Result<(), String> {
+/// Exports snapshot `id` of `store` into `to` as an archive (a layer if `layer`), synced.
+fn export(store: &LocalStore, id: &str, layer: bool, to: &Path) -> Result<(), String> {
     let file = File::create(to).map_err(|e| format!("creating {}: {e}", to.display()))?;
     let mut out = BufWriter::new(file);
-    store
-        .export(id, &mut out)
-        .map_err(|e| format!("writing snapshot {id} to {}: {e}", to.display()))?;
+    match layer {
+        true => store.export_layer(id, &mut out),
+        false => store.export(id, &mut out),
+    }
+    .map_err(|e| format!("writing snapshot {id} to {}: {e}", to.display()))?;
     out.into_inner()
         .map_err(|e| format!("writing {}: {e}", to.display()))?
         .sync_all()
         .map_err(|e| format!("syncing {}: {e}", to.display()))
 }
 
-/// Imports the archive at `from` into `store` as `id`.
-fn import(store: &LocalStore, id: &str, from: &Path) -> Result<PathBuf, String> {
+/// Imports the archive at `from` into `store` (onto the store's copy of its base).
+fn import(store: &LocalStore, archive: &Archive, from: &Path) -> Result<PathBuf, String> {
     let file = File::open(from).map_err(|e| format!("opening {}: {e}", from.display()))?;
     store
-        .fetch(id, BufReader::new(file))
+        .fetch(&archive.id, BufReader::new(file), archive.base.as_deref())
         .map_err(|e| format!("fetching {}: {e}", from.display()))
 }
 
@@ -88,50 +146,117 @@ async fn blocking<T: Send + 'static>(
         .map_err(|e| format!("{what}: {e}"))?
 }
 
+/// A staging file in `store` for moving archive bytes, unique to this process.
+fn staging(store: &LocalStore, what: &str, archive: &Archive) -> PathBuf {
+    store
+        .root()
+        .join(format!(".{what}-{}-{}", archive.id, std::process::id()))
+}
+
 impl SnapshotRemote {
-    fn archive(dir: &Path, id: &str) -> PathBuf {
-        dir.join(format!("{id}{ARCHIVE_SUFFIX}"))
+    fn path(dir: &Path, archive: &Archive) -> PathBuf {
+        dir.join(archive.key())
     }
 
-    /// The URI the journal records for snapshot `id` once published.
-    pub fn uri(&self, id: &str) -> String {
+    /// The URI the journal records for `archive`.
+    pub fn uri(&self, archive: &Archive) -> String {
         match self {
-            Self::Dir(dir) => format!("file://{}", Self::archive(dir, id).display()),
-            Self::S3(s3) => s3.uri(id),
+            Self::Dir(dir) => format!("file://{}", Self::path(dir, archive).display()),
+            Self::S3(s3) => s3.uri(&archive.key()),
         }
     }
 
-    /// The snapshot a URI of this remote names, or `None` for any other URI.
-    pub fn id_of(&self, uri: &str) -> Option<String> {
+    /// The archive a URI of this remote names, or `None` for any other URI.
+    pub fn archive_of(&self, uri: &str) -> Option<Archive> {
+        let key = match self {
+            Self::Dir(dir) => Path::new(uri.strip_prefix("file://")?)
+                .strip_prefix(dir)
+                .ok()?
+                .to_str()?
+                .to_owned(),
+            Self::S3(s3) => s3.key_of(uri)?,
+        };
+        Archive::from_key(&key)
+    }
+
+    async fn exists(&self, archive: &Archive) -> Result<bool, String> {
         match self {
-            Self::Dir(dir) => {
-                let path = Path::new(uri.strip_prefix("file://")?);
-                if path.parent() != Some(dir.as_path()) {
-                    return None;
-                }
-                id_in(path.file_name()?.to_str()?)
+            Self::Dir(dir) => Ok(Self::path(dir, archive).is_file()),
+            Self::S3(s3) => s3.exists(&archive.key()).await,
+        }
+    }
+
+    /// Snapshot `id`'s archive in the remote, if it was published: as a layer on `base`
+    /// (what the local copy is layered on, if any) or flattened; else among its session's.
+    async fn locate(&self, id: &str, base: Option<String>) -> Result<Option<Archive>, String> {
+        let id = id.to_owned();
+        let guesses = [base.map(|base| Archive {
+            id: id.clone(),
+            base: Some(base),
+        })]
+        .into_iter()
+        .flatten()
+        .chain([Archive {
+            id: id.clone(),
+            base: None,
+        }]);
+        for guess in guesses {
+            if self.exists(&guess).await? {
+                return Ok(Some(guess));
             }
-            Self::S3(s3) => s3.id_of(uri),
         }
+        let session = Archive {
+            id: id.clone(),
+            base: None,
+        }
+        .session()
+        .to_owned();
+        Ok(self
+            .list(Some(&session))
+            .await?
+            .into_iter()
+            .map(|(archive, _)| archive)
+            .find(|archive| archive.id == id))
     }
 
     /// Publishes snapshot `id` of `store`, so that no node ever reads half an archive: in a
     /// directory, written under a temporary name, synced and renamed into place; in a
-    /// bucket, uploaded in parts that appear as one object when the upload completes.
-    /// Returns its URI.
+    /// bucket, uploaded in parts that appear as one object when the upload completes. A
+    /// snapshot layered on one the remote holds goes as a layer on it. Returns its URI.
     pub async fn publish(&self, store: &LocalStore, id: &str) -> Result<String, String> {
+        let local_base = store.base_of(id).map_err(|e| e.to_string())?;
+        let base = match local_base {
+            Some(base) => {
+                let under = store.base_of(&base).map_err(|e| e.to_string())?;
+                self.locate(&base, under).await?.map(|_| base)
+            }
+            None => None,
+        };
+        let archive = Archive {
+            id: id.to_owned(),
+            base,
+        };
+        let layer = archive.base.is_some();
         let (store, owned_id) = (store.clone(), id.to_owned());
         match self {
             Self::Dir(dir) => {
-                let (dir, target) = (dir.clone(), Self::archive(dir, id));
+                let target = Self::path(dir, &archive);
+                let parent = target.parent().map(Path::to_owned).unwrap_or_default();
                 blocking("publishing", move || {
-                    let partial = dir.join(format!(".{owned_id}.{}.partial", std::process::id()));
-                    let written = export(&store, &owned_id, &partial).and_then(|()| {
+                    // The session's directory only: the shared one must be there (mounted).
+                    match std::fs::create_dir(&parent) {
+                        Ok(()) => {}
+                        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                        Err(e) => return Err(format!("creating {}: {e}", parent.display())),
+                    }
+                    let partial =
+                        parent.join(format!(".{owned_id}.{}.partial", std::process::id()));
+                    let written = export(&store, &owned_id, layer, &partial).and_then(|()| {
                         std::fs::rename(&partial, &target)
                             .map_err(|e| format!("publishing {}: {e}", target.display()))?;
-                        File::open(&dir)
+                        File::open(&parent)
                             .and_then(|d| d.sync_all())
-                            .map_err(|e| format!("syncing {}: {e}", dir.display()))
+                            .map_err(|e| format!("syncing {}: {e}", parent.display()))
                     });
                     if written.is_err() {
                         let _ = std::fs::remove_file(&partial);
@@ -141,72 +266,162 @@ impl SnapshotRemote {
                 .await?;
             }
             Self::S3(s3) => {
-                let staging = store
-                    .root()
-                    .join(format!(".upload-{id}-{}", std::process::id()));
-                let local = staging.clone();
-                blocking("publishing", move || export(&store, &owned_id, &local)).await?;
-                let uploaded = s3.upload(&staging, id).await;
-                let _ = std::fs::remove_file(&staging);
+                let staged = staging(&store, "upload", &archive);
+                let local = staged.clone();
+                let exported = blocking("publishing", move || {
+                    export(&store, &owned_id, layer, &local)
+                })
+                .await;
+                let uploaded = match exported {
+                    Ok(()) => s3.upload(&staged, &archive.key()).await,
+                    Err(e) => Err(e),
+                };
+                let _ = std::fs::remove_file(&staged);
                 uploaded?;
             }
         }
-        Ok(self.uri(id))
+        Ok(self.uri(&archive))
     }
 
     /// The local directory of the snapshot `uri` names, fetched into `store` first if this
-    /// node does not have it yet.
+    /// node does not have it yet, with every base under it that it lacks (bases first).
     pub async fn fetch(&self, uri: &str, store: &LocalStore) -> Result<PathBuf, String> {
-        let id = self
-            .id_of(uri)
+        let top = self
+            .archive_of(uri)
             .ok_or_else(|| format!("{uri} is not an archive of {}", self.describe()))?;
-        let local = store.dir(&id).map_err(|e| e.to_string())?;
-        if local.is_dir() {
-            return Ok(local);
+        let local = store.dir(&top.id).map_err(|e| e.to_string())?;
+        // Down the chain to the first snapshot this node has (or a flattened archive).
+        let mut missing = Vec::new();
+        let mut next = Some(top);
+        while let Some(archive) = next.take() {
+            if store.dir(&archive.id).map_err(|e| e.to_string())?.is_dir() {
+                break;
+            }
+            if missing.len() == MAX_CHAIN {
+                return Err(format!("{uri}: more than {MAX_CHAIN} layers of archives"));
+            }
+            if let Some(base) = &archive.base {
+                next = Some(self.locate(base, None).await?.ok_or_else(|| {
+                    format!(
+                        "{uri}: its base snapshot {base} is neither on this node nor in {}",
+                        self.describe()
+                    )
+                })?);
+            }
+            missing.push(archive);
         }
         let started = std::time::Instant::now();
-        let (owned_store, owned_id) = (store.clone(), id.clone());
-        let dir = match self {
+        for archive in missing.iter().rev() {
+            self.fetch_one(archive, store).await?;
+        }
+        if !missing.is_empty() {
+            tracing::info!(
+                uri,
+                archives = missing.len(),
+                ms = started.elapsed().as_millis() as u64,
+                "fetched a snapshot from the fleet's store"
+            );
+        }
+        Ok(local)
+    }
+
+    /// Fetches one archive into `store` (whose base, if any, is there already).
+    async fn fetch_one(&self, archive: &Archive, store: &LocalStore) -> Result<PathBuf, String> {
+        let (owned_store, owned_archive) = (store.clone(), archive.clone());
+        match self {
             Self::Dir(dir) => {
-                let archive = Self::archive(dir, &id);
+                let path = Self::path(dir, archive);
                 blocking("fetching", move || {
-                    import(&owned_store, &owned_id, &archive)
+                    import(&owned_store, &owned_archive, &path)
                 })
-                .await?
+                .await
             }
             Self::S3(s3) => {
-                let staging = store
-                    .root()
-                    .join(format!(".download-{id}-{}", std::process::id()));
-                let fetched = match s3.download(&id, &staging).await {
+                let staged = staging(store, "download", archive);
+                let fetched = match s3.download(&archive.key(), &staged).await {
                     Ok(()) => {
-                        let local = staging.clone();
-                        blocking("fetching", move || import(&owned_store, &owned_id, &local)).await
+                        let local = staged.clone();
+                        blocking("fetching", move || {
+                            import(&owned_store, &owned_archive, &local)
+                        })
+                        .await
                     }
                     Err(e) => Err(e),
                 };
-                let _ = std::fs::remove_file(&staging);
-                fetched?
+                let _ = std::fs::remove_file(&staged);
+                fetched
             }
-        };
-        tracing::info!(snapshot = %id, ms = started.elapsed().as_millis() as u64,
-            "fetched a snapshot from the fleet's store");
-        Ok(dir)
+        }
     }
 
-    /// Removes the published archive of `id` (gone already is fine).
-    pub async fn remove(&self, id: &str) -> Result<(), String> {
+    /// The archives of `session` (all, if `None`) with when each was published.
+    pub async fn list(&self, session: Option<&str>) -> Result<Vec<(Archive, SystemTime)>, String> {
+        let found = match self {
+            Self::Dir(dir) => {
+                let dir = dir.clone();
+                let session = session.map(str::to_owned);
+                blocking("listing", move || list_dir(&dir, session.as_deref())).await?
+            }
+            Self::S3(s3) => s3.list(session).await?,
+        };
+        let mut archives: Vec<(Archive, SystemTime)> = found
+            .into_iter()
+            .filter_map(|(key, at)| Some((Archive::from_key(&key)?, at)))
+            .collect();
+        archives.sort();
+        Ok(archives)
+    }
+
+    /// Removes `archive` (gone already is fine).
+    pub async fn remove(&self, archive: &Archive) -> Result<(), String> {
         match self {
             Self::Dir(dir) => {
-                let archive = Self::archive(dir, id);
-                match std::fs::remove_file(&archive) {
-                    Ok(()) => Ok(()),
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-                    Err(e) => Err(format!("removing {}: {e}", archive.display())),
+                let path = Self::path(dir, archive);
+                match std::fs::remove_file(&path) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(format!("removing {}: {e}", path.display())),
                 }
+                // The session's directory goes with its last archive.
+                if let Some(parent) = path.parent() {
+                    let _ = std::fs::remove_dir(parent);
+                }
+                Ok(())
             }
-            Self::S3(s3) => s3.remove(id).await,
+            Self::S3(s3) => s3.remove(&archive.key()).await,
         }
+    }
+
+    /// Deletes the archives `unwanted` picks, each once no archive still there is layered
+    /// on it (layers go before their bases, and a base stays while anything kept needs it).
+    /// Returns how many went.
+    pub async fn sweep(
+        &self,
+        unwanted: impl Fn(&Archive, SystemTime) -> bool,
+    ) -> Result<usize, String> {
+        let (mut doomed, kept): (Vec<_>, Vec<_>) = self
+            .list(None)
+            .await?
+            .into_iter()
+            .partition(|(archive, at)| unwanted(archive, *at));
+        let bases_kept: HashSet<String> = kept.into_iter().filter_map(|(a, _)| a.base).collect();
+        let mut removed = 0;
+        loop {
+            let bases_doomed: HashSet<String> =
+                doomed.iter().filter_map(|(a, _)| a.base.clone()).collect();
+            let (free, held): (Vec<_>, Vec<_>) = doomed
+                .into_iter()
+                .partition(|(a, _)| !bases_kept.contains(&a.id) && !bases_doomed.contains(&a.id));
+            if free.is_empty() {
+                break;
+            }
+            for (archive, _) in &free {
+                self.remove(archive).await?;
+                removed += 1;
+            }
+            doomed = held;
+        }
+        Ok(removed)
     }
 
     pub fn describe(&self) -> String {
@@ -217,77 +432,202 @@ impl SnapshotRemote {
     }
 }
 
+/// `SESSION/NAME` paths of the archives under `dir` (of one session's directory, if given),
+/// with their modification times.
+fn list_dir(dir: &Path, session: Option<&str>) -> Result<Vec<(String, SystemTime)>, String> {
+    let sessions: Vec<String> = match session {
+        Some(session) => vec![session.to_owned()],
+        None => match std::fs::read_dir(dir) {
+            Ok(entries) => entries
+                .filter_map(|e| e.ok())
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .filter_map(|e| e.file_name().into_string().ok())
+                .collect(),
+            Err(e) => return Err(format!("listing {}: {e}", dir.display())),
+        },
+    };
+    let mut found = Vec::new();
+    for session in sessions {
+        let entries = match std::fs::read_dir(dir.join(&session)) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(format!("listing {}/{session}: {e}", dir.display())),
+        };
+        for entry in entries.filter_map(|e| e.ok()) {
+            let Ok(name) = entry.file_name().into_string() else {
+                continue;
+            };
+            let at = entry
+                .metadata()
+                .and_then(|m| m.modified())
+                .unwrap_or(SystemTime::UNIX_EPOCH);
+            found.push((format!("{session}/{name}"), at));
+        }
+    }
+    Ok(found)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use agentvm_snapshot::SnapshotWriter;
-    use agentvm_snapshot::manifest::{HostIdentity, MemoryLayout, STATE_FILE};
+    use agentvm_snapshot::manifest::{
+        DigestKind, HostIdentity, MEMORY_FILE, MemoryLayout, STATE_FILE,
+    };
+    use agentvm_snapshot::pages;
+    use std::os::unix::fs::FileExt;
 
-    pub(super) fn snapshot_in(store: &LocalStore, id: &str) {
+    const MEMORY: u64 = 1 << 20;
+
+    /// Writes snapshot `id` into `store`: `pages` of guest memory (index, byte), layered on
+    /// `base` if given.
+    pub(super) fn snapshot_in(
+        store: &LocalStore,
+        id: &str,
+        pages: &[(u64, u8)],
+        base: Option<&str>,
+    ) {
         let dir = store.create_dir(id).unwrap();
         let mut w = SnapshotWriter::create(&dir, false).unwrap();
-        w.write_file(STATE_FILE, b"{\"vcpus\":1}").unwrap();
+        w.write_file(STATE_FILE, format!("{{\"id\":\"{id}\"}}").as_bytes())
+            .unwrap();
+        let memory = File::create_new(dir.join(MEMORY_FILE)).unwrap();
+        memory.set_len(MEMORY).unwrap();
+        for (index, byte) in pages {
+            memory
+                .write_all_at(&[*byte; 4096], index * pages::PAGE_SIZE)
+                .unwrap();
+        }
+        let (kind, digest) = match base {
+            Some(_) => (
+                DigestKind::LayerPages,
+                pages::layer_digest(&memory).unwrap().0,
+            ),
+            None => (DigestKind::Pages, pages::file_digest(&memory).unwrap().0),
+        };
+        w.add_memory_file(MEMORY_FILE, kind, digest).unwrap();
         w.finish(
             HostIdentity::current("PVM"),
             "t",
             MemoryLayout {
-                size: 0,
-                base: None,
+                size: MEMORY,
+                base: base.map(|b| store.get(b).unwrap().base_ref()),
             },
         )
         .unwrap();
     }
 
-    /// Publishes a snapshot from one store through `remote` and fetches it into another,
-    /// then damages the archive through `damage` and checks a third store refuses it.
-    pub(super) async fn round_trip(remote: &SnapshotRemote, damage: impl FnOnce()) {
-        let (a, b, c) = (
-            tempfile::tempdir().unwrap(),
-            tempfile::tempdir().unwrap(),
-            tempfile::tempdir().unwrap(),
-        );
-        let (store_a, store_b, store_c) = (
-            LocalStore::open(a.path()).unwrap(),
-            LocalStore::open(b.path()).unwrap(),
-            LocalStore::open(c.path()).unwrap(),
-        );
-        snapshot_in(&store_a, "snap-1");
-        let uri = remote.publish(&store_a, "snap-1").await.unwrap();
-        assert_eq!(remote.id_of(&uri).as_deref(), Some("snap-1"));
-        // The node that took it uses its own copy; another fetches the archive.
-        assert_eq!(
-            remote.fetch(&uri, &store_a).await.unwrap(),
-            store_a.dir("snap-1").unwrap()
-        );
-        let fetched = remote.fetch(&uri, &store_b).await.unwrap();
-        assert_eq!(fetched, store_b.dir("snap-1").unwrap());
-        store_b.get("snap-1").unwrap().verify().unwrap();
-        assert_eq!(
-            std::fs::read(fetched.join(STATE_FILE)).unwrap(),
-            b"{\"vcpus\":1}"
-        );
-        for store in [a.path(), b.path()] {
-            let staged = std::fs::read_dir(store)
+    /// Guest memory page `index` of the snapshot in `dir`, composed over its bases.
+    fn page_of(store: &LocalStore, id: &str, index: u64) -> u8 {
+        let chain = store.get(id).unwrap().chain().unwrap();
+        let mut byte = 0;
+        for layer in &chain {
+            let file = File::open(layer.path(MEMORY_FILE)).unwrap();
+            let stored = pages::data_extents(&file)
                 .unwrap()
-                .filter_map(|e| e.ok())
-                .filter(|e| {
-                    let name = e.file_name().to_string_lossy().into_owned();
-                    name.starts_with(".upload-") || name.starts_with(".download-")
-                })
-                .count();
-            assert_eq!(staged, 0, "a staging file was left in {}", store.display());
+                .iter()
+                .any(|(at, len)| (*at..at + len).contains(&(index * pages::PAGE_SIZE)));
+            if stored {
+                let mut page = [0u8; 4096];
+                file.read_exact_at(&mut page, index * pages::PAGE_SIZE)
+                    .unwrap();
+                byte = page[0];
+            }
         }
-        // A damaged archive is refused and leaves nothing in the store.
-        damage();
-        assert!(remote.fetch(&uri, &store_c).await.is_err());
-        assert!(store_c.list().unwrap().is_empty());
-        remote.remove("snap-1").await.unwrap();
-        remote.remove("snap-1").await.unwrap();
-        assert!(remote.fetch(&uri, &store_c).await.is_err());
+        byte
+    }
+
+    fn staged_files(store: &Path) -> usize {
+        std::fs::read_dir(store)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                name.starts_with(".upload-") || name.starts_with(".download-")
+            })
+            .count()
+    }
+
+    /// Publishes a snapshot and a layer on it from one store through `remote`, fetches the
+    /// layer (with its base) into others, and sweeps them away; `damage(key)` breaks the
+    /// object at `key` (below the remote's root), after which a store fetching it takes
+    /// nothing in.
+    pub(super) async fn round_trip(remote: &SnapshotRemote, damage: impl Fn(&str)) {
+        let dirs: Vec<_> = (0..4).map(|_| tempfile::tempdir().unwrap()).collect();
+        let stores: Vec<LocalStore> = dirs
+            .iter()
+            .map(|d| LocalStore::open(d.path()).unwrap())
+            .collect();
+        let (a, b, c, d) = (&stores[0], &stores[1], &stores[2], &stores[3]);
+        snapshot_in(a, "sess-7-1", &[(1, 1), (2, 2)], None);
+        let base_uri = remote.publish(a, "sess-7-1").await.unwrap();
+        assert_eq!(
+            remote.archive_of(&base_uri),
+            Some(Archive {
+                id: "sess-7-1".into(),
+                base: None
+            })
+        );
+        // A layer on a published snapshot goes as a layer, named after its base.
+        snapshot_in(a, "sess-7-2", &[(2, 22), (5, 5)], Some("sess-7-1"));
+        let layer_uri = remote.publish(a, "sess-7-2").await.unwrap();
+        assert!(
+            layer_uri.ends_with("/sess/sess-7-2@sess-7-1.agvmsnap"),
+            "{layer_uri}"
+        );
+
+        // The node that took it uses its own copy; another fetches the chain.
+        assert_eq!(
+            remote.fetch(&layer_uri, a).await.unwrap(),
+            a.dir("sess-7-2").unwrap()
+        );
+        let fetched = remote.fetch(&layer_uri, b).await.unwrap();
+        assert_eq!(fetched, b.dir("sess-7-2").unwrap());
+        assert_eq!(b.base_of("sess-7-2").unwrap().as_deref(), Some("sess-7-1"));
+        b.get("sess-7-2").unwrap().chain().unwrap();
+        for (index, want) in [(1, 1), (2, 22), (5, 5), (3, 0)] {
+            assert_eq!(page_of(b, "sess-7-2", index), want, "page {index}");
+        }
+        // A layer published from the fetching node names the same base.
+        snapshot_in(b, "sess-8-1", &[(3, 3)], Some("sess-7-2"));
+        let on_fetched = remote.publish(b, "sess-8-1").await.unwrap();
+        assert!(
+            on_fetched.ends_with("/sess/sess-8-1@sess-7-2.agvmsnap"),
+            "{on_fetched}"
+        );
+        remote.fetch(&on_fetched, c).await.unwrap();
+        for (index, want) in [(1, 1), (2, 22), (3, 3), (5, 5)] {
+            assert_eq!(page_of(c, "sess-8-1", index), want, "page {index}");
+        }
+        for store in &dirs {
+            assert_eq!(staged_files(store.path()), 0, "a staging file was left");
+        }
+
+        // A damaged base fails the whole fetch and leaves nothing in the store.
+        damage("sess/sess-7-1.agvmsnap");
+        assert!(remote.fetch(&layer_uri, d).await.is_err());
+        assert!(d.list().unwrap().is_empty());
+
+        // Sweeping: a base stays while a layer kept is on it; layers go before bases.
+        let unwanted = |ids: &'static [&'static str]| {
+            move |archive: &Archive, _at: SystemTime| ids.contains(&archive.id.as_str())
+        };
+        assert_eq!(remote.sweep(unwanted(&["sess-7-1"])).await.unwrap(), 0);
+        assert_eq!(
+            remote
+                .sweep(unwanted(&["sess-7-1", "sess-8-1"]))
+                .await
+                .unwrap(),
+            1
+        );
+        assert_eq!(remote.list(None).await.unwrap().len(), 2);
+        assert_eq!(remote.sweep(|_, _| true).await.unwrap(), 2);
+        assert!(remote.list(None).await.unwrap().is_empty());
+        assert!(remote.fetch(&base_uri, d).await.is_err());
     }
 
     #[tokio::test]
-    async fn a_snapshot_published_to_a_bucket_is_fetched_whole_into_another_store() {
+    async fn layers_published_to_a_bucket_are_fetched_as_chains_and_swept() {
         let server = match crate::testing::TestS3::start() {
             Ok(server) => server,
             Err(why) => {
@@ -299,11 +639,14 @@ mod tests {
             S3Remote::with_vars("agentvm/fleet/snapshots", server.env()).unwrap(),
         );
         assert_eq!(
-            remote.uri("snap-1"),
-            "s3://agentvm/fleet/snapshots/snap-1.agvmsnap"
+            remote.uri(&Archive {
+                id: "s-1-1".into(),
+                base: None
+            }),
+            "s3://agentvm/fleet/snapshots/s/s-1-1.agvmsnap"
         );
-        let object = server.object_file("fleet/snapshots/snap-1.agvmsnap");
-        round_trip(&remote, || {
+        round_trip(&remote, |key| {
+            let object = server.object_file(&format!("fleet/snapshots/{key}"));
             let mut bytes = std::fs::read(&object).unwrap();
             let middle = bytes.len() / 2;
             bytes[middle] ^= 0xff;
@@ -325,23 +668,18 @@ mod tests {
         let remote = SnapshotRemote::S3(S3Remote::with_vars("agentvm/p", server.env()).unwrap());
         let dir = tempfile::tempdir().unwrap();
         let store = LocalStore::open(dir.path()).unwrap();
-        snapshot_in(&store, "snap-2");
+        snapshot_in(&store, "s-2-1", &[(1, 1)], None);
         server.pause();
-        let err = remote.publish(&store, "snap-2").await.unwrap_err();
-        assert!(
-            err.contains("uploading s3://agentvm/p/snap-2.agvmsnap"),
-            "{err}"
-        );
-        let staged = std::fs::read_dir(dir.path())
-            .unwrap()
-            .filter_map(|e| e.ok())
-            .filter(|e| e.file_name().to_string_lossy().starts_with(".upload-"))
-            .count();
-        assert_eq!(staged, 0);
+        let err = remote.publish(&store, "s-2-1").await.unwrap_err();
+        assert!(err.contains("s3://agentvm/p/s/s-2-1.agvmsnap"), "{err}");
+        assert_eq!(staged_files(dir.path()), 0);
         server.resume().unwrap();
-        let uri = remote.publish(&store, "snap-2").await.unwrap();
-        assert_eq!(remote.id_of(&uri).as_deref(), Some("snap-2"));
-        assert_eq!(server.objects(), ["snap-2.agvmsnap"]);
+        let uri = remote.publish(&store, "s-2-1").await.unwrap();
+        assert_eq!(
+            remote.archive_of(&uri).map(|a| a.id).as_deref(),
+            Some("s-2-1")
+        );
+        assert_eq!(server.objects(), ["s-2-1.agvmsnap"]);
     }
 
     #[test]
@@ -362,16 +700,24 @@ mod tests {
                 .unwrap_err()
                 .contains("s3://BUCKET/PREFIX")
         );
+        let layer = Archive {
+            id: "s-1-2".into(),
+            base: Some("p-3-1".into()),
+        };
         let s3 = SnapshotRemote::S3(S3Remote::with_vars("b/x/y/", Vec::new()).unwrap());
-        assert_eq!(s3.uri("s-1"), "s3://b/x/y/s-1.agvmsnap");
-        assert_eq!(s3.id_of("s3://b/x/y/s-1.agvmsnap"), Some("s-1".into()));
+        assert_eq!(s3.uri(&layer), "s3://b/x/y/s/s-1-2@p-3-1.agvmsnap");
+        assert_eq!(s3.archive_of(&s3.uri(&layer)), Some(layer.clone()));
         for other in [
-            "s3://c/x/y/s-1.agvmsnap",
-            "s3://b/x/s-1.agvmsnap",
-            "s3://b/x/y/s-1",
-            "file:///x/y/s-1.agvmsnap",
+            "s3://c/x/y/s/s-1-1.agvmsnap",
+            "s3://b/x/s/s-1-1.agvmsnap",
+            "s3://b/x/y/s/s-1-1",
+            "s3://b/x/y/t/s-1-1.agvmsnap",
+            "s3://b/x/y/s-1-1.agvmsnap",
+            "s3://b/x/y/s/s-1-1@.agvmsnap",
+            "s3://b/x/y/s/s-1-1@a@b.agvmsnap",
+            "file:///x/y/s/s-1-1.agvmsnap",
         ] {
-            assert_eq!(s3.id_of(other), None, "{other}");
+            assert_eq!(s3.archive_of(other), None, "{other}");
         }
         assert!(
             S3Remote::with_vars("/x", Vec::new())
@@ -379,23 +725,29 @@ mod tests {
                 .contains("bucket")
         );
         let remote = SnapshotRemote::Dir(PathBuf::from("/srv/snaps"));
-        assert_eq!(remote.id_of(&remote.uri("s-1")), Some("s-1".into()));
+        assert_eq!(
+            remote.uri(&layer),
+            "file:///srv/snaps/s/s-1-2@p-3-1.agvmsnap"
+        );
+        assert_eq!(remote.archive_of(&remote.uri(&layer)), Some(layer));
         for other in [
-            "file:///srv/snaps/s-1",
-            "file:///srv/other/s-1.agvmsnap",
-            "file:///srv/snaps/.s-1.agvmsnap",
-            "s3://srv/snaps/s-1.agvmsnap",
+            "file:///srv/snaps/s/s-1-1",
+            "file:///srv/other/s/s-1-1.agvmsnap",
+            "file:///srv/snaps/s/.s-1-1.agvmsnap",
+            "file:///srv/snaps/s/../s/s-1-1.agvmsnap",
+            "s3://srv/snaps/s/s-1-1.agvmsnap",
         ] {
-            assert_eq!(remote.id_of(other), None, "{other}");
+            assert_eq!(remote.archive_of(other), None, "{other}");
         }
     }
 
     #[tokio::test]
-    async fn a_published_snapshot_is_fetched_whole_into_another_store() {
+    async fn layers_published_to_a_shared_directory_are_fetched_as_chains_and_swept() {
         let shared = tempfile::tempdir().unwrap();
         let remote = SnapshotRemote::Dir(shared.path().to_owned());
-        let archive = SnapshotRemote::archive(shared.path(), "snap-1");
-        round_trip(&remote, || {
+        let root = shared.path().to_owned();
+        round_trip(&remote, |key| {
+            let archive = root.join(key);
             let mut bytes = std::fs::read(&archive).unwrap();
             let middle = bytes.len() / 2;
             bytes[middle] ^= 0xff;

@@ -11,8 +11,6 @@ use object_store::path::Path as Key;
 use object_store::{ObjectStore, WriteMultipart};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::{ARCHIVE_SUFFIX, id_in};
-
 /// Parts of a multipart upload (S3's minimum is 5 MiB, the last part aside).
 const PART_SIZE: usize = 8 << 20;
 /// Parts in flight at once.
@@ -87,18 +85,20 @@ impl S3Remote {
         })
     }
 
-    fn key(&self, id: &str) -> Key {
+    /// The object of `name` (a path below the prefix).
+    fn key(&self, name: &str) -> Key {
         match self.prefix.is_empty() {
-            true => Key::from(format!("{id}{ARCHIVE_SUFFIX}")),
-            false => Key::from(format!("{}/{id}{ARCHIVE_SUFFIX}", self.prefix)),
+            true => Key::from(name),
+            false => Key::from(format!("{}/{name}", self.prefix)),
         }
     }
 
-    pub fn uri(&self, id: &str) -> String {
-        format!("s3://{}/{}", self.bucket, self.key(id))
+    pub fn uri(&self, name: &str) -> String {
+        format!("s3://{}/{}", self.bucket, self.key(name))
     }
 
-    pub fn id_of(&self, uri: &str) -> Option<String> {
+    /// The path below the prefix that `uri` names, if it is an object of this remote.
+    pub fn key_of(&self, uri: &str) -> Option<String> {
         let rest = uri.strip_prefix("s3://")?;
         let (bucket, key) = rest.split_once('/')?;
         if bucket != self.bucket {
@@ -108,17 +108,52 @@ impl S3Remote {
             true => key,
             false => key.strip_prefix(&self.prefix)?.strip_prefix('/')?,
         };
-        id_in(name)
+        Some(name.to_owned())
     }
 
     pub fn describe(&self) -> String {
         format!("s3://{}/{}", self.bucket, self.prefix)
     }
 
-    /// Uploads the archive at `file` as snapshot `id`'s object.
-    pub async fn upload(&self, file: &Path, id: &str) -> Result<(), String> {
-        let key = self.key(id);
-        let what = |e: &dyn std::fmt::Display| format!("uploading {}: {e}", self.uri(id));
+    pub async fn exists(&self, name: &str) -> Result<bool, String> {
+        match self.store.head(&self.key(name)).await {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(format!("looking up {}: {e}", self.uri(name))),
+        }
+    }
+
+    /// The objects below the prefix (below `dir` in it, if given) as paths below the
+    /// prefix, with when each was written.
+    pub async fn list(
+        &self,
+        dir: Option<&str>,
+    ) -> Result<Vec<(String, std::time::SystemTime)>, String> {
+        let under = match dir {
+            Some(dir) => self.key(dir),
+            None if self.prefix.is_empty() => Key::default(),
+            None => Key::from(self.prefix.as_str()),
+        };
+        let root = match self.prefix.is_empty() {
+            true => String::new(),
+            false => format!("{}/", self.prefix),
+        };
+        let mut listing = self.store.list(Some(&under));
+        let mut found = Vec::new();
+        while let Some(object) = listing.next().await {
+            let object =
+                object.map_err(|e| format!("listing {}: {e}", self.uri(dir.unwrap_or(""))))?;
+            if let Some(name) = object.location.as_ref().strip_prefix(&root) {
+                found.push((name.to_owned(), object.last_modified.into()));
+            }
+        }
+        Ok(found)
+    }
+
+    /// Uploads the archive at `file` as object `name`.
+    pub async fn upload(&self, file: &Path, name: &str) -> Result<(), String> {
+        let key = self.key(name);
+        let what = |e: &dyn std::fmt::Display| format!("uploading {}: {e}", self.uri(name));
         let mut source = tokio::fs::File::open(file)
             .await
             .map_err(|e| format!("opening {}: {e}", file.display()))?;
@@ -153,17 +188,21 @@ impl S3Remote {
         if stored.size != size {
             return Err(format!(
                 "uploading {}: the store holds {} bytes of {size}",
-                self.uri(id),
+                self.uri(name),
                 stored.size
             ));
         }
         Ok(())
     }
 
-    /// Downloads snapshot `id`'s object into `file` (synced).
-    pub async fn download(&self, id: &str, file: &Path) -> Result<(), String> {
-        let what = |e: &dyn std::fmt::Display| format!("downloading {}: {e}", self.uri(id));
-        let got = self.store.get(&self.key(id)).await.map_err(|e| what(&e))?;
+    /// Downloads object `name` into `file` (synced).
+    pub async fn download(&self, name: &str, file: &Path) -> Result<(), String> {
+        let what = |e: &dyn std::fmt::Display| format!("downloading {}: {e}", self.uri(name));
+        let got = self
+            .store
+            .get(&self.key(name))
+            .await
+            .map_err(|e| what(&e))?;
         let mut out = tokio::fs::File::create(file)
             .await
             .map_err(|e| format!("creating {}: {e}", file.display()))?;
@@ -179,11 +218,11 @@ impl S3Remote {
             .map_err(|e| format!("syncing {}: {e}", file.display()))
     }
 
-    /// Deletes snapshot `id`'s object (gone already is fine).
-    pub async fn remove(&self, id: &str) -> Result<(), String> {
-        match self.store.delete(&self.key(id)).await {
+    /// Deletes object `name` (gone already is fine).
+    pub async fn remove(&self, name: &str) -> Result<(), String> {
+        match self.store.delete(&self.key(name)).await {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
-            Err(e) => Err(format!("deleting {}: {e}", self.uri(id))),
+            Err(e) => Err(format!("deleting {}: {e}", self.uri(name))),
         }
     }
 }
