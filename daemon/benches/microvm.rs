@@ -254,7 +254,21 @@ async fn cross_node(
     let a = node("node-a", base).await;
     let b = node("node-b", base + 65_536).await;
     let (mut ca, mut cb) = (a.c(), b.c());
+    // Sizes of the archives in the shared directory (one directory per session): the
+    // flattened ones and the layers.
+    let archive_mib = |layers: bool| -> f64 {
+        let bytes: u64 = std::fs::read_dir(shared.path())
+            .unwrap()
+            .flatten()
+            .flat_map(|session| std::fs::read_dir(session.path()).unwrap().flatten())
+            .filter(|a| a.file_name().to_string_lossy().contains('@') == layers)
+            .filter_map(|a| a.metadata().ok())
+            .map(|m| m.len())
+            .sum();
+        bytes as f64 / f64::from(1 << 20)
+    };
     let (mut suspend, mut moved, mut sizes) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut back, mut layers) = (Vec::new(), Vec::new());
     for _ in 0..runs {
         let s = create(&mut ca).await;
         turn(&mut ca, &s).await;
@@ -264,17 +278,19 @@ async fn cross_node(
             .unwrap();
         suspend.push(ms(start.elapsed()));
         moved.push(ms(turn(&mut cb, &s).await.0));
-        let archives: u64 = std::fs::read_dir(shared.path())
-            .unwrap()
-            .filter_map(|e| e.ok()?.metadata().ok())
-            .map(|m| m.len())
-            .sum();
-        sizes.push(archives as f64 / f64::from(1 << 20));
-        cb.delete_session(DeleteSessionRequest { uid: s })
+        sizes.push(archive_mib(false));
+        // Suspended on node-b it goes as a layer on node-a's archive, and node-a fetches
+        // only that layer to go on.
+        cb.suspend(SuspendRequest { session: s.clone() })
             .await
             .unwrap();
-        for archive in std::fs::read_dir(shared.path()).unwrap().flatten() {
-            let _ = std::fs::remove_file(archive.path());
+        layers.push(archive_mib(true));
+        back.push(ms(turn(&mut ca, &s).await.0));
+        ca.delete_session(DeleteSessionRequest { uid: s })
+            .await
+            .unwrap();
+        for session in std::fs::read_dir(shared.path()).unwrap().flatten() {
+            let _ = std::fs::remove_dir_all(session.path());
         }
     }
     stats("fleet: suspend, snapshot published", "ms", suspend, out);
@@ -288,6 +304,18 @@ async fn cross_node(
         "fleet: published archive (256 MiB guest)",
         "MiB",
         sizes,
+        out,
+    );
+    stats(
+        "fleet: resume back on the first node (layer fetched) -> first event",
+        "ms",
+        back,
+        out,
+    );
+    stats(
+        "fleet: layer published by the second node's suspend",
+        "MiB",
+        layers,
         out,
     );
 }

@@ -112,6 +112,9 @@ pub struct MicrovmRuntime {
     config: MicrovmConfig,
     store: LocalStore,
     next_snapshot: AtomicU64,
+    /// Drawn at random when the runtime starts, for the ids of its snapshots: a PID repeats
+    /// on other nodes of a fleet, and after a reboot on this one.
+    snapshot_epoch: u64,
     exits: ExitWatch,
     confinement: Confinement,
     /// The stream each new VM answered Ready on, handed to its endpoint at the first dial
@@ -205,6 +208,7 @@ impl MicrovmRuntime {
             config,
             store,
             next_snapshot: AtomicU64::new(0),
+            snapshot_epoch: rand::random::<u64>() >> 1,
             exits,
             confinement,
             ready_conns: Default::default(),
@@ -548,11 +552,12 @@ impl MicrovmRuntime {
         Ok(inc)
     }
 
-    /// `SESSION-PID-N`: unique on this node, and names the session it was taken of.
+    /// `SESSION-EPOCH-N`: unique in the fleet (`snapshot_epoch`), and names the session it
+    /// was taken of.
     fn new_snapshot_id(&self, session: &str) -> String {
         format!(
             "{session}-{}-{}",
-            std::process::id(),
+            self.snapshot_epoch,
             self.next_snapshot.fetch_add(1, Ordering::Relaxed)
         )
     }
@@ -711,7 +716,7 @@ impl MicrovmRuntime {
     }
 }
 
-/// The session a snapshot id (`SESSION-PID-N`) was taken of.
+/// The session a snapshot id (`SESSION-EPOCH-N`) was taken of.
 pub(super) fn snapshot_owner(id: &str) -> Option<&str> {
     let mut parts = id.rsplitn(3, '-');
     let n = parts.next()?;
