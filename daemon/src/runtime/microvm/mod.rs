@@ -112,9 +112,9 @@ pub struct MicrovmRuntime {
     config: MicrovmConfig,
     store: LocalStore,
     next_snapshot: AtomicU64,
-    /// Drawn at random when the runtime starts, for the ids of its snapshots: a PID repeats
-    /// on other nodes of a fleet, and after a reboot on this one.
-    snapshot_epoch: u64,
+    /// Drawn at random when the runtime starts (base 36), for the ids of its snapshots: a
+    /// PID repeats on other nodes of a fleet, and after a reboot on this one.
+    snapshot_epoch: String,
     exits: ExitWatch,
     confinement: Confinement,
     /// The stream each new VM answered Ready on, handed to its endpoint at the first dial
@@ -208,7 +208,7 @@ impl MicrovmRuntime {
             config,
             store,
             next_snapshot: AtomicU64::new(0),
-            snapshot_epoch: rand::random::<u64>() >> 1,
+            snapshot_epoch: base36(rand::random()),
             exits,
             confinement,
             ready_conns: Default::default(),
@@ -720,10 +720,30 @@ impl MicrovmRuntime {
 pub(super) fn snapshot_owner(id: &str) -> Option<&str> {
     let mut parts = id.rsplitn(3, '-');
     let n = parts.next()?;
-    let pid = parts.next()?;
-    let session = parts.next()?;
+    let epoch = parts.next()?;
+    let session = parts.next().filter(|s| !s.is_empty())?;
     let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-    (digits(n) && digits(pid)).then_some(session)
+    // Older ids carry the PID where the epoch is now.
+    let epoch_ok = !epoch.is_empty()
+        && epoch
+            .bytes()
+            .all(|b| b.is_ascii_digit() || b.is_ascii_lowercase());
+    (digits(n) && epoch_ok).then_some(session)
+}
+
+/// `n` in base 36: short ids keep the fleet's archive names short.
+fn base36(mut n: u64) -> String {
+    const DIGITS: &[u8; 36] = b"0123456789abcdefghijklmnopqrstuvwxyz";
+    let mut out = Vec::new();
+    loop {
+        out.push(DIGITS[(n % 36) as usize]);
+        n /= 36;
+        if n == 0 {
+            break;
+        }
+    }
+    out.reverse();
+    String::from_utf8(out).unwrap_or_default()
 }
 
 /// Pauses the VM to snapshot or fork it (one already paused is fine).

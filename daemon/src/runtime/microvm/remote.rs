@@ -7,7 +7,8 @@
 //! A snapshot taken into a node's local store is published as a portable archive of the
 //! snapshot crate, and the journal records the archive's URI. A snapshot layered on one the
 //! fleet already has is published as a layer (only the pages it changed), named after its
-//! base: `SESSION/ID@BASE.agvmsnap`; any other flattened: `SESSION/ID.agvmsnap`. A node
+//! base: `SESSION/ID@BASE.agvmsnap`; any other flattened: `SESSION/ID.agvmsnap` (ids
+//! without the session's name where the directory says it). A node
 //! restoring a snapshot it lacks fetches the archive, and the chain of bases under it that
 //! it lacks too, into its own store (every digest checked), and restores `MAP_PRIVATE` from
 //! there; the node that took it restores from its own copy at once.
@@ -48,17 +49,41 @@ fn plain_id(id: &str) -> bool {
     !id.is_empty() && !id.starts_with('.') && !id.contains(['/', LAYER_MARK])
 }
 
+/// `id` inside `session`'s directory: without the session's name, which the directory
+/// says (an id of no session whole). An id of another session keeps it, and has more
+/// than one `-` where a shortened one has exactly one (`EPOCH-N`).
+fn short_id<'a>(id: &'a str, session: &str) -> &'a str {
+    id.strip_prefix(session)
+        .and_then(|rest| rest.strip_prefix('-'))
+        .filter(|_| session != NO_SESSION)
+        .unwrap_or(id)
+}
+
+/// The whole id of `short` found in `session`'s directory.
+fn whole_id(short: &str, session: &str) -> String {
+    match session != NO_SESSION && short.matches('-').count() == 1 {
+        true => format!("{session}-{short}"),
+        false => short.to_owned(),
+    }
+}
+
 impl Archive {
     /// The session whose directory holds the archive.
     pub fn session(&self) -> &str {
         super::snapshot_owner(&self.id).unwrap_or(NO_SESSION)
     }
 
-    /// Its name in its session's directory.
+    /// Its name in its session's directory: `EPOCH-N`, and the base's id after
+    /// [`LAYER_MARK`] for a layer (as short, if the base is the same session's).
     fn name(&self) -> String {
+        let session = self.session();
+        let id = short_id(&self.id, session);
         match &self.base {
-            None => format!("{}{ARCHIVE_SUFFIX}", self.id),
-            Some(base) => format!("{}{LAYER_MARK}{base}{ARCHIVE_SUFFIX}", self.id),
+            None => format!("{id}{ARCHIVE_SUFFIX}"),
+            Some(base) => format!(
+                "{id}{LAYER_MARK}{}{ARCHIVE_SUFFIX}",
+                short_id(base, session)
+            ),
         }
     }
 
@@ -71,18 +96,18 @@ impl Archive {
     fn from_key(key: &str) -> Option<Self> {
         let (session, name) = key.split_once('/')?;
         let stem = name.strip_suffix(ARCHIVE_SUFFIX)?;
-        let archive = match stem.split_once(LAYER_MARK) {
-            None => Self {
-                id: stem.to_owned(),
-                base: None,
-            },
-            Some((id, base)) => Self {
-                id: id.to_owned(),
-                base: Some(base.to_owned()),
-            },
+        let (id, base) = match stem.split_once(LAYER_MARK) {
+            None => (stem, None),
+            Some((id, base)) => (id, Some(base)),
         };
-        let ids_ok = plain_id(&archive.id) && archive.base.as_deref().is_none_or(plain_id);
-        (ids_ok && archive.session() == session).then_some(archive)
+        if !plain_id(id) || !base.is_none_or(plain_id) {
+            return None;
+        }
+        let archive = Self {
+            id: whole_id(id, session),
+            base: base.map(|base| whole_id(base, session)),
+        };
+        (archive.session() == session && archive.key() == key).then_some(archive)
     }
 }
 
@@ -571,10 +596,7 @@ mod tests {
         // A layer on a published snapshot goes as a layer, named after its base.
         snapshot_in(a, "sess-7-2", &[(2, 22), (5, 5)], Some("sess-7-1"));
         let layer_uri = remote.publish(a, "sess-7-2").await.unwrap();
-        assert!(
-            layer_uri.ends_with("/sess/sess-7-2@sess-7-1.agvmsnap"),
-            "{layer_uri}"
-        );
+        assert!(layer_uri.ends_with("/sess/7-2@7-1.agvmsnap"), "{layer_uri}");
 
         // The node that took it uses its own copy; another fetches the chain.
         assert_eq!(
@@ -592,7 +614,7 @@ mod tests {
         snapshot_in(b, "sess-8-1", &[(3, 3)], Some("sess-7-2"));
         let on_fetched = remote.publish(b, "sess-8-1").await.unwrap();
         assert!(
-            on_fetched.ends_with("/sess/sess-8-1@sess-7-2.agvmsnap"),
+            on_fetched.ends_with("/sess/8-1@7-2.agvmsnap"),
             "{on_fetched}"
         );
         remote.fetch(&on_fetched, c).await.unwrap();
@@ -604,7 +626,7 @@ mod tests {
         }
 
         // A damaged base fails the whole fetch and leaves nothing in the store.
-        damage("sess/sess-7-1.agvmsnap");
+        damage("sess/7-1.agvmsnap");
         assert!(remote.fetch(&layer_uri, d).await.is_err());
         assert!(d.list().unwrap().is_empty());
 
@@ -643,7 +665,7 @@ mod tests {
                 id: "s-1-1".into(),
                 base: None
             }),
-            "s3://agentvm/fleet/snapshots/s/s-1-1.agvmsnap"
+            "s3://agentvm/fleet/snapshots/s/1-1.agvmsnap"
         );
         round_trip(&remote, |key| {
             let object = server.object_file(&format!("fleet/snapshots/{key}"));
@@ -671,7 +693,7 @@ mod tests {
         snapshot_in(&store, "s-2-1", &[(1, 1)], None);
         server.pause();
         let err = remote.publish(&store, "s-2-1").await.unwrap_err();
-        assert!(err.contains("s3://agentvm/p/s/s-2-1.agvmsnap"), "{err}");
+        assert!(err.contains("s3://agentvm/p/s/2-1.agvmsnap"), "{err}");
         assert_eq!(staged_files(dir.path()), 0);
         server.resume().unwrap();
         let uri = remote.publish(&store, "s-2-1").await.unwrap();
@@ -679,7 +701,7 @@ mod tests {
             remote.archive_of(&uri).map(|a| a.id).as_deref(),
             Some("s-2-1")
         );
-        assert_eq!(server.objects(), ["s-2-1.agvmsnap"]);
+        assert_eq!(server.objects(), ["2-1.agvmsnap"]);
     }
 
     #[test]
@@ -705,7 +727,7 @@ mod tests {
             base: Some("p-3-1".into()),
         };
         let s3 = SnapshotRemote::S3(S3Remote::with_vars("b/x/y/", Vec::new()).unwrap());
-        assert_eq!(s3.uri(&layer), "s3://b/x/y/s/s-1-2@p-3-1.agvmsnap");
+        assert_eq!(s3.uri(&layer), "s3://b/x/y/s/1-2@p-3-1.agvmsnap");
         assert_eq!(s3.archive_of(&s3.uri(&layer)), Some(layer.clone()));
         for other in [
             "s3://c/x/y/s/s-1-1.agvmsnap",
@@ -713,8 +735,10 @@ mod tests {
             "s3://b/x/y/s/s-1-1",
             "s3://b/x/y/t/s-1-1.agvmsnap",
             "s3://b/x/y/s-1-1.agvmsnap",
-            "s3://b/x/y/s/s-1-1@.agvmsnap",
-            "s3://b/x/y/s/s-1-1@a@b.agvmsnap",
+            "s3://b/x/y/s/1-1@.agvmsnap",
+            "s3://b/x/y/s/1-1@a@b.agvmsnap",
+            "s3://b/x/y/s/s-1-1.agvmsnap",
+            "s3://b/x/y/s/1-1@s-1-0.agvmsnap",
             "file:///x/y/s/s-1-1.agvmsnap",
         ] {
             assert_eq!(s3.archive_of(other), None, "{other}");
@@ -725,10 +749,7 @@ mod tests {
                 .contains("bucket")
         );
         let remote = SnapshotRemote::Dir(PathBuf::from("/srv/snaps"));
-        assert_eq!(
-            remote.uri(&layer),
-            "file:///srv/snaps/s/s-1-2@p-3-1.agvmsnap"
-        );
+        assert_eq!(remote.uri(&layer), "file:///srv/snaps/s/1-2@p-3-1.agvmsnap");
         assert_eq!(remote.archive_of(&remote.uri(&layer)), Some(layer));
         for other in [
             "file:///srv/snaps/s/s-1-1",
@@ -738,6 +759,44 @@ mod tests {
             "s3://srv/snaps/s/s-1-1.agvmsnap",
         ] {
             assert_eq!(remote.archive_of(other), None, "{other}");
+        }
+    }
+
+    #[test]
+    fn snapshot_ids_name_their_session_and_shorten_inside_its_directory() {
+        use super::super::snapshot_owner;
+        assert_eq!(snapshot_owner("sess-f00d-3fk9x2-12"), Some("sess-f00d"));
+        assert_eq!(
+            snapshot_owner("sess-f00d-4711-0"),
+            Some("sess-f00d"),
+            "a PID epoch"
+        );
+        for not_ours in [
+            "sess-f00d-3fk9x2-",
+            "sess-f00d-3FK-1",
+            "-3fk-1",
+            "3fk-1",
+            "x",
+        ] {
+            assert_eq!(snapshot_owner(not_ours), None, "{not_ours}");
+        }
+        let own = Archive {
+            id: "sess-f00d-3fk-2".into(),
+            base: Some("sess-f00d-3fk-1".into()),
+        };
+        assert_eq!(own.key(), "sess-f00d/3fk-2@3fk-1.agvmsnap");
+        let on_parent = Archive {
+            id: "sess-c1-9z-0".into(),
+            base: Some("sess-f00d-3fk-1".into()),
+        };
+        assert_eq!(on_parent.key(), "sess-c1/9z-0@sess-f00d-3fk-1.agvmsnap");
+        let stray = Archive {
+            id: "snapshot".into(),
+            base: None,
+        };
+        assert_eq!(stray.key(), "_/snapshot.agvmsnap");
+        for archive in [own, on_parent, stray] {
+            assert_eq!(Archive::from_key(&archive.key()), Some(archive));
         }
     }
 
