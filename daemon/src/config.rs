@@ -73,8 +73,7 @@ impl std::fmt::Display for ListenAddr {
 }
 
 fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() == 0 }
+    nix::unistd::geteuid().is_root()
 }
 
 /// `/var/lib/agentvm` as root, else `$XDG_STATE_HOME/agentvm` (or `~/.local/state/agentvm`).

@@ -68,8 +68,7 @@ pub fn reached(name: &'static str) {
     };
     if point == name && TIMES.fetch_add(1, Ordering::SeqCst) + 1 == *nth {
         eprintln!("agentvmd: crash point {name} reached; SIGKILL");
-        // SAFETY: kill(2) on this process's own pid; it takes no pointers.
-        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        let _ = nix::sys::signal::kill(nix::unistd::getpid(), nix::sys::signal::Signal::SIGKILL);
     }
 }
 

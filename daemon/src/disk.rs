@@ -12,19 +12,8 @@ pub const DEFAULT_MIN_FREE_MIB: u64 = 256;
 
 /// Bytes available to unprivileged writers on the filesystem holding `path`.
 pub fn free_bytes(path: &Path) -> std::io::Result<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-    let mut stat = std::mem::MaybeUninit::<libc::statvfs>::uninit();
-    // SAFETY: `c` is a NUL-terminated path that outlives the call, and `stat` is a buffer of
-    // the size statvfs(3) writes; it is read only after the call reports success.
-    let rc = unsafe { libc::statvfs(c.as_ptr(), stat.as_mut_ptr()) };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: statvfs returned 0, so it filled `stat`.
-    let stat = unsafe { stat.assume_init() };
-    Ok(stat.f_bavail.saturating_mul(stat.f_frsize))
+    let stat = nix::sys::statvfs::statvfs(path)?;
+    Ok(stat.blocks_available().saturating_mul(stat.fragment_size()))
 }
 
 #[derive(Debug, Clone)]

@@ -1,5 +1,7 @@
 //! agentvmd: the per-node agentvm daemon, and the library behind the `agentvm` CLI.
 
+#![deny(unsafe_code)]
+
 pub mod api;
 pub mod client;
 pub mod clock;
@@ -19,6 +21,7 @@ pub mod runtime;
 pub mod server;
 pub mod session;
 pub mod settings;
+pub mod sys;
 pub mod systemd;
 pub mod testing;
 pub mod toml_file;

@@ -103,7 +103,7 @@ impl Daemon {
         let deadline = Instant::now() + Duration::from_secs(60);
         while Instant::now() < deadline {
             if let Some(status) = self.child.try_wait().unwrap() {
-                return status.signal() == Some(libc::SIGKILL);
+                return status.signal() == Some(nix::sys::signal::Signal::SIGKILL as i32);
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -119,8 +119,10 @@ impl Drop for Daemon {
             return;
         }
         for (pid, _) in vmm_processes(&self.dir) {
-            // SAFETY: kill(2) of a VMM process of this test's own state directory.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
         }
         let deadline = Instant::now() + Duration::from_secs(10);
         while !vmm_processes(&self.dir).is_empty() && Instant::now() < deadline {

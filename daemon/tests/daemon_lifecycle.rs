@@ -45,9 +45,11 @@ async fn serves_health_on_unix_socket_and_stops_on_sigterm() {
 
     // The channel stays open on purpose: shutdown must not wait forever for idle clients.
     let _held = channel_keepalive;
-    // SAFETY: kill(2) on our own child's pid with a valid signal number.
-    let rc = unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    assert_eq!(rc, 0);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
     let status = child.wait().unwrap();
     assert!(status.success(), "{status:?}");
     assert!(!sock.exists(), "socket left behind");
@@ -176,8 +178,11 @@ fn notifies_systemd_ready_watchdog_and_stopping() {
     assert!(sock.exists(), "READY came before the API socket");
     assert_eq!(recv(), "WATCHDOG=1");
     assert_eq!(recv(), "WATCHDOG=1");
-    // SAFETY: kill(2) on our own child's pid with a valid signal number.
-    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
     let stopping = loop {
         let m = recv();
         if m != "WATCHDOG=1" {
@@ -303,8 +308,11 @@ async fn json_logs_are_one_object_per_line() {
         assert!(Instant::now() < deadline, "socket never appeared");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    // SAFETY: kill(2) on our own child's pid with a valid signal number.
-    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
     let out = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();

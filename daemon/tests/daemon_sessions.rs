@@ -268,8 +268,7 @@ fn node_status_reports_what_a_scheduler_needs() {
         .as_array()
         .map(|a| a.iter().map(|v| v.as_str().unwrap()).collect())
         .unwrap_or_default();
-    // SAFETY: geteuid cannot fail.
-    if has_microvm && unsafe { libc::geteuid() } == 0 {
+    if has_microvm && nix::unistd::geteuid().is_root() {
         for expected in ["jail", "seccomp"] {
             assert!(isolation.contains(&expected), "{s}");
         }
@@ -297,8 +296,11 @@ fn shutdown_policy_suspend_suspends_running_sessions() {
     assert!(ok, "{err}");
     let (_, out, _) = cli(&d, &["--json", "get", &uid]);
     assert!(out.contains("COMPUTE_LIVE"), "{out}");
-    // SAFETY: kill(2) on our own child's pid with a valid signal number.
-    assert_eq!(unsafe { libc::kill(d.child.id() as i32, libc::SIGTERM) }, 0);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(d.child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
     assert!(d.child.wait().unwrap().success());
     drop(d);
     let d = start_daemon(dir.path());

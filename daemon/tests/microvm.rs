@@ -433,12 +433,16 @@ async fn a_killed_vmm_fails_the_turn_then_the_session_continues_from_its_last_sn
 
     // Stopped first, so the next turn is surely in flight when the VMM dies.
     let pid = vmm_pid(&node, &s);
-    // SAFETY: signals to the VMM this test's node started.
-    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGSTOP,
+    );
     let in_flight = tokio::spawn(failed_turn(c.clone(), s.clone()));
     tokio::time::sleep(Duration::from_millis(300)).await;
-    // SAFETY: as above.
-    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    );
     let status = in_flight.await.unwrap();
     assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
     assert!(
@@ -558,8 +562,10 @@ async fn a_hung_vmm_fails_the_turn_at_the_idle_deadline_and_the_next_turn_recove
         .unwrap();
     assert_eq!(turn(&mut c, &s).await, "2");
     let pid = vmm_pid(&node, &s);
-    // SAFETY: SIGSTOP to the VMM this test's node started.
-    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGSTOP,
+    );
     let started = std::time::Instant::now();
     let status = failed_turn(c.clone(), s.clone()).await;
     assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status:?}");
@@ -609,8 +615,10 @@ async fn a_fork_child_whose_vmm_dies_continues_from_the_fork_snapshot() {
         .into_inner()
         .children[0]);
     assert_eq!(turn(&mut c, &child).await, "3");
-    // SAFETY: SIGKILL to the VMM this test's node started.
-    unsafe { libc::kill(vmm_pid(&node, &child), libc::SIGKILL) };
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(vmm_pid(&node, &child)),
+        nix::sys::signal::Signal::SIGKILL,
+    );
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
         let records = replay(&mut c, &child).await;
@@ -858,8 +866,10 @@ async fn a_new_runtime_watches_surviving_vmms_and_reports_dead_ones() {
     };
     let (dies, lives) = (pid("s-dies"), pid("s-lives"));
     drop(before);
-    // SAFETY: SIGKILL to a VMM this test started.
-    unsafe { libc::kill(dies, libc::SIGKILL) };
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(dies),
+        nix::sys::signal::Signal::SIGKILL,
+    );
     // Until the pid is gone, the new runtime could still take it for alive.
     while std::path::Path::new(&format!("/proc/{dies}/cmdline")).exists()
         && !std::fs::read(format!("/proc/{dies}/cmdline"))
@@ -883,8 +893,10 @@ async fn a_new_runtime_watches_surviving_vmms_and_reports_dead_ones() {
     );
     assert!(!dir.path().join("vms/s-dies").exists());
 
-    // SAFETY: as above.
-    unsafe { libc::kill(lives, libc::SIGKILL) };
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(lives),
+        nix::sys::signal::Signal::SIGKILL,
+    );
     let second = tokio::time::timeout(Duration::from_secs(5), reports.recv())
         .await
         .expect("the surviving VMM is watched")
@@ -1010,8 +1022,10 @@ async fn scenario_73_and_74_stateless_sessions_on_microvms_replay_suspend_and_re
     assert!(vm_dir(&node, &child).exists());
 
     // A lost VM is replaced at the next turn; nothing to restore.
-    // SAFETY: SIGKILL to a VMM this test's node started.
-    unsafe { libc::kill(vmm_pid(&node, &s), libc::SIGKILL) };
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(vmm_pid(&node, &s)),
+        nix::sys::signal::Signal::SIGKILL,
+    );
     wait_cold(
         &mut c,
         &s,

@@ -52,14 +52,10 @@ impl DirtyRegion {
 /// Pages the region may still grow by: half the memory the kernel has free, so the hook can
 /// never make the agent (PID 1 in a guest) the OOM killer's victim.
 pub fn spare_pages() -> usize {
-    // SAFETY: sysinfo fills the zeroed struct it is given; the result is checked.
-    let mut info: libc::sysinfo = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    if unsafe { libc::sysinfo(&mut info) } != 0 {
+    let Ok(info) = nix::sys::sysinfo::sysinfo() else {
         return 0;
-    }
-    let free = (info.freeram as u64).saturating_mul(u64::from(info.mem_unit));
-    (free / 2 / PAGE as u64) as usize
+    };
+    (info.ram_unused() / 2 / PAGE as u64) as usize
 }
 
 #[cfg(test)]

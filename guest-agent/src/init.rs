@@ -1,9 +1,10 @@
 //! PID 1 duties: the filesystems a Linux userland expects, limits, the hostname, and what the
 //! host put on the kernel command line for us.
 
-use std::ffi::CString;
-
 use agentvm_proto::guest::v1::Identity;
+use nix::errno::Errno;
+use nix::mount::MsFlags;
+use nix::sys::resource::{Resource, setrlimit};
 
 /// Mounts the API filesystems; each failure is logged and the rest go on (a guest without
 /// /sys still runs a harness).
@@ -13,43 +14,49 @@ pub fn mount_filesystems() {
             "proc",
             "/proc",
             "proc",
-            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
             "",
         ),
         (
             "sysfs",
             "/sys",
             "sysfs",
-            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
             "",
         ),
-        ("devtmpfs", "/dev", "devtmpfs", libc::MS_NOSUID, "mode=0755"),
+        (
+            "devtmpfs",
+            "/dev",
+            "devtmpfs",
+            MsFlags::MS_NOSUID,
+            "mode=0755",
+        ),
         (
             "devpts",
             "/dev/pts",
             "devpts",
-            libc::MS_NOSUID | libc::MS_NOEXEC,
+            MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
             "gid=5,mode=0620,ptmxmode=0666",
         ),
         (
             "tmpfs",
             "/dev/shm",
             "tmpfs",
-            libc::MS_NOSUID | libc::MS_NODEV,
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
             "mode=1777",
         ),
         (
             "tmpfs",
             "/tmp",
             "tmpfs",
-            libc::MS_NOSUID | libc::MS_NODEV,
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
             "mode=1777",
         ),
         (
             "tmpfs",
             "/run",
             "tmpfs",
-            libc::MS_NOSUID | libc::MS_NODEV,
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
             "mode=0755",
         ),
     ] {
@@ -63,41 +70,21 @@ fn mount(
     source: &str,
     target: &str,
     fstype: &str,
-    flags: libc::c_ulong,
+    flags: MsFlags,
     data: &str,
 ) -> std::io::Result<()> {
     std::fs::create_dir_all(target)?;
-    let c = |s: &str| CString::new(s).map_err(|_| std::io::ErrorKind::InvalidInput);
-    let (source, target_c, fstype, data) = (c(source)?, c(target)?, c(fstype)?, c(data)?);
-    // SAFETY: all four are NUL-terminated strings that live across the call.
-    let rc = unsafe {
-        libc::mount(
-            source.as_ptr(),
-            target_c.as_ptr(),
-            fstype.as_ptr(),
-            flags,
-            data.as_ptr().cast(),
-        )
-    };
-    if rc != 0 {
-        let e = std::io::Error::last_os_error();
+    match nix::mount::mount(Some(source), target, Some(fstype), flags, Some(data)) {
         // Already mounted (the kernel's devtmpfs automount) is fine.
-        if e.raw_os_error() != Some(libc::EBUSY) {
-            return Err(e);
-        }
+        Ok(()) | Err(Errno::EBUSY) => Ok(()),
+        Err(e) => Err(e.into()),
     }
-    Ok(())
 }
 
 /// Raises the open-files limit harnesses (language runtimes, many sockets) need.
 pub fn raise_limits() {
-    let limit = libc::rlimit {
-        rlim_cur: 65_536,
-        rlim_max: 65_536,
-    };
-    // SAFETY: setrlimit reads the struct we pass.
-    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } != 0 {
-        tracing::warn!(error = %std::io::Error::last_os_error(), "raising RLIMIT_NOFILE");
+    if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, 65_536, 65_536) {
+        tracing::warn!(error = %std::io::Error::from(e), "raising RLIMIT_NOFILE");
     }
 }
 

@@ -5,6 +5,7 @@
 //! on a local unix socket, so existing harnesses run unchanged.
 //!
 //! Outside a VM the same agent runs as an ordinary process listening on a unix socket.
+#![deny(unsafe_code)]
 
 pub mod agent;
 pub mod bridge;
@@ -13,10 +14,13 @@ pub mod image;
 pub mod init;
 pub mod reaper;
 pub mod supervisor;
+mod sys;
 pub mod system;
 pub mod transport;
 
 use std::sync::Arc;
+
+use nix::errno::Errno;
 
 /// Accepts connections until the listener fails, each served on its own task.
 pub async fn serve(agent: Arc<agent::Agent>, listener: transport::Listener) -> std::io::Result<()> {
@@ -37,16 +41,16 @@ pub async fn serve(agent: Arc<agent::Agent>, listener: transport::Listener) -> s
 }
 
 fn is_transient(e: &std::io::Error) -> bool {
-    matches!(
-        e.raw_os_error(),
-        Some(
-            libc::ECONNABORTED
-                | libc::EINTR
-                | libc::EPROTO
-                | libc::EMFILE
-                | libc::ENFILE
-                | libc::ENOBUFS
-                | libc::ENOMEM
+    e.raw_os_error().map(Errno::from_raw).is_some_and(|errno| {
+        matches!(
+            errno,
+            Errno::ECONNABORTED
+                | Errno::EINTR
+                | Errno::EPROTO
+                | Errno::EMFILE
+                | Errno::ENFILE
+                | Errno::ENOBUFS
+                | Errno::ENOMEM
         )
-    )
+    })
 }

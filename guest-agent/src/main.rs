@@ -1,5 +1,6 @@
 //! `agentvm-guest`: PID 1 of a Linux guest image (or, with `--listen unix:PATH`, an ordinary
 //! process for running a harness behind the guest protocol outside a VM).
+#![deny(unsafe_code)]
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -103,8 +104,7 @@ fn run(pid1: bool) -> anyhow::Result<()> {
     runtime.block_on(async move {
         if !pid1 {
             // Orphans of the harness come to us, as they would to PID 1.
-            // SAFETY: prctl with an integer argument.
-            unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1) };
+            let _ = nix::sys::prctl::set_child_subreaper(true);
         }
         let reaper = Reaper::start().context("watching SIGCHLD")?;
         let supervisor = if args.external_harness {

@@ -9,6 +9,8 @@ use std::sync::{Arc, Mutex};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::oneshot;
 
+use crate::sys;
+
 /// How a process ended: its exit code, or the signal that killed it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Exit {
@@ -88,18 +90,7 @@ impl Reaper {
 
 fn reap_all(table: &Mutex<Table>) {
     let _not_spawning = SPAWNING.lock().unwrap_or_else(|p| p.into_inner());
-    loop {
-        let mut status = 0;
-        // SAFETY: waitpid writes the status of any reaped child into `status`.
-        let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
-        if pid <= 0 {
-            return;
-        }
-        let exit = if libc::WIFSIGNALED(status) {
-            Exit::Signal(libc::WTERMSIG(status))
-        } else {
-            Exit::Code(libc::WEXITSTATUS(status))
-        };
+    while let Some((pid, exit)) = sys::reap_any_child() {
         let mut t = table.lock().unwrap_or_else(|p| p.into_inner());
         match t.waiting.remove(&pid) {
             Some(tx) => {

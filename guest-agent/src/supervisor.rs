@@ -4,10 +4,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
 use tokio::sync::watch;
 
 use crate::image::{ImageConfig, RestartPolicy};
 use crate::reaper::{Exit, Reaper};
+use crate::sys;
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
@@ -132,14 +135,13 @@ impl Supervisor {
         let Some(pid) = state.borrow().pid else {
             return;
         };
-        // SAFETY: signalling our own child by pid.
-        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        let harness = Pid::from_raw(pid as i32);
+        let _ = kill(harness, Signal::SIGTERM);
         let ended = tokio::time::timeout(grace, state.wait_for(|s| !s.running))
             .await
             .is_ok();
         if !ended {
-            // SAFETY: as above.
-            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            let _ = kill(harness, Signal::SIGKILL);
             let _ =
                 tokio::time::timeout(Duration::from_secs(5), state.wait_for(|s| !s.running)).await;
         }
@@ -158,16 +160,7 @@ fn spawn(config: &ImageConfig, socket: &std::path::Path, reaper: &Reaper) -> std
         .envs(config.env_for(socket))
         .current_dir(&config.harness.workdir)
         .stdin(std::process::Stdio::null());
-    use std::os::unix::process::CommandExt;
-    // SAFETY: the closure runs in the forked child before exec and only calls prctl, which
-    // is async-signal-safe. The harness must not outlive the agent that answers for it.
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
+    // The harness must not outlive the agent that answers for it.
+    sys::signal_child_on_our_death(&mut cmd, Signal::SIGKILL);
     reaper.spawn(&mut cmd)
 }

@@ -3,6 +3,13 @@
 
 use std::sync::Mutex;
 
+use nix::errno::Errno;
+use nix::sys::reboot::{RebootMode, reboot};
+use nix::sys::time::TimeSpec;
+use nix::time::{ClockId, clock_settime};
+
+use crate::sys;
+
 #[derive(Debug, thiserror::Error)]
 pub enum SystemError {
     #[error("{what}: {source}")]
@@ -14,10 +21,10 @@ pub enum SystemError {
     Invalid(String),
 }
 
-fn last_os_error(what: &'static str) -> SystemError {
+fn syscall_failed(what: &'static str, errno: Errno) -> SystemError {
     SystemError::Syscall {
         what,
-        source: std::io::Error::last_os_error(),
+        source: errno.into(),
     }
 }
 
@@ -35,19 +42,8 @@ pub trait System: Send + Sync {
 /// The real kernel.
 pub struct LinuxSystem;
 
-/// `struct rand_pool_info` with its trailing buffer.
-#[repr(C)]
-struct RandPoolInfo {
-    entropy_count: libc::c_int,
-    buf_size: libc::c_int,
-    buf: [u8; MAX_ENTROPY],
-}
-
 /// Longest entropy blob accepted from the host (the kernel mixes any length; this bounds us).
 pub const MAX_ENTROPY: usize = 512;
-// _IOW('R', 0x03, int[2]) and _IO('R', 0x07) from <linux/random.h>.
-const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
-const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
 
 impl System for LinuxSystem {
     fn add_entropy(&self, entropy: &[u8]) -> Result<(), SystemError> {
@@ -64,23 +60,9 @@ impl System for LinuxSystem {
                 what: "opening /dev/urandom",
                 source,
             })?;
-        let mut info = RandPoolInfo {
-            entropy_count: (entropy.len() * 8) as libc::c_int,
-            buf_size: entropy.len() as libc::c_int,
-            buf: [0; MAX_ENTROPY],
-        };
-        info.buf[..entropy.len()].copy_from_slice(entropy);
-        use std::os::fd::AsRawFd;
-        // SAFETY: RNDADDENTROPY reads a rand_pool_info whose buf_size bytes follow the header;
-        // `info` is a live, properly laid out struct with buf_size <= its buffer.
-        if unsafe { libc::ioctl(file.as_raw_fd(), RNDADDENTROPY as _, &info) } != 0 {
-            return Err(last_os_error("RNDADDENTROPY"));
-        }
-        // SAFETY: RNDRESEEDCRNG takes no argument.
-        if unsafe { libc::ioctl(file.as_raw_fd(), RNDRESEEDCRNG as _) } != 0 {
-            return Err(last_os_error("RNDRESEEDCRNG"));
-        }
-        Ok(())
+        sys::add_credited_entropy(&file, entropy)
+            .map_err(|e| syscall_failed("RNDADDENTROPY", e))?;
+        sys::reseed_crng(&file).map_err(|e| syscall_failed("RNDRESEEDCRNG", e))
     }
 
     fn set_wall_clock(&self, unix_nanos: i64) -> Result<(), SystemError> {
@@ -89,15 +71,8 @@ impl System for LinuxSystem {
                 "wall clock {unix_nanos} ns is not a time after 1970"
             )));
         }
-        let ts = libc::timespec {
-            tv_sec: unix_nanos / 1_000_000_000,
-            tv_nsec: unix_nanos % 1_000_000_000,
-        };
-        // SAFETY: clock_settime reads the timespec we pass.
-        if unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) } != 0 {
-            return Err(last_os_error("clock_settime"));
-        }
-        Ok(())
+        let time = TimeSpec::new(unix_nanos / 1_000_000_000, unix_nanos % 1_000_000_000);
+        clock_settime(ClockId::CLOCK_REALTIME, time).map_err(|e| syscall_failed("clock_settime", e))
     }
 
     fn set_hostname(&self, name: &str) -> Result<(), SystemError> {
@@ -106,19 +81,13 @@ impl System for LinuxSystem {
                 "hostname {name:?}: 1 to 64 bytes, no NUL"
             )));
         }
-        // SAFETY: sethostname reads `len` bytes from the pointer.
-        if unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) } != 0 {
-            return Err(last_os_error("sethostname"));
-        }
-        Ok(())
+        nix::unistd::sethostname(name).map_err(|e| syscall_failed("sethostname", e))
     }
 
     fn power_off(&self) -> SystemError {
-        // SAFETY: sync takes no arguments.
-        unsafe { libc::sync() };
-        // SAFETY: reboot with RB_POWER_OFF; it returns only on failure.
-        unsafe { libc::reboot(libc::RB_POWER_OFF) };
-        last_os_error("reboot(RB_POWER_OFF)")
+        nix::unistd::sync();
+        let Err(errno) = reboot(RebootMode::RB_POWER_OFF);
+        syscall_failed("reboot(RB_POWER_OFF)", errno)
     }
 }
 
@@ -192,25 +161,17 @@ mod tests {
     /// clock is stepped to what it already reads).
     #[test]
     fn the_syscalls_really_work_where_permitted() {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
+        if !nix::unistd::geteuid().is_root() {
             eprintln!(
                 "skipped: needs root for unshare(CLONE_NEWUTS), RNDADDENTROPY and clock_settime"
             );
             return;
         }
         std::thread::spawn(|| {
-            // SAFETY: unshare on this thread only; it gets a UTS namespace of its own.
-            assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWUTS) }, 0);
+            // On this thread only: it gets a UTS namespace of its own.
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWUTS).unwrap();
             LinuxSystem.set_hostname("agentvm-guest-test").unwrap();
-            let mut buf = [0u8; 65];
-            // SAFETY: gethostname writes at most buf.len() bytes.
-            assert_eq!(
-                unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) },
-                0
-            );
-            let end = buf.iter().position(|b| *b == 0).unwrap();
-            assert_eq!(&buf[..end], b"agentvm-guest-test");
+            assert_eq!(nix::unistd::gethostname().unwrap(), "agentvm-guest-test");
         })
         .join()
         .unwrap();

@@ -2,14 +2,24 @@
 //! harness developer's laptop). Both yield plain byte streams.
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::str::FromStr;
 use std::task::{Context, Poll, ready};
 
+use nix::sys::socket::{
+    AddressFamily, Backlog, MsgFlags, Shutdown, SockFlag, SockType, VsockAddr, bind, listen, send,
+    shutdown, socket,
+};
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use crate::sys;
+
+/// Any CID (VMADDR_CID_ANY in <linux/vm_sockets.h>): the host reaches the listener whatever
+/// CID this VM was given.
+const VMADDR_CID_ANY: u32 = u32::MAX;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Listen {
@@ -51,7 +61,7 @@ impl Listener {
                 let _ = std::fs::remove_file(path);
                 Ok(Listener::Unix(tokio::net::UnixListener::bind(path)?))
             }
-            Listen::Vsock(port) => bind_vsock(libc::VMADDR_CID_ANY, *port).map(Listener::Vsock),
+            Listen::Vsock(port) => bind_vsock(VMADDR_CID_ANY, *port).map(Listener::Vsock),
         }
     }
 
@@ -60,26 +70,12 @@ impl Listener {
             Listener::Unix(l) => Ok(Box::new(l.accept().await?.0)),
             Listener::Vsock(fd) => loop {
                 let mut guard = fd.readable().await?;
-                // SAFETY: accept4 on our listening socket; we do not ask for the peer address.
-                let conn = unsafe {
-                    libc::accept4(
-                        fd.as_raw_fd(),
-                        std::ptr::null_mut(),
-                        std::ptr::null_mut(),
-                        libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-                    )
-                };
-                if conn >= 0 {
-                    // SAFETY: accept4 returned a new descriptor that nothing else owns.
-                    let owned = unsafe { OwnedFd::from_raw_fd(conn) };
-                    return Ok(Box::new(VsockStream(register(owned)?)));
+                match guard.try_io(|fd| Ok(sys::accept_nonblocking(fd.get_ref())?)) {
+                    Ok(conn) => {
+                        return Ok(Box::new(VsockStream(sys::register_with_reactor(conn?)?)));
+                    }
+                    Err(_would_block) => continue,
                 }
-                let err = io::Error::last_os_error();
-                if err.kind() == io::ErrorKind::WouldBlock {
-                    guard.clear_ready();
-                    continue;
-                }
-                return Err(err);
             },
         }
     }
@@ -87,62 +83,19 @@ impl Listener {
 
 /// A listening AF_VSOCK stream socket on `port`.
 pub fn bind_vsock(cid: u32, port: u32) -> io::Result<AsyncFd<OwnedFd>> {
-    // SAFETY: plain socket creation.
-    let fd = unsafe {
-        libc::socket(
-            libc::AF_VSOCK,
-            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-            0,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a new descriptor that nothing else owns.
-    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: sockaddr_vm is plain data; zero is a valid starting value.
-    let mut addr: libc::sockaddr_vm = unsafe { std::mem::zeroed() };
-    addr.svm_family = libc::AF_VSOCK as libc::sa_family_t;
-    addr.svm_port = port;
-    addr.svm_cid = cid;
-    // SAFETY: bind reads `size_of::<sockaddr_vm>()` bytes of `addr`.
-    let rc = unsafe {
-        libc::bind(
-            owned.as_raw_fd(),
-            (&addr as *const libc::sockaddr_vm).cast(),
-            std::mem::size_of::<libc::sockaddr_vm>() as libc::socklen_t,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: listen on a bound socket.
-    if unsafe { libc::listen(owned.as_raw_fd(), 64) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    register(owned)
-}
-
-fn register(fd: OwnedFd) -> io::Result<AsyncFd<OwnedFd>> {
-    // SAFETY: an OwnedFd is a valid open descriptor that stays open, and always the same
-    // descriptor, until the AsyncFd that owns it drops it.
-    unsafe { AsyncFd::register(fd) }.map_err(io::Error::from)
+    let fd = socket(
+        AddressFamily::Vsock,
+        SockType::Stream,
+        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    bind(fd.as_raw_fd(), &VsockAddr::new(cid, port))?;
+    listen(&fd, Backlog::new(64)?)?;
+    sys::register_with_reactor(fd)
 }
 
 /// An accepted vsock connection.
 pub struct VsockStream(AsyncFd<OwnedFd>);
-
-fn io_result(n: isize) -> io::Result<usize> {
-    if n < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(n as usize)
-    }
-}
-
-fn raw(s: &VsockStream) -> RawFd {
-    s.0.as_raw_fd()
-}
 
 impl AsyncRead for VsockStream {
     fn poll_read(
@@ -153,15 +106,12 @@ impl AsyncRead for VsockStream {
         loop {
             let mut guard = ready!(self.0.poll_read_ready(cx))?;
             let unfilled = buf.initialize_unfilled();
-            // SAFETY: read into the initialized, unfilled part of the caller's buffer.
-            let n = unsafe { libc::read(raw(&self), unfilled.as_mut_ptr().cast(), unfilled.len()) };
-            match io_result(n) {
-                Ok(n) => {
-                    buf.advance(n);
+            match guard.try_io(|fd| Ok(nix::unistd::read(fd.get_ref(), unfilled)?)) {
+                Ok(read) => {
+                    buf.advance(read?);
                     return Poll::Ready(Ok(()));
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => guard.clear_ready(),
-                Err(e) => return Poll::Ready(Err(e)),
+                Err(_would_block) => continue,
             }
         }
     }
@@ -175,20 +125,10 @@ impl AsyncWrite for VsockStream {
     ) -> Poll<io::Result<usize>> {
         loop {
             let mut guard = ready!(self.0.poll_write_ready(cx))?;
-            // SAFETY: write from the caller's buffer; MSG_NOSIGNAL so a closed peer is an
-            // error, not a SIGPIPE.
-            let n = unsafe {
-                libc::send(
-                    raw(&self),
-                    data.as_ptr().cast(),
-                    data.len(),
-                    libc::MSG_NOSIGNAL,
-                )
-            };
-            match io_result(n) {
-                Ok(n) => return Poll::Ready(Ok(n)),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => guard.clear_ready(),
-                Err(e) => return Poll::Ready(Err(e)),
+            // MSG_NOSIGNAL so a closed peer is an error, not a SIGPIPE.
+            match guard.try_io(|fd| Ok(send(fd.as_raw_fd(), data, MsgFlags::MSG_NOSIGNAL)?)) {
+                Ok(written) => return Poll::Ready(written),
+                Err(_would_block) => continue,
             }
         }
     }
@@ -198,13 +138,7 @@ impl AsyncWrite for VsockStream {
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        // SAFETY: shutdown of our own socket's write side.
-        let rc = unsafe { libc::shutdown(raw(&self), libc::SHUT_WR) };
-        Poll::Ready(if rc == 0 {
-            Ok(())
-        } else {
-            Err(io::Error::last_os_error())
-        })
+        Poll::Ready(Ok(shutdown(self.0.as_raw_fd(), Shutdown::Write)?))
     }
 }
 
@@ -224,6 +158,35 @@ mod tests {
         }
     }
 
+    /// What the vsock listener and streams do with a socket (accept4, read, send, SHUT_WR
+    /// through the reactor) is not vsock's own: a unix socket exercises it on hosts without an
+    /// AF_VSOCK loopback transport.
+    #[tokio::test]
+    async fn the_vsock_socket_calls_carry_bytes_and_the_end_of_writes() {
+        use std::os::unix::net::{UnixListener, UnixStream};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        let unix = UnixListener::bind(&path).unwrap();
+        unix.set_nonblocking(true).unwrap();
+        let listener = Listener::Vsock(sys::register_with_reactor(OwnedFd::from(unix)).unwrap());
+        let client = tokio::task::spawn_blocking(move || {
+            use std::io::{Read, Write};
+            let mut s = UnixStream::connect(&path).unwrap();
+            s.write_all(b"ping").unwrap();
+            let mut back = Vec::new();
+            s.read_to_end(&mut back).unwrap();
+            back
+        });
+        let mut conn = listener.accept().await.unwrap();
+        let mut got = [0u8; 4];
+        conn.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"ping");
+        conn.write_all(b"pong").await.unwrap();
+        conn.shutdown().await.unwrap();
+        assert_eq!(client.await.unwrap(), b"pong");
+    }
+
     /// AF_VSOCK through the kernel's loopback transport (CID 1), where this host has it.
     #[tokio::test]
     async fn vsock_streams_carry_bytes_both_ways() {
@@ -238,25 +201,15 @@ mod tests {
         };
         let client = tokio::task::spawn_blocking(|| {
             use std::io::{Read, Write};
-            // SAFETY: plain socket creation.
-            let fd = unsafe { libc::socket(libc::AF_VSOCK, libc::SOCK_STREAM, 0) };
-            assert!(fd >= 0);
-            // SAFETY: a new descriptor nothing else owns.
-            let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-            // SAFETY: zeroed sockaddr_vm is valid plain data.
-            let mut addr: libc::sockaddr_vm = unsafe { std::mem::zeroed() };
-            addr.svm_family = libc::AF_VSOCK as libc::sa_family_t;
-            addr.svm_port = 52_000;
-            addr.svm_cid = VMADDR_CID_LOCAL;
-            // SAFETY: connect reads the address we pass.
-            let rc = unsafe {
-                libc::connect(
-                    owned.as_raw_fd(),
-                    (&addr as *const libc::sockaddr_vm).cast(),
-                    std::mem::size_of::<libc::sockaddr_vm>() as libc::socklen_t,
-                )
-            };
-            assert_eq!(rc, 0, "{}", io::Error::last_os_error());
+            let owned = socket(
+                AddressFamily::Vsock,
+                SockType::Stream,
+                SockFlag::empty(),
+                None,
+            )
+            .unwrap();
+            nix::sys::socket::connect(owned.as_raw_fd(), &VsockAddr::new(VMADDR_CID_LOCAL, 52_000))
+                .unwrap();
             let mut s = std::fs::File::from(owned);
             s.write_all(b"ping").unwrap();
             let mut back = [0u8; 4];

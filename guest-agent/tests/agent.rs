@@ -13,6 +13,8 @@ use agentvm_proto::guest::v1::envelope::Body;
 use agentvm_proto::guest::v1::restored::Kind as RestoredKind;
 use agentvm_proto::guest::v1::{DescribeHarness, HealthCheck, Hello, Identity, Restored, Shutdown};
 use agentvm_proto::v1::EventKind;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixStream;
 
@@ -413,15 +415,13 @@ async fn a_crashing_harness_is_restarted_per_policy_then_reported_down() {
         Body::HarnessDescriptor(_)
     ));
     let first = agent.new_harness_pid(None).await;
-    // SAFETY: SIGKILL to the harness process this test's agent started.
-    unsafe { libc::kill(first, libc::SIGKILL) };
+    let _ = kill(Pid::from_raw(first), Signal::SIGKILL);
     let second = agent.new_harness_pid(Some(first)).await;
     assert!(matches!(
         host.call(Body::DescribeHarness(DescribeHarness {})).await,
         Body::HarnessDescriptor(_)
     ));
-    // SAFETY: as above.
-    unsafe { libc::kill(second, libc::SIGKILL) };
+    let _ = kill(Pid::from_raw(second), Signal::SIGKILL);
     let deadline = std::time::Instant::now() + TIMEOUT;
     let error = loop {
         match host.call(Body::DescribeHarness(DescribeHarness {})).await {

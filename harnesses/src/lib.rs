@@ -2,6 +2,8 @@
 //! into typed sink calls ([`sdk`]), a tonic server adapter ([`server`]), and the reference
 //! harnesses `echo`, `counter` and `chat` (semantics.md §5).
 
+#![forbid(unsafe_code)]
+
 pub mod chat;
 pub mod counter;
 pub mod echo;

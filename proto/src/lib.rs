@@ -7,6 +7,8 @@
 //! - [`canon`]: the one canonical serialization (proto3 JSON + RFC 8785) behind the journal's
 //!   hash chain and the registry's spec digests.
 
+#![forbid(unsafe_code)]
+
 pub mod canon;
 pub mod guest;
 

@@ -10,6 +10,8 @@
 //! memory files, [`archive`] moves a snapshot between nodes, and [`store`] keeps them with
 //! reference counts.
 
+#![forbid(unsafe_code)]
+
 pub mod archive;
 pub mod dir;
 pub mod manifest;

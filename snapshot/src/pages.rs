@@ -8,7 +8,6 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 
 use sha2::{Digest, Sha256};
@@ -19,25 +18,18 @@ const CHUNK: usize = 1 << 20;
 
 /// Data ranges of `file` as (offset, length), page aligned, in order (SEEK_DATA/SEEK_HOLE).
 pub fn data_extents(file: &File) -> io::Result<Vec<(u64, u64)>> {
+    use nix::errno::Errno;
+    use nix::unistd::{Whence, lseek};
     let len = file.metadata()?.len();
-    let fd = file.as_raw_fd();
     let mut extents = Vec::new();
     let mut offset: i64 = 0;
     while (offset as u64) < len {
-        // SAFETY: lseek on a descriptor we own; the result is checked.
-        let data = unsafe { libc::lseek(fd, offset, libc::SEEK_DATA) };
-        if data < 0 {
-            let err = io::Error::last_os_error();
-            if err.raw_os_error() == Some(libc::ENXIO) {
-                break; // no data past `offset`
-            }
-            return Err(err);
-        }
-        // SAFETY: as above.
-        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
-        if hole < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        let data = match lseek(file, offset, Whence::SeekData) {
+            Ok(data) => data,
+            Err(Errno::ENXIO) => break, // no data past `offset`
+            Err(e) => return Err(e.into()),
+        };
+        let hole = lseek(file, data, Whence::SeekHole)?;
         let start = (data as u64) & !(PAGE_SIZE - 1);
         let end = (hole as u64).min(len).next_multiple_of(PAGE_SIZE);
         if end > start {

@@ -146,8 +146,10 @@ fn restamp(dir: &Path) -> Result<(), SnapshotError> {
 /// Makes every file under `dir` read-only and owned by this process's user and group.
 fn seal(dir: &Path) -> Result<(), SnapshotError> {
     use std::os::unix::fs::PermissionsExt;
-    // SAFETY: geteuid and getegid cannot fail.
-    let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    let (uid, gid) = (
+        nix::unistd::geteuid().as_raw(),
+        nix::unistd::getegid().as_raw(),
+    );
     std::os::unix::fs::lchown(dir, Some(uid), Some(gid)).map_err(io(dir))?;
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).map_err(io(dir))?;
     for entry in std::fs::read_dir(dir).map_err(io(dir))? {
@@ -212,7 +214,7 @@ impl LocalStore {
         match std::fs::rename(written, &dir) {
             Ok(()) => {}
             // Another filesystem: copy, then drop the original.
-            Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
+            Err(e) if e.raw_os_error() == Some(nix::errno::Errno::EXDEV as i32) => {
                 copy_tree(written, &dir).inspect_err(|_| {
                     let _ = std::fs::remove_dir_all(&dir);
                 })?;
@@ -539,8 +541,7 @@ mod tests {
         assert!(store.get("layer").is_ok());
         for entry in std::fs::read_dir(&dir).unwrap() {
             let meta = entry.unwrap().metadata().unwrap();
-            // SAFETY: geteuid cannot fail.
-            assert_eq!(meta.uid(), unsafe { libc::geteuid() });
+            assert_eq!(meta.uid(), nix::unistd::geteuid().as_raw());
             assert_eq!(meta.permissions().mode() & 0o777, 0o444);
         }
         assert_eq!(

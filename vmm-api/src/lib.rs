@@ -9,6 +9,8 @@
 //! - [`server`]: HTTP/1.1 over a unix socket, routed to a [`VmmBackend`].
 //! - [`client`]: [`VmmClient`], one fresh connection per request.
 
+#![forbid(unsafe_code)]
+
 pub mod client;
 pub mod config;
 pub mod endpoint;

@@ -1,5 +1,7 @@
 //! agentvmd: one per node. Owns the journal and serves the agentsessions API.
 
+#![forbid(unsafe_code)]
+
 use agentvmd::config::{self, ListenAddr};
 use agentvmd::model::openai::{OpenAiConfig, load_api_key};
 use agentvmd::node::{Node, NodeConfig, find_in_path};

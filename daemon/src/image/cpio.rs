@@ -3,6 +3,8 @@
 
 use std::io::{self, Write};
 
+use nix::sys::stat::SFlag;
+
 const MAGIC: &str = "070701";
 const TRAILER: &str = "TRAILER!!!";
 
@@ -89,7 +91,7 @@ impl<W: Write> Writer<W> {
     pub fn entry(&mut self, e: &Entry) -> io::Result<()> {
         let perm = e.mode & 0o7777;
         match &e.kind {
-            Kind::Dir => self.header(&e.path, libc::S_IFDIR | perm, 0, 2, (0, 0)),
+            Kind::Dir => self.header(&e.path, SFlag::S_IFDIR.bits() | perm, 0, 2, (0, 0)),
             Kind::File(data) => {
                 if data.len() > u32::MAX as usize {
                     return Err(io::Error::new(
@@ -97,18 +99,28 @@ impl<W: Write> Writer<W> {
                         format!("{}: larger than cpio's 4 GiB limit", e.path),
                     ));
                 }
-                self.header(&e.path, libc::S_IFREG | perm, data.len(), 1, (0, 0))?;
+                self.header(&e.path, SFlag::S_IFREG.bits() | perm, data.len(), 1, (0, 0))?;
                 self.put(data)?;
                 self.pad()
             }
             Kind::Symlink(target) => {
-                self.header(&e.path, libc::S_IFLNK | 0o777, target.len(), 1, (0, 0))?;
+                self.header(
+                    &e.path,
+                    SFlag::S_IFLNK.bits() | 0o777,
+                    target.len(),
+                    1,
+                    (0, 0),
+                )?;
                 self.put(target.as_bytes())?;
                 self.pad()
             }
-            Kind::CharDevice(major, minor) => {
-                self.header(&e.path, libc::S_IFCHR | perm, 0, 1, (*major, *minor))
-            }
+            Kind::CharDevice(major, minor) => self.header(
+                &e.path,
+                SFlag::S_IFCHR.bits() | perm,
+                0,
+                1,
+                (*major, *minor),
+            ),
         }
     }
 

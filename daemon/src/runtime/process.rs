@@ -80,17 +80,8 @@ impl ProcessRuntime {
             .arg(format!("unix:{}", socket.display()))
             .stdin(std::process::Stdio::null())
             .kill_on_drop(true);
-        // SAFETY: the closure runs in the forked child before exec and only calls prctl(2),
-        // which is async-signal-safe; it touches no memory shared with the parent.
-        unsafe {
-            cmd.pre_exec(|| {
-                // The harness must not outlive the daemon that owns its session.
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        // The harness must not outlive the daemon that owns its session.
+        crate::sys::die_with_parent(cmd.as_std_mut());
         let mut child = cmd
             .spawn()
             .map_err(|e| failed(uid, format!("starting {program}: {e}")))?;

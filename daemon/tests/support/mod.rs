@@ -87,7 +87,7 @@ pub fn remove_vm_cgroups(session: &str) {
             // KVM's worker threads of a killed VM hold its cgroups until the VM is torn down.
             for _ in 0..300 {
                 match std::fs::remove_dir(&dir) {
-                    Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                    Err(e) if e.raw_os_error() == Some(nix::errno::Errno::EBUSY as i32) => {
                         std::thread::sleep(Duration::from_millis(10))
                     }
                     _ => break,
@@ -109,8 +109,10 @@ fn kill_vmm(pid: i32) {
         })
     };
     if is_vmm {
-        // SAFETY: kill(2) with a pid that was just checked to be one of this node's VMMs.
-        unsafe { libc::kill(pid, libc::SIGKILL) };
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
     } else if !zombie() {
         // Gone, and the pid is something else's now.
         return;

@@ -36,6 +36,8 @@
 //!   in-kernel PIT provides both); without them uptime is reported as 0.
 //! - For DirtyMemory: RAM beyond [`DIRTY_REGION_BASE`] in the memory map.
 
+#![forbid(unsafe_code)]
+
 /// The test guest ELF image.
 pub static TESTGUEST_ELF: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/testguest.elf"));
 

@@ -140,9 +140,8 @@ pub fn process_alive(pid: i32) -> bool {
     std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| !c.is_empty())
 }
 
-pub fn signal(pid: i32, signal: i32) {
-    // SAFETY: kill(2) with a pid the lane read from agentvmd's pid files; no memory is passed.
-    unsafe { libc::kill(pid, signal) };
+pub fn signal(pid: i32, signal: nix::sys::signal::Signal) {
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), signal);
 }
 
 fn reap_vmms(vms: &Path) {
@@ -154,7 +153,7 @@ fn reap_vmms(vms: &Path) {
             .ok()
             .and_then(|p| p.trim().parse().ok())
         {
-            signal(pid, libc::SIGKILL);
+            signal(pid, nix::sys::signal::Signal::SIGKILL);
         }
     }
 }

@@ -5,6 +5,8 @@
 //! L1's serial console) as it goes, so a hung L1 still leaves what finished. Guest serial
 //! logs are kept under `OUT/guests/`.
 
+#![forbid(unsafe_code)]
+
 mod daemon;
 mod guest_logs;
 mod scenarios;

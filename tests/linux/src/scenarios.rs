@@ -326,7 +326,7 @@ async fn vmm_killed_mid_turn(lane: &mut Lane) -> anyhow::Result<String> {
         .context("the slow turn never started")?
         .context("the slow turn ended before its input was journaled")?;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    signal(pid, libc::SIGKILL);
+    signal(pid, nix::sys::signal::Signal::SIGKILL);
     let message = in_flight.await??;
     session::wait_compute(
         &mut c,

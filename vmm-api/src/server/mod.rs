@@ -22,6 +22,7 @@ use std::time::Duration;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
+use nix::errno::Errno;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
@@ -197,6 +198,7 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
 fn is_listener_broken(e: &io::Error) -> bool {
     matches!(
         e.raw_os_error(),
-        Some(libc::EBADF | libc::EINVAL | libc::ENOTSOCK | libc::EOPNOTSUPP)
+        Some(e) if [Errno::EBADF, Errno::EINVAL, Errno::ENOTSOCK, Errno::EOPNOTSUPP]
+            .contains(&Errno::from_raw(e))
     )
 }

@@ -1,5 +1,7 @@
 //! agentvm: the client CLI.
 
+#![forbid(unsafe_code)]
+
 mod harness_cmd;
 mod image_cmd;
 mod node_cmd;

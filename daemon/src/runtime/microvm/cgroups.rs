@@ -210,7 +210,9 @@ impl Cgroups {
             match std::fs::remove_dir(&dir) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => busy.push(dir),
+                Err(e) if e.raw_os_error() == Some(nix::errno::Errno::EBUSY as i32) => {
+                    busy.push(dir)
+                }
                 Err(e) => tracing::warn!(dir = %dir.display(), error = %e,
                     "a VMM's cgroup could not be removed"),
             }

@@ -50,8 +50,7 @@ fn create(path: &Path) -> Result<(), String> {
 impl Confinement {
     /// Sets up confinement for the runtime `config` describes, every VMM under `limits`.
     pub fn new(config: &MicrovmConfig, limits: Limits) -> Result<Self, String> {
-        // SAFETY: geteuid cannot fail.
-        let root = unsafe { libc::geteuid() } == 0;
+        let root = nix::unistd::geteuid().is_root();
         if config.confine && !root {
             tracing::warn!(
                 "agentvmd is not running as root: VMMs run without their jail and cgroups"

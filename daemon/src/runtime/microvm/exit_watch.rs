@@ -7,11 +7,10 @@
 //! VMM serves the session; that exit is not news.
 
 use std::collections::HashSet;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 
 use tokio::io::Interest;
-use tokio::io::unix::AsyncFd;
 use tokio::sync::broadcast;
 
 use super::vmm_process::{self, VmmDir};
@@ -93,14 +92,12 @@ impl ExitWatch {
 
 /// Waits until `pid` exits and says how, reaping it when it is this process's child.
 async fn wait_exit(pid: u32) -> String {
-    let fd = match pidfd_open(pid) {
+    let fd = match crate::sys::pidfd_open(pid) {
         Ok(fd) => fd,
         // Already gone (and reaped by someone) before the watch began.
         Err(_) => return "exited".into(),
     };
-    // SAFETY: the AsyncFd takes the OwnedFd, which stays open, and the same fd, until the
-    // AsyncFd is dropped; nothing else holds or closes it.
-    match unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) } {
+    match crate::sys::watch_fd(fd, Interest::READABLE) {
         Ok(async_fd) => {
             // A pidfd turns readable once the process has exited.
             if let Ok(mut ready) = async_fd.readable().await {
@@ -118,39 +115,18 @@ async fn wait_exit(pid: u32) -> String {
     }
 }
 
-fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
-    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1; no memory is shared.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: the syscall returned a fresh fd that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-}
-
 /// Reaps an exited child through its pidfd and describes its end; a process that is not our
 /// child (an adopted VMM) cannot be reaped here and "exited" is all that is known.
 fn reap(pidfd: &OwnedFd) -> String {
-    // SAFETY: zeroed siginfo_t is a valid out-buffer for waitid.
-    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-    // SAFETY: waitid on a pidfd we own, writing into `info` which lives for the call.
-    let rc = unsafe {
-        libc::waitid(
-            libc::P_PIDFD,
-            pidfd.as_raw_fd() as libc::id_t,
-            &mut info,
-            libc::WEXITED | libc::WNOHANG,
-        )
-    };
-    // SAFETY: after a successful waitid, si_pid is valid; 0 means nothing was waitable.
-    if rc != 0 || unsafe { info.si_pid() } == 0 {
-        return "exited".into();
-    }
-    // SAFETY: waitid filled `info` for a CLD_* event, where si_status is the valid field.
-    let status = unsafe { info.si_status() };
-    match info.si_code {
-        libc::CLD_EXITED => format!("exited with status {status}"),
-        libc::CLD_KILLED | libc::CLD_DUMPED => format!("was killed by signal {status}"),
+    use nix::sys::wait::{Id, WaitPidFlag, WaitStatus, waitid};
+    match waitid(
+        Id::PIDFd(pidfd.as_fd()),
+        WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG,
+    ) {
+        Ok(WaitStatus::Exited(_, status)) => format!("exited with status {status}"),
+        Ok(WaitStatus::Signaled(_, signal, _)) => {
+            format!("was killed by signal {}", signal as i32)
+        }
         _ => "exited".into(),
     }
 }

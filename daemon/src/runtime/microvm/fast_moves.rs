@@ -13,9 +13,7 @@
 //! hierarchy lives exactly as long as the descriptor, that is as long as this daemon, and
 //! nothing is left mounted behind it, even after `kill -9`.
 
-use std::ffi::CString;
 use std::fs::File;
-use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
 /// The hierarchy's name: every agentvmd of a host shares it (a second mount by the same
@@ -42,37 +40,24 @@ pub fn favor(run_dir: &Path) -> Result<FastMoves, String> {
 }
 
 fn mount_and_open(at: &Path) -> Result<File, String> {
-    let target = CString::new(at.as_os_str().as_bytes())
-        .map_err(|_| format!("{} holds a NUL byte", at.display()))?;
-    let options = CString::new(format!("none,name={HIERARCHY},favordynmods"))
-        .map_err(|_| "mount options hold a NUL byte".to_owned())?;
-    // SAFETY: every pointer is a NUL-terminated string that outlives the call.
-    let rc = unsafe {
-        libc::mount(
-            c"cgroup".as_ptr(),
-            target.as_ptr(),
-            c"cgroup".as_ptr(),
-            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
-            options.as_ptr().cast(),
+    use nix::mount::{MntFlags, MsFlags, mount, umount2};
+    let options = format!("none,name={HIERARCHY},favordynmods");
+    mount(
+        Some("cgroup"),
+        at,
+        Some("cgroup"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        Some(options.as_str()),
+    )
+    .map_err(|e| {
+        format!(
+            "mounting a favordynmods cgroup hierarchy on {}: {e}",
+            at.display()
         )
-    };
-    if rc != 0 {
-        return Err(format!(
-            "mounting a favordynmods cgroup hierarchy on {}: {}",
-            at.display(),
-            std::io::Error::last_os_error()
-        ));
-    }
+    })?;
     let opened = File::open(at).map_err(|e| format!("opening {}: {e}", at.display()));
-    // SAFETY: `target` is a NUL-terminated string that outlives the call.
-    let rc = unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
-    if rc != 0 {
-        return Err(format!(
-            "detaching the cgroup hierarchy at {}: {}",
-            at.display(),
-            std::io::Error::last_os_error()
-        ));
-    }
+    umount2(at, MntFlags::MNT_DETACH)
+        .map_err(|e| format!("detaching the cgroup hierarchy at {}: {e}", at.display()))?;
     opened
 }
 
@@ -81,8 +66,7 @@ mod tests {
     use super::*;
 
     fn root() -> bool {
-        // SAFETY: geteuid cannot fail.
-        unsafe { libc::geteuid() == 0 }
+        nix::unistd::geteuid().is_root()
     }
 
     fn mounted_hierarchy() -> bool {

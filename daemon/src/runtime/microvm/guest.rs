@@ -155,22 +155,18 @@ impl GuestConn {
     /// Whether the guest may still be at the other end: the stream is neither closed nor
     /// failed (checked without reading anything).
     pub fn is_open(&self) -> bool {
+        use nix::sys::socket::{MsgFlags, recv};
         use std::os::fd::AsRawFd;
-        let mut byte = 0u8;
-        // SAFETY: a one-byte peek into a stack byte on this connection's own socket; it
-        // neither blocks nor consumes anything.
-        let n = unsafe {
-            libc::recv(
-                self.stream.as_raw_fd(),
-                (&mut byte as *mut u8).cast(),
-                1,
-                libc::MSG_PEEK | libc::MSG_DONTWAIT,
-            )
-        };
-        match n {
-            0 => false,
-            n if n > 0 => true,
-            _ => std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock,
+        // A one-byte peek: it neither blocks nor consumes anything.
+        let mut byte = [0u8; 1];
+        match recv(
+            self.stream.as_raw_fd(),
+            &mut byte,
+            MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT,
+        ) {
+            Ok(0) => false,
+            Ok(_) => true,
+            Err(e) => e == nix::errno::Errno::EAGAIN,
         }
     }
 

@@ -199,8 +199,8 @@ pub fn pid_of(dir: &VmmDir) -> Option<u32> {
 /// Whether `pid` still runs. A finished zombie does not: a VMM adopted from a dead daemon
 /// has init (or a subreaper) as its parent, which may take its time to reap it.
 pub fn alive(pid: u32) -> bool {
-    // SAFETY: signal 0 only checks that the process exists and may be signalled.
-    pid != 0 && unsafe { libc::kill(pid as i32, 0) } == 0 && !finished_zombie(pid)
+    // Signal 0 only checks that the process exists and may be signalled.
+    pid != 0 && signal(pid, None).is_ok() && !finished_zombie(pid)
 }
 
 /// The process is a zombie with no thread left: its leader's state (after the parenthesised
@@ -216,9 +216,12 @@ fn finished_zombie(pid: u32) -> bool {
 
 pub fn kill(pid: u32) {
     if pid != 0 {
-        // SAFETY: SIGKILL to a pid this runtime started (read from its own pid file).
-        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        let _ = signal(pid, Some(nix::sys::signal::Signal::SIGKILL));
     }
+}
+
+fn signal(pid: u32, signal: Option<nix::sys::signal::Signal>) -> nix::Result<()> {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal)
 }
 
 /// Removes what the VMM in `dir` left on the host: its directory and private RAM directory.

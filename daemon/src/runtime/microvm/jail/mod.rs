@@ -12,14 +12,16 @@
 //! its index and errno through a close-on-exec pipe, which the parent turns into a message.
 
 mod spawn;
-mod step;
 
 use std::fs::File;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 pub use self::spawn::{Command, INHERITED_FD, spawn};
-use self::step::{Step, cpath, cstring};
+use nix::mount::MsFlags;
+use nix::sys::resource::Resource;
+
+use crate::sys::{Step, cpath, cstring};
 
 /// What a jailed VMM may see and who it runs as.
 #[derive(Debug, Clone, Default)]
@@ -62,14 +64,14 @@ fn jail_steps(jail: &Jail) -> Result<Vec<Step>, String> {
         source: None,
         target: cstring(b"/")?,
         fstype: None,
-        flags: libc::MS_REC | libc::MS_PRIVATE,
+        flags: MsFlags::MS_REC | MsFlags::MS_PRIVATE,
         data: None,
     });
     steps.push(Step::Mount {
         source: Some(cstring(b"tmpfs")?),
         target: cpath(staging)?,
         fstype: Some(cstring(b"tmpfs")?),
-        flags: libc::MS_NOSUID,
+        flags: MsFlags::MS_NOSUID,
         data: Some(cstring(ROOT_TMPFS_OPTIONS.as_bytes())?),
     });
     let mut made = std::collections::BTreeSet::new();
@@ -83,22 +85,22 @@ fn jail_steps(jail: &Jail) -> Result<Vec<Step>, String> {
         }
         Ok(())
     };
-    let mut binds: Vec<(&PathBuf, libc::c_ulong)> = Vec::new();
-    let nosuid_nodev = libc::MS_NOSUID | libc::MS_NODEV;
+    let mut binds: Vec<(&PathBuf, MsFlags)> = Vec::new();
+    let nosuid_nodev = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
     binds.extend(
         jail.writable
             .iter()
-            .map(|p| (p, nosuid_nodev | libc::MS_NOEXEC)),
+            .map(|p| (p, nosuid_nodev | MsFlags::MS_NOEXEC)),
     );
     binds.extend(
         jail.readable
             .iter()
-            .map(|p| (p, nosuid_nodev | libc::MS_NOEXEC | libc::MS_RDONLY)),
+            .map(|p| (p, nosuid_nodev | MsFlags::MS_NOEXEC | MsFlags::MS_RDONLY)),
     );
     binds.extend(
         jail.libraries
             .iter()
-            .map(|p| (p, nosuid_nodev | libc::MS_RDONLY)),
+            .map(|p| (p, nosuid_nodev | MsFlags::MS_RDONLY)),
     );
     // Parents before what is inside them.
     binds.sort();
@@ -135,7 +137,7 @@ fn jail_steps(jail: &Jail) -> Result<Vec<Step>, String> {
             source: Some(cpath(path)?),
             target: target.clone(),
             fstype: None,
-            flags: libc::MS_BIND | libc::MS_REC,
+            flags: MsFlags::MS_BIND | MsFlags::MS_REC,
             data: None,
         });
         // Bind mounts take their flags only on a remount.
@@ -143,7 +145,7 @@ fn jail_steps(jail: &Jail) -> Result<Vec<Step>, String> {
             source: None,
             target,
             fstype: None,
-            flags: libc::MS_REMOUNT | libc::MS_BIND | flags,
+            flags: MsFlags::MS_REMOUNT | MsFlags::MS_BIND | flags,
             data: None,
         });
     }
@@ -176,7 +178,7 @@ fn jail_steps(jail: &Jail) -> Result<Vec<Step>, String> {
         source: Some(cstring(b"proc")?),
         target: cpath(&staging.join("proc"))?,
         fstype: Some(cstring(b"proc")?),
-        flags: nosuid_nodev | libc::MS_NOEXEC,
+        flags: nosuid_nodev | MsFlags::MS_NOEXEC,
         data: None,
     });
     steps.push(Step::Chdir(cpath(staging)?));
@@ -185,10 +187,13 @@ fn jail_steps(jail: &Jail) -> Result<Vec<Step>, String> {
         source: None,
         target: cstring(b"/")?,
         fstype: None,
-        flags: libc::MS_REMOUNT | libc::MS_RDONLY | libc::MS_NOSUID,
+        flags: MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID,
         data: None,
     });
-    for (resource, value) in [(libc::RLIMIT_CORE, 0), (libc::RLIMIT_NOFILE, NOFILE_LIMIT)] {
+    for (resource, value) in [
+        (Resource::RLIMIT_CORE, 0),
+        (Resource::RLIMIT_NOFILE, NOFILE_LIMIT),
+    ] {
         steps.push(Step::Rlimit { resource, value });
     }
     steps.push(Step::DropPrivileges {
@@ -250,18 +255,15 @@ mod tests {
             listener,
         })
         .unwrap();
-        let mut status = 0;
-        // SAFETY: waits for the child spawn just created.
-        assert_eq!(
-            unsafe { libc::waitpid(pid as i32, &mut status, 0) },
-            pid as i32
-        );
+        let status = match nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid as i32), None) {
+            Ok(nix::sys::wait::WaitStatus::Exited(_, code)) => code,
+            other => panic!("the jailed shell ended as {other:?}"),
+        };
         (status, std::fs::read_to_string(&out_path).unwrap())
     }
 
     fn root() -> bool {
-        // SAFETY: geteuid cannot fail.
-        if unsafe { libc::geteuid() } != 0 {
+        if !nix::unistd::geteuid().is_root() {
             eprintln!("SKIPPED: building a jail needs root");
             return false;
         }

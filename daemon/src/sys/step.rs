@@ -1,10 +1,15 @@
 //! One action of a jailed child between clone and exec, run with raw system calls on memory
-//! prepared before the clone.
+//! prepared before the clone: the child of a multithreaded parent may not allocate or take
+//! a lock another thread held at the clone, so nothing here goes through a wrapper that
+//! might (nix builds C strings of long paths on the heap).
 
 use std::ffi::CString;
 use std::os::fd::RawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
+
+use nix::mount::MsFlags;
+use nix::sys::resource::Resource;
 
 /// The kernel's `struct sigaction` for rt_sigaction (not libc's): all zero is SIG_DFL.
 #[repr(C)]
@@ -18,7 +23,7 @@ struct KernelSigaction {
 
 /// One action of the child between clone and exec.
 #[derive(Debug)]
-pub(super) enum Step {
+pub enum Step {
     ResetSignals,
     NewProcessGroup,
     Dup2 {
@@ -29,7 +34,7 @@ pub(super) enum Step {
         source: Option<CString>,
         target: CString,
         fstype: Option<CString>,
-        flags: libc::c_ulong,
+        flags: MsFlags,
         data: Option<CString>,
     },
     Mkdir(CString),
@@ -52,7 +57,7 @@ pub(super) enum Step {
     /// Makes the current directory the root and detaches the old one.
     PivotHere,
     Rlimit {
-        resource: libc::__rlimit_resource_t,
+        resource: Resource,
         value: u64,
     },
     DropPrivileges {
@@ -66,12 +71,12 @@ pub(super) enum Step {
     },
 }
 
-pub(super) fn cstring(bytes: &[u8]) -> Result<CString, String> {
+pub fn cstring(bytes: &[u8]) -> Result<CString, String> {
     CString::new(bytes)
         .map_err(|_| format!("{:?} holds a NUL byte", String::from_utf8_lossy(bytes)))
 }
 
-pub(super) fn cpath(path: &Path) -> Result<CString, String> {
+pub fn cpath(path: &Path) -> Result<CString, String> {
     cstring(path.as_os_str().as_bytes())
 }
 
@@ -133,7 +138,7 @@ impl Step {
                         source.as_ref().map_or(null, |s| s.as_ptr()),
                         target.as_ptr(),
                         fstype.as_ref().map_or(null, |s| s.as_ptr()),
-                        *flags,
+                        flags.bits(),
                         data.as_ref().map_or(null, |s| s.as_ptr()).cast(),
                     )
                     .into(),
@@ -181,7 +186,7 @@ impl Step {
                         rlim_cur: *value,
                         rlim_max: *value,
                     };
-                    check(libc::setrlimit(*resource, &limit).into())
+                    check(libc::setrlimit(*resource as libc::__rlimit_resource_t, &limit).into())
                 }
                 Step::DropPrivileges { uid, gid } => {
                     // Raw calls: glibc's wrappers would try to reach threads that exist only

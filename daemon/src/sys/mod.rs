@@ -1,0 +1,166 @@
+//! The system calls agentvmd makes that no safe wrapper covers, each with why it is sound.
+//! Everything else goes through `nix` and the standard library; the crate root denies
+//! `unsafe` outside this module.
+//!
+//! - [`clone_and_exec`] starts a (jailed) child with clone3 and runs its [`Step`]s between
+//!   clone and exec: code there may not allocate, so it makes raw calls on memory prepared
+//!   before the clone.
+//! - [`pidfd_open`], [`dup_above`] and [`die_with_parent`] have no wrapper in `nix`, and
+//!   tokio registers a descriptor with its reactor only on the caller's word
+//!   ([`watch_fd`]).
+
+#![allow(unsafe_code)]
+
+mod step;
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::CommandExt;
+
+use nix::sched::CloneFlags;
+use nix::sys::signal::{SigSet, SigmaskHow, pthread_sigmask};
+use nix::unistd::Pid;
+
+use self::step::last_errno;
+pub use self::step::{Step, cpath, cstring};
+
+/// A descriptor on process `pid` (pidfd_open(2)), which polls readable once it exits.
+pub fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1; no memory is shared.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the syscall returned a fresh fd that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// `fd` registered with tokio's reactor for `interest`.
+pub fn watch_fd(
+    fd: OwnedFd,
+    interest: tokio::io::Interest,
+) -> io::Result<tokio::io::unix::AsyncFd<OwnedFd>> {
+    // SAFETY: an OwnedFd is an open descriptor that only it closes, and its `as_raw_fd`
+    // never changes: it stays the same open file until the AsyncFd is dropped.
+    unsafe { tokio::io::unix::AsyncFd::register_with_interest(fd, interest) }.map_err(|e| e.into())
+}
+
+/// A close-on-exec duplicate of `fd` numbered `min` or above.
+pub fn dup_above(fd: BorrowedFd, min: RawFd) -> io::Result<OwnedFd> {
+    // SAFETY: F_DUPFD_CLOEXEC makes a new descriptor and touches nothing else.
+    let dup = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, min) };
+    if dup < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fcntl just created `dup` and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(dup) })
+}
+
+/// Makes the process `command` starts die with the thread that starts it.
+pub fn die_with_parent(command: &mut std::process::Command) {
+    // SAFETY: the hook runs in the forked child before exec and makes one prctl call,
+    // which neither allocates nor takes a lock.
+    unsafe {
+        command.pre_exec(|| {
+            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
+                .map_err(io::Error::from)
+        });
+    }
+}
+
+/// Clones a child (into new `namespaces`) that runs `steps`, then execs the program behind
+/// `binary` with `args` (the first is its argv\[0\]) and `env`. Returns its pid at once;
+/// a failure before exec is written to `report` (step index as le u32, then errno as
+/// le i32; index `steps.len()` for the exec) and the child exits 127. `report` must be
+/// close-on-exec: it reads end-of-file once the program runs.
+pub fn clone_and_exec(
+    steps: &[Step],
+    namespaces: CloneFlags,
+    binary: BorrowedFd,
+    args: &[CString],
+    env: &[CString],
+    report: BorrowedFd,
+) -> io::Result<Pid> {
+    let mut argv: Vec<*const libc::c_char> = args.iter().map(|a| a.as_ptr()).collect();
+    argv.push(std::ptr::null());
+    let mut envp: Vec<*const libc::c_char> = env.iter().map(|e| e.as_ptr()).collect();
+    envp.push(std::ptr::null());
+    // SAFETY: zeroed clone_args are valid; the fields set below are the only ones used.
+    let mut clone_args: libc::clone_args = unsafe { std::mem::zeroed() };
+    clone_args.flags = namespaces.bits() as u64;
+    clone_args.exit_signal = libc::SIGCHLD as u64;
+    // Every signal blocked in this thread across the clone: the child must not run one of the
+    // daemon's handlers before it has reset them.
+    let mut saved = SigSet::empty();
+    pthread_sigmask(
+        SigmaskHow::SIG_SETMASK,
+        Some(&SigSet::all()),
+        Some(&mut saved),
+    )?;
+    // SAFETY: clone3 without CLONE_VM and with no stack behaves as fork: the child runs on
+    // a copy of this stack. It only runs `child`, which never returns.
+    let pid = unsafe {
+        libc::syscall(
+            libc::SYS_clone3,
+            &mut clone_args as *mut libc::clone_args,
+            std::mem::size_of::<libc::clone_args>(),
+        )
+    };
+    if pid == 0 {
+        // SAFETY: this is the freshly cloned child; every pointer is into its copy of the
+        // parent's memory.
+        unsafe { child(steps, binary.as_raw_fd(), &argv, &envp, report.as_raw_fd()) }
+    }
+    let cloned = match pid {
+        pid if pid < 0 => Err(io::Error::last_os_error()),
+        pid => Ok(Pid::from_raw(pid as libc::pid_t)),
+    };
+    pthread_sigmask(SigmaskHow::SIG_SETMASK, Some(&saved), None)?;
+    cloned
+}
+
+/// The cloned child: runs `steps`, then execs the binary behind `binary`. Reports the first
+/// failure (step index, errno; index `steps.len()` for the exec) on `report`.
+///
+/// # Safety
+/// Call only in a freshly cloned child; every pointer stays valid (the memory is the
+/// parent's copy).
+unsafe fn child(
+    steps: &[Step],
+    binary: RawFd,
+    argv: &[*const libc::c_char],
+    envp: &[*const libc::c_char],
+    report: RawFd,
+) -> ! {
+    let fail = |index: usize, errno: i32| -> ! {
+        let mut message = [0u8; 8];
+        message[..4].copy_from_slice(&(index as u32).to_le_bytes());
+        message[4..].copy_from_slice(&errno.to_le_bytes());
+        // SAFETY: writes a stack buffer to the report pipe, then exits without running any
+        // of the parent's atexit handlers or destructors.
+        unsafe {
+            libc::write(report, message.as_ptr().cast(), message.len());
+            libc::_exit(127)
+        }
+    };
+    for (index, step) in steps.iter().enumerate() {
+        // SAFETY: this is the cloned child (the caller's contract).
+        if let Err(errno) = unsafe { step.run() } {
+            fail(index, errno);
+        }
+    }
+    // SAFETY: execveat of a descriptor opened before the clone, with NULL-terminated
+    // argument and environment arrays whose strings live in this copy of the parent.
+    unsafe {
+        libc::syscall(
+            libc::SYS_execveat,
+            binary,
+            c"".as_ptr(),
+            argv.as_ptr(),
+            envp.as_ptr(),
+            libc::AT_EMPTY_PATH,
+        );
+    }
+    fail(steps.len(), last_errno())
+}

@@ -1,0 +1,126 @@
+//! The few kernel and runtime calls that no safe wrapper covers, each a small function whose
+//! callers cannot break it. Every other module of the crate is free of `unsafe`.
+#![allow(unsafe_code)]
+
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+
+use nix::errno::Errno;
+use nix::sys::signal::Signal;
+use nix::sys::socket::SockFlag;
+use nix::{ioctl_none, ioctl_write_ptr_bad, request_code_write};
+use tokio::io::unix::AsyncFd;
+
+use crate::reaper::Exit;
+use crate::system::MAX_ENTROPY;
+
+/// Hands `fd` to the tokio reactor; needs a tokio runtime.
+pub fn register_with_reactor(fd: OwnedFd) -> io::Result<AsyncFd<OwnedFd>> {
+    // SAFETY: an OwnedFd is a valid open descriptor that stays open, and always the same
+    // descriptor, until the AsyncFd that owns it drops it.
+    unsafe { AsyncFd::register(fd) }.map_err(io::Error::from)
+}
+
+/// Accepts a connection on `listener` as a non-blocking, close-on-exec socket; we do not ask
+/// for the peer's address.
+pub fn accept_nonblocking(listener: &impl AsFd) -> nix::Result<OwnedFd> {
+    let fd = nix::sys::socket::accept4(
+        listener.as_fd().as_raw_fd(),
+        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+    )?;
+    // SAFETY: accept4 returned a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `struct rand_pool_info` with its trailing buffer.
+#[repr(C)]
+struct RandPoolInfo {
+    entropy_count: libc::c_int,
+    buf_size: libc::c_int,
+    buf: [u8; MAX_ENTROPY],
+}
+
+// From <linux/random.h>: RNDADDENTROPY is declared _IOW('R', 0x03, int[2]) though it reads a
+// whole rand_pool_info, hence the "bad" form with the request code spelt out.
+ioctl_write_ptr_bad!(
+    rnd_add_entropy,
+    request_code_write!(b'R', 0x03, std::mem::size_of::<[libc::c_int; 2]>()),
+    RandPoolInfo
+);
+ioctl_none!(rnd_reseed_crng, b'R', 0x07);
+
+/// Mixes `entropy` (at most [`MAX_ENTROPY`] bytes) into the kernel's pool through `urandom`,
+/// credited with 8 bits a byte.
+pub fn add_credited_entropy(urandom: &std::fs::File, entropy: &[u8]) -> nix::Result<()> {
+    if entropy.len() > MAX_ENTROPY {
+        return Err(Errno::EINVAL);
+    }
+    let mut info = RandPoolInfo {
+        entropy_count: (entropy.len() * 8) as libc::c_int,
+        buf_size: entropy.len() as libc::c_int,
+        buf: [0; MAX_ENTROPY],
+    };
+    info.buf[..entropy.len()].copy_from_slice(entropy);
+    // SAFETY: RNDADDENTROPY reads a rand_pool_info whose buf_size bytes follow the header;
+    // `info` is a live, properly laid out struct with buf_size <= its buffer.
+    unsafe { rnd_add_entropy(urandom.as_raw_fd(), &info) }.map(drop)
+}
+
+/// Reseeds the kernel's CRNG from its pool, through `urandom`.
+pub fn reseed_crng(urandom: &std::fs::File) -> nix::Result<()> {
+    // SAFETY: RNDRESEEDCRNG takes no argument.
+    unsafe { rnd_reseed_crng(urandom.as_raw_fd()) }.map(drop)
+}
+
+/// Makes the child `cmd` spawns receive `signal` when this process dies.
+pub fn signal_child_on_our_death(cmd: &mut std::process::Command, signal: Signal) {
+    // SAFETY: the closure runs in the forked child before exec and only calls prctl, which
+    // is async-signal-safe, and builds an io::Error from an errno, which does not allocate.
+    unsafe {
+        cmd.pre_exec(move || nix::sys::prctl::set_pdeathsig(signal).map_err(io::Error::from));
+    }
+}
+
+/// Reaps one child that has ended, without blocking: its pid and how it ended, or `None` when
+/// no child has ended (or there are none).
+///
+/// Not nix's `waitpid`: for a child killed by a real-time signal it reaps the child, then fails
+/// with EINVAL and the pid is lost, and whoever waits for that child would wait forever.
+pub fn reap_any_child() -> Option<(i32, Exit)> {
+    let mut status = 0;
+    // SAFETY: waitpid writes the status of any reaped child into `status`.
+    let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
+    if pid <= 0 {
+        return None;
+    }
+    let exit = if libc::WIFSIGNALED(status) {
+        Exit::Signal(libc::WTERMSIG(status))
+    } else {
+        Exit::Code(libc::WEXITSTATUS(status))
+    };
+    Some((pid, exit))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn random_ioctl_codes_are_the_kernels() {
+        assert_eq!(
+            request_code_write!(b'R', 0x03, std::mem::size_of::<[libc::c_int; 2]>()),
+            0x4008_5203
+        );
+        assert_eq!(nix::request_code_none!(b'R', 0x07), 0x5207);
+    }
+
+    #[test]
+    fn oversized_entropy_is_refused_before_the_ioctl() {
+        let file = tempfile::tempfile().unwrap();
+        assert_eq!(
+            add_credited_entropy(&file, &[0; MAX_ENTROPY + 1]),
+            Err(Errno::EINVAL)
+        );
+    }
+}
