@@ -281,6 +281,9 @@ fn node_status_reports_what_a_scheduler_needs() {
     assert!(out.contains("disk free   state "), "{out}");
     if has_microvm {
         assert!(out.contains("isolation   "), "{out}");
+        // agentvm-vmm, the default flavour, maps snapshots copy-on-write.
+        assert_eq!(s["vmm_restore"], "map-private", "{s}");
+        assert!(out.contains("restore     map-private"), "{out}");
     }
 }
 

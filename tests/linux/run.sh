@@ -13,7 +13,10 @@
 # if any scenario failed; the last line is `lane: N passed, N failed`.
 #
 # Environment: AGENTVM_LANE_CACHE (default ~/.cache/agentvm/lane) keeps the L1 kernel;
-# AGENTVM_LANE_RUNS (default "phys48 phys40") picks the L1 boots.
+# AGENTVM_LANE_RUNS (default "phys48 phys40") picks the L1 boots; CLOUD_HYPERVISOR, the path
+# of a stock Cloud Hypervisor (v52 or later, statically linked: the L1 has no libraries),
+# adds a boot that runs the session scenarios once more on it (agentvmd's
+# --vmm-flavour cloud-hypervisor, jailed as every VMM is).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -82,6 +85,10 @@ for name in echo counter chat probe; do
         --kernel "$kernel" --agent "$bin/agentvm-guest" >&2
 done
 cp "$bin"/{agentvmd,agentvm,agentvm-vmm,agentvm-lane} "$stage/lane/bin/"
+if [ -n "${CLOUD_HYPERVISOR:-}" ]; then
+    [ -x "$CLOUD_HYPERVISOR" ] || { log "CLOUD_HYPERVISOR=$CLOUD_HYPERVISOR is not an executable"; exit 2; }
+    cp "$CLOUD_HYPERVISOR" "$stage/lane/bin/cloud-hypervisor"
+fi
 
 # ---- L1 root: busybox, the KVM and 9p modules in dependency order, our binaries and images
 cp /bin/busybox "$stage/bin/busybox"
@@ -219,6 +226,7 @@ run_l1() {
 
 rm -rf "$out" && mkdir -p "$out"
 runs=${AGENTVM_LANE_RUNS:-phys48 phys40}
+[ -n "${CLOUD_HYPERVISOR:-}" ] && runs="$runs cloud-hypervisor"
 for run in $runs; do
     case $run in
         # The lane's main machine: 48 physical address bits, XSAVE on. Every scenario, over two
@@ -235,7 +243,12 @@ for run in $runs; do
         # XSAVE (snapshots carry no XCRs): boot, memory-snapshot restore and fork there.
         phys40) run_l1 phys40 max,phys-bits=40,-xsave --prefix phys40/ \
             "${@:-testguest-turns echo-turns counter-suspend-resume fork-three-children}" ;;
-        *) log "unknown run $run (phys48, phys40)"; exit 2 ;;
+        # The same sessions on a stock Cloud Hypervisor: turns, suspend and resume, fork (its
+        # virtio-pci devices need the guest kernel's MSI; the test guest is MMIO-only).
+        cloud-hypervisor) run_l1 cloud-hypervisor max,phys-bits=48 --prefix cloud-hypervisor/ \
+            --vmm-flavour cloud-hypervisor \
+            "${@:-echo-turns counter-suspend-resume fork-three-children}" ;;
+        *) log "unknown run $run (phys48, phys40, cloud-hypervisor)"; exit 2 ;;
     esac
 done
 

@@ -162,6 +162,11 @@ impl NodeService {
                 .as_ref()
                 .map(|m| m.isolation())
                 .unwrap_or_default(),
+            vmm_restore: self
+                .microvm
+                .as_ref()
+                .map(|m| m.restore_memory().name().to_owned())
+                .unwrap_or_default(),
         })
     }
 }

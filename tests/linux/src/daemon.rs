@@ -18,6 +18,9 @@ pub struct DaemonConfig {
     /// agentvmd's stderr, appended to across restarts.
     pub log: PathBuf,
     pub guest_ready_timeout_secs: u64,
+    /// `cloud-hypervisor` runs the sessions on the stock VMM in `bin_dir` of that name;
+    /// empty, on agentvm-vmm.
+    pub vmm_flavour: String,
 }
 
 pub struct Daemon {
@@ -51,7 +54,14 @@ impl Daemon {
             .arg("--image-dir")
             .arg(&c.image_dir)
             .arg("--vmm-binary")
-            .arg(c.bin_dir.join("agentvm-vmm"))
+            .arg(c.bin_dir.join(match c.vmm_flavour.as_str() {
+                "" => "agentvm-vmm",
+                flavour => flavour,
+            }))
+            .args(match c.vmm_flavour.as_str() {
+                "" => Vec::new(),
+                flavour => vec!["--vmm-flavour", flavour],
+            })
             .arg("--guest-ready-timeout-secs")
             .arg(c.guest_ready_timeout_secs.to_string())
             .env("RUST_LOG", "info")

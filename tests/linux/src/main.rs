@@ -24,7 +24,7 @@ use scenarios::{ALL, Lane};
 
 const USAGE: &str = "usage: agentvm-lane --bin-dir DIR --images DIR --state-dir DIR --out DIR \
                      [--prefix NAME/] [--scenario-timeout-secs N] [--guest-ready-timeout-secs N] \
-                     [--done FILE] [SCENARIO…]";
+                     [--vmm-flavour cloud-hypervisor] [--done FILE] [SCENARIO…]";
 
 struct Args {
     bin_dir: PathBuf,
@@ -34,6 +34,8 @@ struct Args {
     prefix: String,
     scenario_timeout: Duration,
     guest_ready_timeout_secs: u64,
+    /// Empty: agentvm-vmm; `cloud-hypervisor`: the stock VMM of that name in `bin_dir`.
+    vmm_flavour: String,
     only: Vec<String>,
     /// results.jsonl of an earlier L1 boot that hung: what passed there is carried over,
     /// not run again.
@@ -46,6 +48,7 @@ fn parse_args() -> anyhow::Result<Args> {
     let mut prefix = String::new();
     let mut scenario_timeout = Duration::from_secs(300);
     let mut guest_ready_timeout_secs = 90;
+    let mut vmm_flavour = String::new();
     let mut only = Vec::new();
     let mut done = None;
     let mut part = None;
@@ -65,6 +68,13 @@ fn parse_args() -> anyhow::Result<Args> {
             }
             "--guest-ready-timeout-secs" => {
                 guest_ready_timeout_secs = value()?.parse().context("--guest-ready-timeout-secs")?
+            }
+            "--vmm-flavour" => {
+                vmm_flavour = value()?;
+                anyhow::ensure!(
+                    vmm_flavour == "cloud-hypervisor",
+                    "--vmm-flavour takes cloud-hypervisor (agentvm-vmm is the default)"
+                );
             }
             name if !name.starts_with('-') => {
                 anyhow::ensure!(
@@ -90,6 +100,7 @@ fn parse_args() -> anyhow::Result<Args> {
         prefix,
         scenario_timeout,
         guest_ready_timeout_secs,
+        vmm_flavour,
         only,
         done,
     })
@@ -167,6 +178,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         socket: args.state_dir.join("agentvmd.sock"),
         log: args.out.join("agentvmd.log"),
         guest_ready_timeout_secs: args.guest_ready_timeout_secs,
+        vmm_flavour: args.vmm_flavour.clone(),
     })
     .await;
     let mut lane = match daemon {

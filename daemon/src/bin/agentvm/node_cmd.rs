@@ -163,6 +163,7 @@ pub async fn status(
             false => s.vmm_isolation.join(", "),
         };
         println!("isolation   {isolation}");
+        println!("restore     {}", s.vmm_restore);
     }
     println!("cpus        {}", s.cpus);
     println!(

@@ -30,6 +30,8 @@ struct JailBase {
     libraries: Vec<PathBuf>,
     /// Read-only host paths every VMM needs besides its VM's files.
     readable: Vec<PathBuf>,
+    /// Whether each jail gets the host's /dev/userfaultfd, owned by its VMM's uid.
+    userfaultfd: bool,
     /// Held while a uid is chosen and its directory made, so two VMMs never share one.
     uid_lock: Mutex<()>,
 }
@@ -39,8 +41,43 @@ pub struct Confinement {
     jail: Option<JailBase>,
     cgroups: Option<Arc<Cgroups>>,
     limits: Limits,
+    /// Whether VMMs may open a userfaultfd (see [`userfaultfd_for`]).
+    userfaultfd: bool,
     /// Held while v1 cgroups are in use, so a new VMM's move into them is quick.
     _fast_moves: Option<FastMoves>,
+}
+
+/// The host's userfaultfd device (Linux 6.1 and later), which opens a userfaultfd to
+/// whoever may open it.
+const USERFAULTFD_DEVICE: &str = "/dev/userfaultfd";
+/// When 1, any user may make the userfaultfd(2) system call.
+const UNPRIVILEGED_USERFAULTFD: &str = "/proc/sys/vm/unprivileged_userfaultfd";
+
+/// Whether a VMM of `flavour` may open a userfaultfd here, jailed or not (as this process's
+/// user): through the system call when the sysctl opens it to every user or the VMM runs as
+/// root, or through /dev/userfaultfd, which a jail is given for a VMM that uses it. Only
+/// Cloud Hypervisor's lazy restore needs one.
+fn userfaultfd_for(flavour: VmmFlavour, jailed: bool) -> bool {
+    if flavour != VmmFlavour::CloudHypervisor {
+        return false;
+    }
+    let sysctl = std::fs::read_to_string(UNPRIVILEGED_USERFAULTFD).is_ok_and(|v| v.trim() == "1");
+    let device = Path::new(USERFAULTFD_DEVICE);
+    let granted = match jailed {
+        true => std::fs::metadata(device).is_ok_and(|m| {
+            use std::os::unix::fs::FileTypeExt;
+            m.file_type().is_char_device()
+        }),
+        false => {
+            nix::unistd::geteuid().is_root()
+                || nix::unistd::access(
+                    device,
+                    nix::unistd::AccessFlags::R_OK | nix::unistd::AccessFlags::W_OK,
+                )
+                .is_ok()
+        }
+    };
+    sysctl || granted
 }
 
 fn create(path: &Path) -> Result<(), String> {
@@ -62,6 +99,7 @@ impl Confinement {
             jail: None,
             cgroups: None,
             limits,
+            userfaultfd: userfaultfd_for(config.flavour, on),
             _fast_moves: None,
         };
         if !on {
@@ -101,6 +139,7 @@ impl Confinement {
                 .into_iter()
                 .filter(|p| p.exists())
                 .collect(),
+            userfaultfd: this.userfaultfd,
             uid_lock: Mutex::new(()),
         });
         Ok(this)
@@ -108,6 +147,11 @@ impl Confinement {
 
     pub fn jailed(&self) -> bool {
         self.jail.is_some()
+    }
+
+    /// Whether VMMs may open a userfaultfd (granted in their jail if it takes a device).
+    pub fn userfaultfd(&self) -> bool {
+        self.userfaultfd
     }
 
     pub fn remove_cgroups(&self, session: &str) {
@@ -129,8 +173,8 @@ impl Confinement {
         }
     }
 
-    /// What confines VMMs of `flavour` here (the node status's `vmm_isolation`).
-    pub fn isolation(&self, flavour: VmmFlavour) -> Vec<String> {
+    /// What confines VMMs here (the node status's `vmm_isolation`).
+    pub fn isolation(&self) -> Vec<String> {
         let mut out = Vec::new();
         if self.jailed() {
             out.push("jail".to_owned());
@@ -140,10 +184,9 @@ impl Confinement {
             Some(Cgroups::V2 { .. }) => out.push("cgroup-v2".to_owned()),
             _ => {}
         }
-        // agentvm-vmm always filters (agentvmd never passes --no-seccomp).
-        if flavour == VmmFlavour::Agentvm {
-            out.push("seccomp".to_owned());
-        }
+        // Both VMMs filter their threads' system calls: agentvmd never passes agentvm-vmm's
+        // --no-seccomp, nor Cloud Hypervisor's --seccomp false.
+        out.push("seccomp".to_owned());
         out
     }
 
@@ -171,6 +214,7 @@ impl Confinement {
             writable: vec![dir.dir.clone(), dir.ram.clone()],
             readable: files.into_iter().chain(base.readable.clone()).collect(),
             libraries: base.libraries.clone(),
+            userfaultfd: base.userfaultfd,
         };
         Ok((Some(jail), cgroup_procs))
     }

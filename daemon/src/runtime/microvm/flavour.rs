@@ -9,8 +9,11 @@
 //!   `memory_restore_mode` in `vm.restore`). It restores a VM exactly as the snapshot's
 //!   `config.json` describes it, vsock socket path included, so each restore gets its own
 //!   copy of the snapshot directory with `config.json` rewritten to its paths (the spec's
-//!   advice for clones) and the large files hard-linked. Its memory is copied in, not shared:
-//!   the runtime reports `cow_fork = false`.
+//!   advice for clones) and the large files hard-linked, the kernel command line naming the
+//!   new session. It reopens the payload (kernel, initramfs, firmware) and disks its
+//!   `config.json` names, so a jailed restore is shown those too. Its memory is not shared
+//!   between clones (the runtime reports `cow_fork = false`): filled lazily through
+//!   userfaultfd where its VMMs may open one (`OnDemand`), else copied in before the VM runs.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -19,6 +22,40 @@ use agentvm_vmm_api::types::{MemoryRestoreMode, RestoreConfig};
 
 /// Where a Cloud Hypervisor snapshot keeps the VM's config; rewritten per clone.
 const CH_CONFIG_FILE: &str = "config.json";
+/// The kernel command-line parameter that tells the guest its session.
+const SESSION_PARAM: &str = "agentvm.session=";
+
+/// How a restored VM gets its memory back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RestoreMemory {
+    /// The snapshot's memory file mapped copy-on-write (agentvm-vmm): shared between clones.
+    MapPrivate,
+    /// Filled lazily through userfaultfd (Cloud Hypervisor's `OnDemand`).
+    OnDemand,
+    /// Copied in whole before the VM runs (Cloud Hypervisor's `Copy`).
+    Copy,
+}
+
+impl RestoreMemory {
+    /// As the node status shows it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::MapPrivate => "map-private",
+            Self::OnDemand => "on-demand",
+            Self::Copy => "copy",
+        }
+    }
+}
+
+/// The new session a snapshot is restored as, and where its VM lives.
+pub struct RestoreTarget<'a> {
+    pub session: &'a str,
+    /// For Cloud Hypervisor: a directory that lives as long as the VM, which first receives
+    /// the rewritten copy to restore.
+    pub scratch: &'a Path,
+    pub vsock: &'a Path,
+    pub serial: &'a Path,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum VmmFlavour {
@@ -93,38 +130,83 @@ impl VmmFlavour {
         self == Self::Agentvm
     }
 
-    /// The `vm.restore` request that brings `snapshot` up as the VM of a new session whose
-    /// sockets and serial log are `vsock` and `serial`; for Cloud Hypervisor, `scratch` (a
-    /// directory that lives as long as the VM) first receives the rewritten copy to restore.
+    /// How this VMM brings a snapshot's memory back, on a host where its VMMs may open a
+    /// userfaultfd or not: Cloud Hypervisor's `OnDemand` fails hard without one.
+    pub fn restore_memory(self, userfaultfd: bool) -> RestoreMemory {
+        match self {
+            Self::Agentvm => RestoreMemory::MapPrivate,
+            Self::CloudHypervisor if userfaultfd => RestoreMemory::OnDemand,
+            Self::CloudHypervisor => RestoreMemory::Copy,
+        }
+    }
+
+    /// Every host file restoring `snapshot` opens, for its VMM's jail: the snapshot and the
+    /// bases under it, and for Cloud Hypervisor, which creates the VM its `config.json`
+    /// describes, the payload and disks named there too.
+    pub fn restore_files(self, snapshot: &Path) -> Result<Vec<PathBuf>, String> {
+        let mut files = agentvm_snapshot::store::LocalStore::chain(snapshot);
+        if self == Self::CloudHypervisor {
+            files.extend(files_named(&read_config(snapshot)?));
+        }
+        Ok(files)
+    }
+
+    /// The `vm.restore` request that brings `snapshot` up as the VM of `target`, with its
+    /// memory back as `memory` says.
     pub fn restore_request(
         self,
         snapshot: &Path,
-        scratch: &Path,
-        vsock: &Path,
-        serial: &Path,
+        target: &RestoreTarget,
+        memory: RestoreMemory,
     ) -> Result<RestoreConfig, String> {
+        let memory_restore_mode = match memory {
+            RestoreMemory::Copy => MemoryRestoreMode::Copy,
+            RestoreMemory::MapPrivate | RestoreMemory::OnDemand => MemoryRestoreMode::OnDemand,
+        };
         match self {
             Self::Agentvm => Ok(RestoreConfig {
                 source_url: file_url(snapshot),
-                memory_restore_mode: MemoryRestoreMode::OnDemand,
+                memory_restore_mode,
                 resume: true,
-                vsock_socket: Some(vsock.to_owned()),
-                serial_file: Some(serial.to_owned()),
+                vsock_socket: Some(target.vsock.to_owned()),
+                serial_file: Some(target.serial.to_owned()),
                 ..Default::default()
             }),
             Self::CloudHypervisor => {
-                prepare_clone_source(snapshot, scratch, vsock, serial)?;
+                prepare_clone_source(snapshot, target)?;
                 Ok(RestoreConfig {
-                    source_url: file_url(scratch),
-                    // `OnDemand` needs userfaultfd access and fails hard without it; a copy
-                    // works everywhere Cloud Hypervisor does.
-                    memory_restore_mode: MemoryRestoreMode::Copy,
+                    source_url: file_url(target.scratch),
+                    memory_restore_mode,
                     resume: true,
                     ..Default::default()
                 })
             }
         }
     }
+}
+
+fn read_config(snapshot: &Path) -> Result<serde_json::Value, String> {
+    let path = snapshot.join(CH_CONFIG_FILE);
+    let text = std::fs::read(&path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+    serde_json::from_slice(&text).map_err(|e| format!("{} is not JSON: {e}", path.display()))
+}
+
+/// The host files a Cloud Hypervisor VM config names: its payload's kernel, initramfs and
+/// firmware, and its disks' images.
+fn files_named(config: &serde_json::Value) -> Vec<PathBuf> {
+    let payload = ["kernel", "initramfs", "firmware"]
+        .into_iter()
+        .filter_map(|key| config["payload"][key].as_str());
+    let disks = config["disks"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|disk| disk["path"].as_str());
+    payload
+        .chain(disks)
+        .filter(|path| path.starts_with('/'))
+        .map(PathBuf::from)
+        .collect()
 }
 
 impl std::str::FromStr for VmmFlavour {
@@ -145,22 +227,15 @@ fn file_url(dir: &Path) -> String {
     format!("file://{}", dir.display())
 }
 
-/// Fills `target` with a restorable copy of the Cloud Hypervisor snapshot in `snapshot`:
-/// every file hard-linked (copied across filesystems) except `config.json`, which is
-/// rewritten so the clone binds its own vsock socket and writes its own serial log.
-pub fn prepare_clone_source(
-    snapshot: &Path,
-    target: &Path,
-    vsock: &Path,
-    serial: &Path,
-) -> Result<(), String> {
-    let config_path = snapshot.join(CH_CONFIG_FILE);
-    let text = std::fs::read(&config_path)
-        .map_err(|e| format!("reading {}: {e}", config_path.display()))?;
-    let mut config: serde_json::Value = serde_json::from_slice(&text)
-        .map_err(|e| format!("{} is not JSON: {e}", config_path.display()))?;
-    rewrite_paths(&mut config, vsock, serial)
-        .map_err(|e| format!("{}: {e}", config_path.display()))?;
+/// Fills `target.scratch` with a restorable copy of the Cloud Hypervisor snapshot in
+/// `snapshot`: every file hard-linked (copied across filesystems) except `config.json`,
+/// which is rewritten so the clone binds its own vsock socket, writes its own serial log and
+/// boots (should it ever reboot) as its own session.
+pub fn prepare_clone_source(snapshot: &Path, target: &RestoreTarget) -> Result<(), String> {
+    let mut config = read_config(snapshot)?;
+    rewrite_for(&mut config, target)
+        .map_err(|e| format!("{}: {e}", snapshot.join(CH_CONFIG_FILE).display()))?;
+    let target = target.scratch;
 
     std::fs::create_dir_all(target).map_err(|e| format!("creating {}: {e}", target.display()))?;
     let entries =
@@ -178,23 +253,40 @@ pub fn prepare_clone_source(
     std::fs::write(&out, bytes).map_err(|e| format!("writing {}: {e}", out.display()))
 }
 
-/// Points the config's vsock device at `vsock` and a file-backed serial port at `serial`.
-fn rewrite_paths(
-    config: &mut serde_json::Value,
-    vsock: &Path,
-    serial: &Path,
-) -> Result<(), String> {
+/// Points the config's vsock device and a file-backed serial port at `target`'s, and its
+/// kernel command line at `target`'s session.
+fn rewrite_for(config: &mut serde_json::Value, target: &RestoreTarget) -> Result<(), String> {
     let vsock_section = config
         .get_mut("vsock")
         .and_then(|v| v.as_object_mut())
         .ok_or("the snapshotted VM has no vsock device, so no harness channel")?;
-    vsock_section.insert("socket".into(), path_value(vsock));
+    vsock_section.insert("socket".into(), path_value(target.vsock));
     if let Some(serial_section) = config.get_mut("serial").and_then(|v| v.as_object_mut())
         && serial_section.get("mode").and_then(|m| m.as_str()) == Some("File")
     {
-        serial_section.insert("file".into(), path_value(serial));
+        serial_section.insert("file".into(), path_value(target.serial));
+    }
+    if let Some(cmdline) = config
+        .get_mut("payload")
+        .and_then(|p| p.get_mut("cmdline"))
+        .and_then(|c| c.as_str().map(str::to_owned))
+    {
+        config["payload"]["cmdline"] =
+            serde_json::Value::String(with_session(&cmdline, target.session));
     }
     Ok(())
+}
+
+/// `cmdline` with its session parameter (if any) naming `session`.
+fn with_session(cmdline: &str, session: &str) -> String {
+    cmdline
+        .split(' ')
+        .map(|word| match word.starts_with(SESSION_PARAM) {
+            true => format!("{SESSION_PARAM}{session}"),
+            false => word.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 fn path_value(path: &Path) -> serde_json::Value {
@@ -231,7 +323,8 @@ mod tests {
         let config = json!({
             "cpus": {"boot_vcpus": 1, "max_vcpus": 1},
             "memory": {"size": 268435456, "shared": false},
-            "payload": {"kernel": "/images/guest", "cmdline": "console=ttyS0"},
+            "payload": {"kernel": "/images/guest", "initramfs": "/images/initrd",
+                        "cmdline": "console=ttyS0 agentvm.session=parent quiet"},
             "serial": {"mode": "File", "file": "/parent/serial.log", "socket": null, "iommu": false},
             "console": {"mode": "Off", "iommu": false},
             "vsock": {"cid": 3, "socket": "/parent/vsock.sock", "iommu": false, "id": "_vsock0",
@@ -249,27 +342,68 @@ mod tests {
         let snap = tmp.path().join("snap");
         ch_snapshot(&snap);
         let scratch = tmp.path().join("vm/restore");
-        let request = VmmFlavour::CloudHypervisor
-            .restore_request(
-                &snap,
-                &scratch,
-                Path::new("/vm/vsock.sock"),
-                Path::new("/vm/serial.log"),
-            )
-            .unwrap();
-        let body = serde_json::to_value(&request).unwrap();
-        for key in body.as_object().unwrap().keys() {
+        let target = RestoreTarget {
+            session: "child",
+            scratch: &scratch,
+            vsock: Path::new("/vm/vsock.sock"),
+            serial: Path::new("/vm/serial.log"),
+        };
+        let flavour = VmmFlavour::CloudHypervisor;
+        for (userfaultfd, mode) in [(false, "Copy"), (true, "OnDemand")] {
+            let memory = flavour.restore_memory(userfaultfd);
+            let request = flavour.restore_request(&snap, &target, memory).unwrap();
+            let body = serde_json::to_value(&request).unwrap();
+            for key in body.as_object().unwrap().keys() {
+                assert!(
+                    CH_RESTORE_FIELDS.contains(&key.as_str()),
+                    "{key} is not a Cloud Hypervisor RestoreConfig field"
+                );
+            }
+            assert_eq!(
+                body["source_url"],
+                json!(format!("file://{}", scratch.display()))
+            );
+            assert_eq!(body["resume"], json!(true));
+            assert_eq!(body["memory_restore_mode"], json!(mode));
+        }
+        assert_eq!(flavour.restore_memory(true).name(), "on-demand");
+        assert_eq!(flavour.restore_memory(false).name(), "copy");
+        assert_eq!(
+            VmmFlavour::Agentvm.restore_memory(false).name(),
+            "map-private"
+        );
+    }
+
+    #[test]
+    fn a_restore_jail_is_shown_every_file_the_snapshot_config_names() {
+        let tmp = tempfile::tempdir().unwrap();
+        let snap = tmp.path().join("snap");
+        ch_snapshot(&snap);
+        let mut config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(snap.join("config.json")).unwrap()).unwrap();
+        config["payload"]["firmware"] = json!("/images/hypervisor-fw");
+        config["disks"] = json!([
+            {"path": "/images/rootfs.erofs", "readonly": true},
+            {"path": "/var/lib/agentvm/workspaces/s1.img"},
+        ]);
+        std::fs::write(snap.join("config.json"), config.to_string()).unwrap();
+        let files = VmmFlavour::CloudHypervisor.restore_files(&snap).unwrap();
+        for wanted in [
+            snap.as_path(),
+            Path::new("/images/guest"),
+            Path::new("/images/initrd"),
+            Path::new("/images/hypervisor-fw"),
+            Path::new("/images/rootfs.erofs"),
+            Path::new("/var/lib/agentvm/workspaces/s1.img"),
+        ] {
             assert!(
-                CH_RESTORE_FIELDS.contains(&key.as_str()),
-                "{key} is not a Cloud Hypervisor RestoreConfig field"
+                files.iter().any(|f| f == wanted),
+                "{wanted:?} missing from {files:?}"
             );
         }
-        assert_eq!(
-            body["source_url"],
-            json!(format!("file://{}", scratch.display()))
-        );
-        assert_eq!(body["resume"], json!(true));
-        assert_eq!(body["memory_restore_mode"], json!("Copy"));
+        assert_eq!(files.len(), 6, "{files:?}");
+        // agentvm-vmm reads only the snapshot chain on restore.
+        assert_eq!(VmmFlavour::Agentvm.restore_files(&snap).unwrap(), [snap]);
     }
 
     #[test]
@@ -282,7 +416,13 @@ mod tests {
             let scratch = tmp.path().join(child).join("restore");
             let vsock = tmp.path().join(child).join("vsock.sock");
             let serial = tmp.path().join(child).join("serial.log");
-            prepare_clone_source(&snap, &scratch, &vsock, &serial).unwrap();
+            let target = RestoreTarget {
+                session: child,
+                scratch: &scratch,
+                vsock: &vsock,
+                serial: &serial,
+            };
+            prepare_clone_source(&snap, &target).unwrap();
             let config: serde_json::Value =
                 serde_json::from_slice(&std::fs::read(scratch.join("config.json")).unwrap())
                     .unwrap();
@@ -293,6 +433,10 @@ mod tests {
             assert_eq!(
                 config["serial"]["file"],
                 json!(serial.display().to_string())
+            );
+            assert_eq!(
+                config["payload"]["cmdline"],
+                json!(format!("console=ttyS0 agentvm.session={child} quiet"))
             );
             // Everything else is the parent's, unknown sections included.
             assert_eq!(config["vsock"]["id"], json!("_vsock0"));
@@ -317,45 +461,35 @@ mod tests {
     #[test]
     fn a_snapshot_without_vsock_or_config_is_refused_by_name() {
         let tmp = tempfile::tempdir().unwrap();
+        let scratch = tmp.path().join("x");
+        let target = RestoreTarget {
+            session: "s",
+            scratch: &scratch,
+            vsock: Path::new("/v"),
+            serial: Path::new("/s"),
+        };
         let snap = tmp.path().join("snap");
-        let err = prepare_clone_source(
-            &snap,
-            &tmp.path().join("x"),
-            Path::new("/v"),
-            Path::new("/s"),
-        )
-        .unwrap_err();
+        let err = prepare_clone_source(&snap, &target).unwrap_err();
         assert!(err.contains("config.json"), "{err}");
         std::fs::create_dir_all(&snap).unwrap();
         std::fs::write(snap.join("config.json"), br#"{"cpus": {}}"#).unwrap();
-        let err = prepare_clone_source(
-            &snap,
-            &tmp.path().join("x"),
-            Path::new("/v"),
-            Path::new("/s"),
-        )
-        .unwrap_err();
+        let err = prepare_clone_source(&snap, &target).unwrap_err();
         assert!(err.contains("vsock"), "{err}");
         std::fs::write(snap.join("config.json"), b"not json").unwrap();
-        let err = prepare_clone_source(
-            &snap,
-            &tmp.path().join("x"),
-            Path::new("/v"),
-            Path::new("/s"),
-        )
-        .unwrap_err();
+        let err = prepare_clone_source(&snap, &target).unwrap_err();
         assert!(err.contains("not JSON"), "{err}");
     }
 
     #[test]
     fn agentvm_restores_in_place_with_its_extensions() {
+        let target = RestoreTarget {
+            session: "s2",
+            scratch: Path::new("/unused"),
+            vsock: Path::new("/vm/vsock.sock"),
+            serial: Path::new("/vm/serial.log"),
+        };
         let request = VmmFlavour::Agentvm
-            .restore_request(
-                Path::new("/store/s1"),
-                Path::new("/unused"),
-                Path::new("/vm/vsock.sock"),
-                Path::new("/vm/serial.log"),
-            )
+            .restore_request(Path::new("/store/s1"), &target, RestoreMemory::MapPrivate)
             .unwrap();
         assert_eq!(request.source_url, "file:///store/s1");
         assert_eq!(

@@ -258,7 +258,14 @@ impl MicrovmRuntime {
 
     /// What confines its VMMs (the node status's `vmm_isolation`).
     pub fn isolation(&self) -> Vec<String> {
-        self.confinement.isolation(self.config.flavour)
+        self.confinement.isolation()
+    }
+
+    /// How its VMMs bring a snapshot's memory back (the node status's `vmm_restore`).
+    pub fn restore_memory(&self) -> flavour::RestoreMemory {
+        self.config
+            .flavour
+            .restore_memory(self.confinement.userfaultfd())
     }
 
     /// The images this runtime boots, one per harness.
@@ -494,52 +501,53 @@ impl MicrovmRuntime {
             .unwrap_or_default()
             .to_owned();
         let started = std::time::Instant::now();
+        let files = self
+            .config
+            .flavour
+            .restore_files(&source)
+            .map_err(|e| failed(session, e))?;
+        let memory = self.restore_memory();
         let inc = self
-            .start(
-                session,
-                LocalStore::chain(&source),
-                |dir, confined| async move {
-                    let t0 = std::time::Instant::now();
-                    let mut request = dir.flavour.restore_request(
-                        &source,
-                        &dir.restore_scratch(),
-                        &dir.vsock(),
-                        &dir.serial(),
-                    )?;
-                    // Restored paused while the VMM's cgroup move finishes; run once it has.
-                    request.resume = false;
-                    let client = dir.client();
-                    client
-                        .restore(&request)
-                        .await
-                        .map_err(|e| format!("vm.restore: {e}"))?;
-                    confined.wait().await?;
-                    client
-                        .resume()
-                        .await
-                        .map_err(|e| format!("vm.resume after vm.restore: {e}"))?;
-                    let t_restore = t0.elapsed();
-                    let (mut conn, ready) =
-                        GuestConn::ready(&dir.vsock(), self.config.ready_timeout, &|| {
-                            dir.vmm_alive()
-                        })
+            .start(session, files, |dir, confined| async move {
+                let t0 = std::time::Instant::now();
+                let target = flavour::RestoreTarget {
+                    session,
+                    scratch: &dir.restore_scratch(),
+                    vsock: &dir.vsock(),
+                    serial: &dir.serial(),
+                };
+                let mut request = dir.flavour.restore_request(&source, &target, memory)?;
+                // Restored paused while the VMM's cgroup move finishes; run once it has.
+                request.resume = false;
+                let client = dir.client();
+                client
+                    .restore(&request)
+                    .await
+                    .map_err(|e| format!("vm.restore: {e}"))?;
+                confined.wait().await?;
+                client
+                    .resume()
+                    .await
+                    .map_err(|e| format!("vm.resume after vm.restore: {e}"))?;
+                let t_restore = t0.elapsed();
+                let (mut conn, ready) =
+                    GuestConn::ready(&dir.vsock(), self.config.ready_timeout, &|| dir.vmm_alive())
                         .await
                         .map_err(|e| format!("the restored guest did not answer: {e}"))?;
-                    let t_ready = t0.elapsed();
-                    conn.restored(restored_notice(session, kind, ready.restore_generation + 1))
-                        .await
-                        .map_err(|e| format!("the restored guest did not take its notice: {e}"))?;
-                    tracing::debug!(
-                        session,
-                        restore_ms = t_restore.as_secs_f64() * 1e3,
-                        guest_ready_ms = t_ready.as_secs_f64() * 1e3,
-                        notified_ms = t0.elapsed().as_secs_f64() * 1e3,
-                        "VM restored"
-                    );
-                    self.keep_ready_conn(session, conn);
-                    Ok(())
-                },
-            )
+                let t_ready = t0.elapsed();
+                conn.restored(restored_notice(session, kind, ready.restore_generation + 1))
+                    .await
+                    .map_err(|e| format!("the restored guest did not take its notice: {e}"))?;
+                tracing::debug!(
+                    session,
+                    restore_ms = t_restore.as_secs_f64() * 1e3,
+                    guest_ready_ms = t_ready.as_secs_f64() * 1e3,
+                    notified_ms = t0.elapsed().as_secs_f64() * 1e3,
+                    "VM restored"
+                );
+                self.keep_ready_conn(session, conn);
+                Ok(())
+            })
             .await?;
         crate::metrics::global()
             .vmm_restore

@@ -37,6 +37,8 @@ pub struct Jail {
     pub readable: Vec<PathBuf>,
     /// Read-only and executable: shared libraries of a dynamically linked VMM.
     pub libraries: Vec<PathBuf>,
+    /// Given the host's /dev/userfaultfd, owned by `uid` (a lazy restore opens it).
+    pub userfaultfd: bool,
 }
 
 /// Device nodes every jail has: (name, mode). /dev/kvm is the VM user's alone.
@@ -47,6 +49,8 @@ const DEVICES: [(&str, u32); 5] = [
     ("random", 0o666),
     ("kvm", 0o600),
 ];
+/// The VM user's alone as well, in a jail that is given it.
+const USERFAULTFD: (&str, u32) = ("userfaultfd", 0o600);
 const ROOT_TMPFS_OPTIONS: &str = "mode=0755,size=1m,nr_inodes=4096";
 const NOFILE_LIMIT: u64 = 8192;
 
@@ -150,7 +154,8 @@ fn jail_steps(jail: &Jail) -> Result<Vec<Step>, String> {
         });
     }
     mkdir_p(&mut steps, Path::new("/dev"))?;
-    for (name, mode) in DEVICES {
+    let userfaultfd = jail.userfaultfd.then_some(USERFAULTFD);
+    for (name, mode) in DEVICES.into_iter().chain(userfaultfd) {
         let host = Path::new("/dev").join(name);
         let Ok(meta) = std::fs::metadata(&host) else {
             continue;
@@ -164,7 +169,7 @@ fn jail_steps(jail: &Jail) -> Result<Vec<Step>, String> {
             mode,
             device: meta.rdev(),
         });
-        if name == "kvm" {
+        if mode == 0o600 {
             steps.push(Step::Chown {
                 path,
                 uid: jail.uid,
@@ -268,6 +273,36 @@ mod tests {
             return false;
         }
         true
+    }
+
+    #[test]
+    fn a_jail_given_userfaultfd_has_the_device_for_its_vm_user_alone() {
+        if !root() {
+            return;
+        }
+        if !Path::new("/dev/userfaultfd").exists() {
+            println!("SKIPPED: this host has no /dev/userfaultfd");
+            return;
+        }
+        let uid = 0x7000_fff1;
+        let script = "ls -ln /dev/userfaultfd || echo no-userfaultfd";
+        for given in [false, true] {
+            let mut jail = Jail {
+                uid,
+                gid: uid,
+                userfaultfd: given,
+                ..Default::default()
+            };
+            let (status, out) = run_jailed(&mut jail, script);
+            assert_eq!(status, 0, "{out}");
+            match given {
+                true => assert!(
+                    out.starts_with("crw-------") && out.contains(&format!(" {uid} {uid} ")),
+                    "{out}"
+                ),
+                false => assert!(out.contains("no-userfaultfd"), "{out}"),
+            }
+        }
     }
 
     #[test]
