@@ -14,10 +14,12 @@ pub async fn connect(addr: &ListenAddr) -> anyhow::Result<Channel> {
             .context("building endpoint")?
             .connect()
             .await
-            .with_context(|| format!("connecting to {sock}")),
+            .map_err(|e| unreachable_at(addr, &e)),
         ListenAddr::Unix(path) => {
+            if !path.exists() {
+                anyhow::bail!("no agentvmd at {addr}: the socket does not exist ({HOW_TO_POINT})");
+            }
             let path = path.clone();
-            let shown = path.display().to_string();
             Endpoint::from_static("http://agentvmd.invalid")
                 .connect_with_connector(tower::service_fn(move |_: Uri| {
                     let path = path.clone();
@@ -27,9 +29,22 @@ pub async fn connect(addr: &ListenAddr) -> anyhow::Result<Channel> {
                     }
                 }))
                 .await
-                .with_context(|| format!("connecting to unix:{shown}"))
+                .map_err(|e| unreachable_at(addr, &e))
         }
     }
+}
+
+/// How a user points the CLI at another daemon.
+const HOW_TO_POINT: &str = "start agentvmd, or give the address it listens on with --addr or \
+                            AGENTVM_ADDR";
+
+/// A failed dial, said once: the transport's innermost cause (its outer layers repeat it).
+fn unreachable_at(addr: &ListenAddr, e: &(dyn std::error::Error + 'static)) -> anyhow::Error {
+    let mut cause = e;
+    while let Some(inner) = cause.source() {
+        cause = inner;
+    }
+    anyhow::anyhow!("cannot reach agentvmd at {addr}: {cause} ({HOW_TO_POINT})")
 }
 
 /// Dials a harness placement address: `unix:///abs`, `unix://rel` (a path) or `host:port`.

@@ -13,9 +13,9 @@ pub enum ListenAddr {
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum AddrError {
-    #[error("listen address {0:?}: `unix:` needs an absolute or relative path")]
+    #[error("address {0:?}: `unix:` needs an absolute or relative path")]
     EmptyUnixPath(String),
-    #[error("listen address {0:?} is neither unix:PATH nor HOST:PORT")]
+    #[error("address {0:?} is neither unix:PATH nor HOST:PORT")]
     Unparseable(String),
     #[error(
         "listen address {0}: TCP is served on loopback only until TLS is configured \

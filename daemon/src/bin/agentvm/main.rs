@@ -11,6 +11,7 @@ use std::io::Read;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use agentvm_proto::v1::LogRecord;
 use agentvmd::config;
 use agentvmd::journal::Journal;
 use agentvmd::journal::records_json::{parse_records, write_records};
@@ -20,11 +21,18 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser, Debug)]
-#[command(name = "agentvm", version, about = "agentvm client")]
+#[command(
+    name = "agentvm",
+    version,
+    about = "The agentvm client: sessions, their journals, nodes, images and harnesses"
+)]
 struct Cli {
-    /// Print machine-readable JSON.
+    /// Print machine-readable JSON (errors too, as {"error": {"code", "message"}}).
     #[arg(long, global = true)]
     json: bool,
+    /// Print payloads whole in human output (cut to a line otherwise).
+    #[arg(long, global = true)]
+    full: bool,
     /// The daemon's API address, `unix:PATH` or `HOST:PORT`. Default: agentvmd's default socket.
     #[arg(long, global = true, env = "AGENTVM_ADDR")]
     addr: Option<config::ListenAddr>,
@@ -34,9 +42,10 @@ struct Cli {
     /// For a TCP address: speak TLS, trusting this CA certificate (PEM).
     #[arg(long, global = true, env = "AGENTVM_TLS_CA")]
     tls_ca: Option<PathBuf>,
-    /// Client certificate and key (PEM) for mutual TLS.
+    /// Client certificate (PEM) for mutual TLS, with --tls-key.
     #[arg(long, global = true, env = "AGENTVM_TLS_CERT")]
     tls_cert: Option<PathBuf>,
+    /// The client certificate's key (PEM).
     #[arg(long, global = true, env = "AGENTVM_TLS_KEY")]
     tls_key: Option<PathBuf>,
     #[command(subcommand)]
@@ -44,6 +53,11 @@ struct Cli {
 }
 
 impl Cli {
+    /// `--addr`, else `AGENTVM_ADDR`, else agentvmd's default socket.
+    fn addr(&self) -> config::ListenAddr {
+        self.addr.clone().unwrap_or_else(config::default_listen)
+    }
+
     fn credentials(&self) -> agentvmd::client::Credentials {
         agentvmd::client::Credentials {
             token: self.token.clone(),
@@ -68,6 +82,14 @@ enum Command {
     /// The node agentvmd runs on.
     #[command(subcommand)]
     Node(NodeCommand),
+    /// Print a completion script for SHELL (e.g. `agentvm completions bash >
+    /// /etc/bash_completion.d/agentvm`).
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+    },
+    /// Print the manual page (roff; `agentvm man | man -l -`).
+    Man,
     #[command(flatten)]
     Session(sessions_cmd::SessionCommand),
 }
@@ -81,6 +103,7 @@ enum NodeCommand {
     /// Refuse new work on node NAME, suspend everything it runs and let go of its sessions,
     /// so other nodes take them (found through the node at --addr).
     Drain {
+        /// The node's name (`node list` shows them).
         name: String,
         /// How long the suspends may take in all, in seconds.
         #[arg(long, default_value_t = 60)]
@@ -92,6 +115,7 @@ enum NodeCommand {
 enum HarnessCommand {
     /// Serve a built-in harness (echo, counter, chat) over gRPC.
     Serve {
+        /// echo, counter or chat.
         name: String,
         /// `unix:PATH` or `HOST:PORT` (loopback).
         #[arg(long)]
@@ -130,6 +154,7 @@ enum JournalCommand {
     /// Verify a log of LogRecords (proto3 JSON: an array or JSON lines; `-` reads stdin).
     /// An empty log is refused: it proves nothing.
     Verify {
+        /// The log file (`-`: standard input).
         file: String,
         /// The content_hash the last record must have (catches a log cut short).
         #[arg(long, value_name = "HASH")]
@@ -138,10 +163,13 @@ enum JournalCommand {
         #[arg(long, value_name = "N")]
         expect_last_seq: Option<i64>,
     },
-    /// Write a session's log as JSON lines, in the format `verify` reads.
+    /// Write a session's log as JSON lines, in the format `verify` reads: through the API
+    /// (--addr), or read offline from a journal database (--db).
     Export {
+        /// The session's uid.
         session: String,
-        /// The journal database. Default: journal.db in the daemon's default state directory.
+        /// Read this sqlite journal database directly instead (agentvmd's
+        /// STATE_DIR/journal.db; works with no daemon running).
         #[arg(long)]
         db: Option<PathBuf>,
     },
@@ -152,37 +180,60 @@ fn main() -> ExitCode {
     match run(&cli) {
         Ok(code) => code,
         Err(e) => {
-            match e.downcast_ref::<tonic::Status>() {
-                Some(status) => eprintln!("agentvm: {:?}: {}", status.code(), status.message()),
-                None => eprintln!("agentvm: {e:#}"),
+            let (code, message) = match e.downcast_ref::<tonic::Status>() {
+                Some(status) => (format!("{:?}", status.code()), status.message().to_owned()),
+                None => ("Client".to_owned(), format!("{e:#}")),
+            };
+            match cli.json {
+                true => eprintln!(
+                    "{}",
+                    serde_json::json!({"error": {"code": code, "message": message}})
+                ),
+                false => eprintln!("agentvm: {code}: {message}"),
             }
             ExitCode::from(2)
         }
     }
 }
 
+fn async_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
 fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
     match &cli.command {
         Command::Session(cmd) => {
-            let addr = cli.addr.clone().unwrap_or_else(config::default_listen);
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .context("starting the async runtime")?;
-            runtime.block_on(sessions_cmd::run(
-                &addr,
+            let output = sessions_cmd::Output {
+                json: cli.json,
+                full: cli.full,
+            };
+            async_runtime()?.block_on(sessions_cmd::run(
+                &cli.addr(),
                 &cli.credentials(),
-                cli.json,
+                output,
                 cmd.clone(),
             ))?;
             Ok(ExitCode::SUCCESS)
         }
+        Command::Completions { shell } => {
+            use clap::CommandFactory;
+            let mut command = Cli::command();
+            clap_complete::generate(*shell, &mut command, "agentvm", &mut std::io::stdout());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Man => {
+            use clap::CommandFactory;
+            clap_mangen::Man::new(Cli::command())
+                .render(&mut std::io::stdout())
+                .context("writing the manual page")?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Node(command) => {
-            let addr = cli.addr.clone().unwrap_or_else(config::default_listen);
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .context("starting the async runtime")?;
+            let addr = cli.addr();
+            let runtime = async_runtime()?;
             let creds = cli.credentials();
             runtime.block_on(async {
                 match command {
@@ -218,18 +269,14 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
             expect_last_seq,
         }) => verify(file, expect_head.as_deref(), *expect_last_seq, cli.json),
         Command::Journal(JournalCommand::Export { session, db }) => {
-            let db = db
-                .clone()
-                .unwrap_or_else(|| config::journal_path(&config::default_state_dir()));
-            if !db.exists() {
-                anyhow::bail!("journal {} does not exist", db.display());
-            }
-            let journal = SqliteJournal::open(&db, Durability::Full)
-                .with_context(|| format!("opening journal {}", db.display()))?;
-            if journal.get_session(session)?.is_none() {
-                anyhow::bail!("session {session} not found in {}", db.display());
-            }
-            let records = journal.read(session, 1, 0)?;
+            let records = match db {
+                Some(db) => read_offline(db, session)?,
+                None => async_runtime()?.block_on(sessions_cmd::fetch_log(
+                    &cli.addr(),
+                    &cli.credentials(),
+                    session,
+                ))?,
+            };
             let stdout = std::io::stdout();
             let mut out = std::io::BufWriter::new(stdout.lock());
             write_records(&records, &mut out)?;
@@ -238,9 +285,22 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// A session's records read from the journal database at `db`, with no daemon.
+fn read_offline(db: &std::path::Path, session: &str) -> anyhow::Result<Vec<LogRecord>> {
+    if !db.exists() {
+        anyhow::bail!("journal {} does not exist", db.display());
+    }
+    let journal = SqliteJournal::open(db, Durability::Full)
+        .with_context(|| format!("opening journal {}", db.display()))?;
+    if journal.get_session(session)?.is_none() {
+        anyhow::bail!("session {session} not found in {}", db.display());
+    }
+    Ok(journal.read(session, 1, 0)?)
+}
+
 /// What a verified chain must also be: non-empty, and ending where the caller expects.
 fn check_end(
-    records: &[agentvm_proto::v1::LogRecord],
+    records: &[LogRecord],
     expect_head: Option<&str>,
     expect_last_seq: Option<i64>,
 ) -> Result<(), String> {

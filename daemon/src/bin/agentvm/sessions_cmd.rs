@@ -19,118 +19,186 @@ use agentvmd::journal::verify::verify_chain;
 use anyhow::Context;
 use clap::Subcommand;
 
+/// Where a command's session comes from: the positional argument or `--session`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SessionArg {
+    /// The session's uid.
+    #[arg(value_name = "SESSION", required_unless_present = "session_flag")]
+    positional: Option<String>,
+    /// The session's uid (the same as the positional argument).
+    #[arg(
+        long = "session",
+        value_name = "SESSION",
+        conflicts_with = "positional"
+    )]
+    session_flag: Option<String>,
+}
+
+impl SessionArg {
+    fn uid(self) -> String {
+        self.positional.or(self.session_flag).unwrap_or_default()
+    }
+}
+
 #[derive(Subcommand, Debug, Clone)]
 pub enum SessionCommand {
     /// Create a session (no events yet).
     Create {
-        #[arg(long, default_value = "")]
-        harness: String,
-        #[arg(long, default_value = "")]
-        project: String,
-        #[arg(long, default_value = "")]
-        name: String,
-        #[arg(long, default_value = "")]
-        model: String,
+        /// The harness that runs its turns. Default: the node's default harness.
+        #[arg(long)]
+        harness: Option<String>,
+        /// The project it belongs to. Default: the node's default project.
+        #[arg(long)]
+        project: Option<String>,
+        /// A display name.
+        #[arg(long)]
+        name: Option<String>,
+        /// The model its harness asks for (the chat harness's model).
+        #[arg(long)]
+        model: Option<String>,
         /// KEY=VALUE, repeatable.
         #[arg(long = "label", value_parser = key_value)]
         labels: Vec<(String, String)>,
     },
     /// Show one session.
     Get {
-        session: String,
+        #[command(flatten)]
+        session: SessionArg,
     },
     /// List a project's sessions, newest first.
     List {
-        #[arg(long, default_value = "")]
-        project: String,
-        #[arg(long, default_value_t = 0)]
-        page_size: i32,
-        #[arg(long, default_value = "")]
-        page_token: String,
-    },
-    /// Run one turn and stream its records; no input re-drives an interrupted turn.
-    Exec {
-        /// Session uid; omitted = create one with the server defaults.
-        #[arg(long, default_value = "")]
-        session: String,
-        /// User input text; repeatable (one INPUT each).
-        #[arg(long = "input", short = 'i')]
-        inputs: Vec<String>,
-        #[arg(long, default_value = "")]
-        harness: String,
-        /// Opaque harness config, journaled verbatim.
-        #[arg(long, default_value = "")]
-        config: String,
-        #[arg(long, default_value_t = 0)]
-        resume_from_seq: i64,
-        /// Compare-and-swap on the head (0 = "no events yet").
+        /// The project. Default: the node's default project.
         #[arg(long)]
+        project: Option<String>,
+        /// Sessions per page. Default: the server's page size.
+        #[arg(long)]
+        page_size: Option<i32>,
+        /// Where to go on from (a previous page's `next page` token).
+        #[arg(long)]
+        page_token: Option<String>,
+    },
+    /// Run one turn and stream its records. Without input it only re-drives an interrupted
+    /// turn; a session whose last turn ended is refused.
+    Exec {
+        /// The session's uid. Omitted: a new session with the server's defaults.
+        #[arg(value_name = "SESSION")]
+        positional: Option<String>,
+        /// The session's uid (the same as the positional argument).
+        #[arg(
+            long = "session",
+            value_name = "SESSION",
+            conflicts_with = "positional"
+        )]
+        session_flag: Option<String>,
+        /// User input text; repeatable (one INPUT each).
+        #[arg(long = "input", short = 'i', value_name = "TEXT")]
+        inputs: Vec<String>,
+        /// User input read from a file (`-`: standard input), uncapped by the command line;
+        /// repeatable, each one INPUT after those of -i.
+        #[arg(long = "input-file", value_name = "PATH")]
+        input_files: Vec<String>,
+        /// The harness for this turn. Default: the session's.
+        #[arg(long)]
+        harness: Option<String>,
+        /// Opaque harness config, journaled verbatim.
+        #[arg(long)]
+        config: Option<String>,
+        /// Run the turn over the log as it was at this seq (it must exist).
+        #[arg(long, value_name = "SEQ")]
+        resume_from_seq: Option<i64>,
+        /// Compare-and-swap on the head (0 = "no events yet").
+        #[arg(long, value_name = "SEQ")]
         expected_last_seq: Option<i64>,
         /// Unix seconds after which the host cancels the turn.
-        #[arg(long, default_value_t = 0)]
-        deadline_unix: i64,
+        #[arg(long, value_name = "UNIX_SECONDS")]
+        deadline_unix: Option<i64>,
     },
     /// Print a session's records (read-only).
     Replay {
-        session: String,
-        #[arg(long, default_value_t = 0)]
-        from_seq: i64,
-        #[arg(long, default_value_t = 0)]
-        to_seq: i64,
+        #[command(flatten)]
+        session: SessionArg,
+        /// The first seq to print. Default: the first record.
+        #[arg(long, value_name = "SEQ")]
+        from_seq: Option<i64>,
+        /// The last seq to print. Default: the head.
+        #[arg(long, value_name = "SEQ")]
+        to_seq: Option<i64>,
     },
-    /// Fork children from a point of the log (default: its head).
+    /// Fork children from a point of the log (default: its head). A memory-tier session
+    /// forks only at its head.
     Fork {
-        session: String,
+        #[command(flatten)]
+        session: SessionArg,
+        /// How many children.
         #[arg(long, default_value_t = 1)]
         count: i32,
-        #[arg(long, default_value_t = 0)]
-        at_seq: i64,
+        /// The seq the children start from. Default: the head.
+        #[arg(long, value_name = "SEQ")]
+        at_seq: Option<i64>,
+        /// A child's display name; repeatable, one per child in order.
         #[arg(long = "name")]
         child_names: Vec<String>,
+        /// KEY=VALUE for every child, repeatable.
         #[arg(long = "label", value_parser = key_value)]
         labels: Vec<(String, String)>,
     },
+    /// Snapshot the session's compute and stop it (memory tier: COLD, resumable anywhere
+    /// its snapshot is).
     Suspend {
-        session: String,
+        #[command(flatten)]
+        session: SessionArg,
     },
+    /// Bring a suspended session's compute back (its next turn would too).
     Resume {
-        session: String,
+        #[command(flatten)]
+        session: SessionArg,
     },
     /// Decide a pending approval, then resume the session.
     Approve {
-        session: String,
+        #[command(flatten)]
+        session: SessionArg,
+        /// The execution that asked.
         #[arg(long)]
         execution_id: String,
+        /// The tool call awaiting the decision.
         #[arg(long)]
         tool_call_id: String,
+        /// The seq of the approval request record.
         #[arg(long)]
         request_seq: i64,
         /// Deny instead of approve.
         #[arg(long)]
         deny: bool,
-        #[arg(long, default_value = "")]
-        reason: String,
+        /// Why, recorded with the decision.
+        #[arg(long)]
+        reason: Option<String>,
         /// The decider's principal, recorded as the decision's actor.
-        #[arg(long, default_value = "")]
-        principal: String,
+        #[arg(long)]
+        principal: Option<String>,
         /// Only record the decision; do not resume.
         #[arg(long)]
         no_resume: bool,
     },
     /// Stop the running or interrupted execution.
     Cancel {
-        session: String,
-        #[arg(long, default_value = "")]
-        execution_id: String,
-        #[arg(long, default_value = "")]
-        reason: String,
+        #[command(flatten)]
+        session: SessionArg,
+        /// The execution to stop. Default: the current one.
+        #[arg(long)]
+        execution_id: Option<String>,
+        /// Why, recorded with the cancellation.
+        #[arg(long)]
+        reason: Option<String>,
     },
+    /// Delete a session: stop its compute, free its snapshots, keep its log as a tombstone.
     Delete {
-        session: String,
+        #[command(flatten)]
+        session: SessionArg,
     },
     /// Fetch a session's log and verify its hash chain.
     Verify {
-        session: String,
+        #[command(flatten)]
+        session: SessionArg,
     },
 }
 
@@ -156,7 +224,7 @@ fn print_json<M: prost::Message + prost::Name>(m: &M) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn session_line(s: &Session) -> String {
+fn session_line(s: &Session, full: bool) -> String {
     let m = s.metadata.clone().unwrap_or_default();
     let exec = agentvm_proto::v1::ExecState::try_from(s.exec_state)
         .map(|e| e.as_str_name().trim_start_matches("EXEC_").to_owned())
@@ -169,7 +237,7 @@ fn session_line(s: &Session) -> String {
         m.uid, s.harness, s.last_seq
     );
     if !m.name.is_empty() {
-        line.push_str(&format!(" name={}", m.name));
+        line.push_str(&format!(" name={}", shown(&m.name, full)));
     }
     if !s.parent_uid.is_empty() {
         line.push_str(&format!(" parent={}@{}", s.parent_uid, s.fork_seq));
@@ -183,7 +251,7 @@ fn session_line(s: &Session) -> String {
     line
 }
 
-fn record_line(r: &LogRecord) -> String {
+fn record_line(r: &LogRecord, full: bool) -> String {
     let Some(e) = &r.event else {
         return format!("{:>5}  (no event)", r.seq);
     };
@@ -214,24 +282,118 @@ fn record_line(r: &LogRecord) -> String {
             .unwrap_or_default(),
         _ => String::new(),
     };
-    format!("{:>5}  {kind:<16} {detail}", r.seq)
+    format!("{:>5}  {kind:<16} {}", r.seq, shown(&detail, full))
 }
 
-fn show_session(s: &Session, json: bool) -> anyhow::Result<()> {
+fn show_session(s: &Session, json: bool, full: bool) -> anyhow::Result<()> {
     if json {
         print_json(s)
     } else {
-        println!("{}", session_line(s));
+        println!("{}", session_line(s, full));
         Ok(())
     }
+}
+
+/// How much of a payload human output shows without `--full`.
+const SHOWN_CHARS: usize = 160;
+
+/// `text` on one line, cut to [`SHOWN_CHARS`] unless `full`.
+fn shown(text: &str, full: bool) -> String {
+    if full {
+        return text.to_owned();
+    }
+    let flat: String = text
+        .chars()
+        .map(|c| if c == '\n' { ' ' } else { c })
+        .collect();
+    match flat.char_indices().nth(SHOWN_CHARS) {
+        Some((at, _)) => format!(
+            "{}… ({} more characters; --full shows all)",
+            &flat[..at],
+            flat[at..].chars().count()
+        ),
+        None => flat,
+    }
+}
+
+/// The text of one input, from a file or (`-`) standard input.
+fn read_input(path: &str) -> anyhow::Result<String> {
+    use std::io::Read;
+    let mut text = String::new();
+    match path {
+        "-" => {
+            std::io::stdin()
+                .read_to_string(&mut text)
+                .context("--input-file -: reading standard input")?;
+        }
+        path => {
+            text = std::fs::read_to_string(path).with_context(|| format!("--input-file {path}"))?;
+        }
+    }
+    Ok(text)
+}
+
+/// Refuses, before anything runs, a turn that would run empty (no input and nothing
+/// interrupted to re-drive) or start from a seq the log does not have.
+async fn check_exec(
+    c: &mut SessionsClient<AuthedChannel>,
+    session: &str,
+    no_input: bool,
+    resume_from_seq: i64,
+) -> anyhow::Result<()> {
+    if session.is_empty() {
+        anyhow::ensure!(
+            !no_input,
+            "no input: give -i TEXT or --input-file PATH (a new session has no turn to re-drive)"
+        );
+        anyhow::ensure!(
+            resume_from_seq == 0,
+            "--resume-from-seq {resume_from_seq}: a new session has no records"
+        );
+        return Ok(());
+    }
+    let s = c
+        .get_session(GetSessionRequest {
+            uid: session.to_owned(),
+        })
+        .await?
+        .into_inner();
+    anyhow::ensure!(
+        resume_from_seq <= s.last_seq,
+        "--resume-from-seq {resume_from_seq} is beyond the log of {session}, whose head is {}",
+        s.last_seq
+    );
+    use agentvm_proto::v1::ExecState;
+    let interrupted = matches!(
+        ExecState::try_from(s.exec_state),
+        Ok(ExecState::ExecPending | ExecState::ExecRunning | ExecState::ExecAwaiting)
+    );
+    anyhow::ensure!(
+        !no_input || interrupted,
+        "no input: give -i TEXT or --input-file PATH; without input exec only re-drives an \
+         interrupted turn, and {session}'s last turn is {}",
+        ExecState::try_from(s.exec_state)
+            .map(|e| e.as_str_name().trim_start_matches("EXEC_").to_owned())
+            .unwrap_or_default()
+    );
+    Ok(())
+}
+
+/// How a command prints: `--json` (proto3 JSON, one object per line), and for people, whole
+/// payloads (`--full`) or cut to a line.
+#[derive(Debug, Clone, Copy)]
+pub struct Output {
+    pub json: bool,
+    pub full: bool,
 }
 
 pub async fn run(
     addr: &ListenAddr,
     creds: &agentvmd::client::Credentials,
-    json: bool,
+    output: Output,
     cmd: SessionCommand,
 ) -> anyhow::Result<()> {
+    let Output { json, full } = output;
     let channel = agentvmd::client::connect_with(addr, creds).await?;
     let mut c =
         SessionsClient::with_interceptor(channel, agentvmd::client::bearer(creds.token.clone())?);
@@ -247,26 +409,26 @@ pub async fn run(
                 .create_session(CreateSessionRequest {
                     session: Some(Session {
                         metadata: Some(ResourceMetadata {
-                            project,
-                            name,
+                            project: project.unwrap_or_default(),
+                            name: name.unwrap_or_default(),
                             ..Default::default()
                         }),
-                        harness,
-                        model,
+                        harness: harness.unwrap_or_default(),
+                        model: model.unwrap_or_default(),
                         labels: labels.into_iter().collect(),
                         ..Default::default()
                     }),
                 })
                 .await?
                 .into_inner();
-            show_session(&s, json)
+            show_session(&s, json, full)
         }
         SessionCommand::Get { session } => {
             let s = c
-                .get_session(GetSessionRequest { uid: session })
+                .get_session(GetSessionRequest { uid: session.uid() })
                 .await?
                 .into_inner();
-            show_session(&s, json)
+            show_session(&s, json, full)
         }
         SessionCommand::List {
             project,
@@ -275,9 +437,9 @@ pub async fn run(
         } => {
             let r = c
                 .list_sessions(ListSessionsRequest {
-                    project,
-                    page_size,
-                    page_token,
+                    project: project.unwrap_or_default(),
+                    page_size: page_size.unwrap_or_default(),
+                    page_token: page_token.unwrap_or_default(),
                 })
                 .await?
                 .into_inner();
@@ -285,7 +447,7 @@ pub async fn run(
                 return print_json(&r);
             }
             for s in &r.sessions {
-                println!("{}", session_line(s));
+                println!("{}", session_line(s, full));
             }
             if !r.next_page_token.is_empty() {
                 println!("next page: --page-token {}", r.next_page_token);
@@ -293,35 +455,51 @@ pub async fn run(
             Ok(())
         }
         SessionCommand::Exec {
-            session,
+            positional,
+            session_flag,
             inputs,
+            input_files,
             harness,
             config,
             resume_from_seq,
             expected_last_seq,
             deadline_unix,
         } => {
+            let session = positional.or(session_flag).unwrap_or_default();
+            let mut texts = inputs;
+            for path in &input_files {
+                texts.push(read_input(path)?);
+            }
+            let resume_from_seq = resume_from_seq.unwrap_or_default();
+            check_exec(&mut c, &session, texts.is_empty(), resume_from_seq).await?;
             let req = ExecRequest {
                 session,
-                inputs: inputs.iter().map(|t| user_text(t)).collect(),
+                inputs: texts.iter().map(|t| user_text(t)).collect(),
                 resume_from_seq,
-                harness,
-                config: config.into_bytes(),
+                harness: harness.unwrap_or_default(),
+                config: config.unwrap_or_default().into_bytes(),
                 expected_last_seq,
-                deadline_unix,
+                deadline_unix: deadline_unix.unwrap_or_default(),
             };
-            exec(&mut c, req, json).await
+            exec(&mut c, req, json, full).await
         }
         SessionCommand::Replay {
             session,
             from_seq,
             to_seq,
         } => {
-            for r in replay(&mut c, session, from_seq, to_seq).await? {
+            let records = replay(
+                &mut c,
+                session.uid(),
+                from_seq.unwrap_or_default(),
+                to_seq.unwrap_or_default(),
+            )
+            .await?;
+            for r in records {
                 if json {
                     print_json(&r)?;
                 } else {
-                    println!("{}", record_line(&r));
+                    println!("{}", record_line(&r, full));
                 }
             }
             Ok(())
@@ -335,8 +513,8 @@ pub async fn run(
         } => {
             let r = c
                 .fork(ForkRequest {
-                    session,
-                    at_seq,
+                    session: session.uid(),
+                    at_seq: at_seq.unwrap_or_default(),
                     count,
                     identity: None,
                     labels: labels.into_iter().collect::<HashMap<_, _>>(),
@@ -345,23 +523,28 @@ pub async fn run(
                 .await?
                 .into_inner();
             for s in &r.children {
-                show_session(s, json)?;
+                show_session(s, json, full)?;
             }
             Ok(())
         }
         SessionCommand::Suspend { session } => {
-            let s = c.suspend(SuspendRequest { session }).await?.into_inner();
-            show_session(&s, json)
+            let s = c
+                .suspend(SuspendRequest {
+                    session: session.uid(),
+                })
+                .await?
+                .into_inner();
+            show_session(&s, json, full)
         }
         SessionCommand::Resume { session } => {
             let s = c
                 .resume(ResumeRequest {
-                    session,
+                    session: session.uid(),
                     boot: false,
                 })
                 .await?
                 .into_inner();
-            show_session(&s, json)
+            show_session(&s, json, full)
         }
         SessionCommand::Approve {
             session,
@@ -373,6 +556,7 @@ pub async fn run(
             principal,
             no_resume,
         } => {
+            let session = session.uid();
             let r = c
                 .approve(ApproveRequest {
                     session: session.clone(),
@@ -380,18 +564,20 @@ pub async fn run(
                     tool_call_id,
                     request_seq,
                     approved: Some(!deny),
-                    reason,
-                    identity: (!principal.is_empty()).then(|| IdentityRef {
-                        principal,
-                        ..Default::default()
-                    }),
+                    reason: reason.unwrap_or_default(),
+                    identity: principal
+                        .filter(|p| !p.is_empty())
+                        .map(|principal| IdentityRef {
+                            principal,
+                            ..Default::default()
+                        }),
                 })
                 .await?
                 .into_inner();
             if json {
                 print_json(&r)?;
             } else if let Some(d) = &r.decision {
-                println!("decision committed: {}", record_line(d));
+                println!("decision committed: {}", record_line(d, full));
             }
             if no_resume {
                 return Ok(());
@@ -403,7 +589,7 @@ pub async fn run(
                 })
                 .await
             {
-                Ok(s) => show_session(&s.into_inner(), json),
+                Ok(s) => show_session(&s.into_inner(), json, full),
                 Err(e) => anyhow::bail!(
                     "decision committed, resume failed: {:?}: {}",
                     e.code(),
@@ -418,22 +604,23 @@ pub async fn run(
         } => {
             let s = c
                 .cancel(CancelRequest {
-                    session,
-                    execution_id,
-                    reason,
+                    session: session.uid(),
+                    execution_id: execution_id.unwrap_or_default(),
+                    reason: reason.unwrap_or_default(),
                 })
                 .await?
                 .into_inner();
-            show_session(&s, json)
+            show_session(&s, json, full)
         }
         SessionCommand::Delete { session } => {
             let s = c
-                .delete_session(DeleteSessionRequest { uid: session })
+                .delete_session(DeleteSessionRequest { uid: session.uid() })
                 .await?
                 .into_inner();
-            show_session(&s, json)
+            show_session(&s, json, full)
         }
         SessionCommand::Verify { session } => {
+            let session = session.uid();
             let records = replay(&mut c, session.clone(), 0, 0).await?;
             match verify_chain(&records) {
                 Ok(n) => {
@@ -448,6 +635,18 @@ pub async fn run(
             }
         }
     }
+}
+
+/// A session's whole log, through the API at `addr`.
+pub async fn fetch_log(
+    addr: &ListenAddr,
+    creds: &agentvmd::client::Credentials,
+    session: &str,
+) -> anyhow::Result<Vec<LogRecord>> {
+    let channel = agentvmd::client::connect_with(addr, creds).await?;
+    let mut c =
+        SessionsClient::with_interceptor(channel, agentvmd::client::bearer(creds.token.clone())?);
+    replay(&mut c, session.to_owned(), 0, 0).await
 }
 
 async fn replay(
@@ -475,6 +674,7 @@ async fn exec(
     c: &mut SessionsClient<AuthedChannel>,
     req: ExecRequest,
     json: bool,
+    full: bool,
 ) -> anyhow::Result<()> {
     let mut stream = c.exec(req).await?.into_inner();
     let mut streaming_delta = false;
@@ -493,14 +693,14 @@ async fn exec(
                     println!();
                     streaming_delta = false;
                 }
-                println!("session {}", session_line(&s));
+                println!("session {}", session_line(&s, full));
             }
             Update::Record(r) => {
                 if streaming_delta {
                     println!();
                     streaming_delta = false;
                 }
-                println!("{}", record_line(&r));
+                println!("{}", record_line(&r, full));
             }
             Update::Delta(d) => {
                 let mut out = stdout.lock();

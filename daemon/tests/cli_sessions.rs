@@ -1,0 +1,286 @@
+//! The `agentvm` CLI as a user meets it, through the real binary against a real agentvmd:
+//! sessions named positionally or by flag, inputs from files and stdin, turns that would run
+//! empty refused, errors said once (as JSON under --json), long payloads cut unless --full,
+//! help for every option, completions and the manual page.
+
+mod support;
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use support::daemon::{Daemon, cli, start_daemon};
+
+fn agentvm_with_stdin(d: &Daemon, args: &[&str], stdin: &[u8]) -> (bool, String, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_agentvm"))
+        .arg("--addr")
+        .arg(d.addr())
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(stdin).unwrap();
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `agentvm ARGS` with no daemon address: (success, stdout, stderr).
+fn agentvm(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_agentvm"))
+        .args(args)
+        .env_remove("AGENTVM_ADDR")
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn create_echo(d: &Daemon) -> String {
+    let (ok, out, err) = cli(d, &["--json", "create", "--harness", "echo"]);
+    assert!(ok, "{err}");
+    let created: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    created["metadata"]["uid"].as_str().unwrap().to_owned()
+}
+
+#[test]
+fn a_session_is_named_positionally_or_by_flag_and_inputs_come_from_files_and_stdin() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = start_daemon(dir.path());
+    let uid = create_echo(&d);
+    let (ok, out, err) = cli(&d, &["exec", &uid, "-i", "positional"]);
+    assert!(ok && out.contains("echo:positional"), "{out}{err}");
+    let (ok, out, err) = cli(&d, &["exec", "--session", &uid, "-i", "flag"]);
+    assert!(ok && out.contains("echo:flag"), "{out}{err}");
+    let (ok, _, err) = cli(&d, &["exec", &uid, "--session", &uid, "-i", "both"]);
+    assert!(!ok && err.contains("cannot be used with"), "{err}");
+
+    // Larger than a command line takes in one argument (MAX_ARG_STRLEN is 128 KiB).
+    let big = "x".repeat(200 << 10);
+    let file = dir.path().join("input.txt");
+    std::fs::write(&file, &big).unwrap();
+    let (ok, out, err) = cli(
+        &d,
+        &[
+            "--json",
+            "exec",
+            &uid,
+            "--input-file",
+            file.to_str().unwrap(),
+        ],
+    );
+    assert!(ok, "{err}");
+    assert!(
+        out.contains(&format!("echo:{big}")),
+        "the file's text was not the input"
+    );
+    let (ok, out, err) = agentvm_with_stdin(&d, &["exec", &uid, "--input-file", "-"], b"piped");
+    assert!(ok && out.contains("echo:piped"), "{out}{err}");
+    let (ok, _, err) = cli(&d, &["exec", &uid, "--input-file", "/nonexistent/input"]);
+    assert!(
+        !ok && err.contains("--input-file /nonexistent/input"),
+        "{err}"
+    );
+
+    for args in [
+        vec!["get", &uid],
+        vec!["replay", &uid],
+        vec!["verify", &uid],
+    ] {
+        let (ok, out, err) = cli(&d, &args);
+        assert!(ok && !out.is_empty(), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn a_turn_that_would_run_empty_is_refused_and_so_is_a_seq_beyond_the_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = start_daemon(dir.path());
+    let uid = create_echo(&d);
+    let (ok, out, err) = cli(&d, &["exec", &uid, "-i", "hello"]);
+    assert!(ok, "{out}{err}");
+    let (_, head, _) = cli(&d, &["--json", "get", &uid]);
+    let head: serde_json::Value = serde_json::from_str(head.trim()).unwrap();
+
+    let (ok, _, err) = cli(&d, &["exec", &uid]);
+    assert!(!ok, "an empty turn ran");
+    assert!(
+        err.contains("no input") && err.contains("COMPLETED"),
+        "{err}"
+    );
+    let (ok, _, err) = cli(&d, &["exec"]);
+    assert!(!ok && err.contains("no input"), "{err}");
+    let (ok, _, err) = cli(&d, &["exec", &uid, "-i", "x", "--resume-from-seq", "999"]);
+    assert!(!ok && err.contains("beyond the log"), "{err}");
+    // Nothing of that reached the journal.
+    let (_, after, _) = cli(&d, &["--json", "get", &uid]);
+    let after: serde_json::Value = serde_json::from_str(after.trim()).unwrap();
+    assert_eq!(after["lastSeq"], head["lastSeq"], "{after}");
+}
+
+#[test]
+fn errors_are_said_once_and_as_json_under_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = start_daemon(dir.path());
+    let (ok, out, err) = cli(&d, &["--json", "get", "sess-nope"]);
+    assert!(!ok && out.is_empty(), "{out}");
+    let error: serde_json::Value = serde_json::from_str(err.trim()).unwrap();
+    assert_eq!(error["error"]["code"], "NotFound", "{error}");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("sess-nope"),
+        "{error}"
+    );
+
+    let (ok, _, err) = agentvm(&["--addr", "unix:/nonexistent/agentvmd.sock", "get", "x"]);
+    assert!(!ok);
+    assert!(
+        err.contains("unix:/nonexistent/agentvmd.sock")
+            && err.contains("does not exist")
+            && err.contains("AGENTVM_ADDR"),
+        "{err}"
+    );
+    assert_eq!(err.lines().count(), 1, "{err}");
+    // A socket file nobody listens on: the cause once, not the transport's layers of it.
+    let stale = dir.path().join("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+    let addr = format!("unix:{}", stale.display());
+    let (ok, _, err) = agentvm(&["--addr", &addr, "get", "x"]);
+    assert!(!ok && err.contains("cannot reach agentvmd"), "{err}");
+    assert_eq!(err.matches("Connection refused").count(), 1, "{err}");
+    let (ok, _, err) = agentvm(&["--addr", "nowhere", "get", "x"]);
+    assert!(!ok && err.contains("address \"nowhere\""), "{err}");
+    assert!(!err.contains("listen address"), "{err}");
+}
+
+#[test]
+fn long_payloads_are_cut_to_a_line_unless_full() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = start_daemon(dir.path());
+    let uid = create_echo(&d);
+    let long = format!("first line\n{}", "y".repeat(1000));
+    let (ok, out, err) = cli(&d, &["exec", &uid, "-i", &long]);
+    assert!(ok, "{err}");
+    // Records are a line each; the reply streamed as it is written comes whole.
+    let input = |out: &str| {
+        out.lines()
+            .find(|l| l.contains(" INPUT "))
+            .unwrap_or_else(|| panic!("no INPUT record:\n{out}"))
+            .to_owned()
+    };
+    let cut = input(&out);
+    assert!(cut.contains("more characters; --full shows all"), "{cut}");
+    assert!(!cut.contains(&"y".repeat(1000)), "{cut}");
+    let (ok, out, err) = cli(&d, &["replay", &uid]);
+    assert!(ok && !input(&out).contains(&"y".repeat(1000)), "{out}{err}");
+    let (ok, out, err) = cli(&d, &["--full", "replay", &uid]);
+    assert!(ok && out.contains(&"y".repeat(1000)), "{out}{err}");
+}
+
+#[test]
+fn every_command_and_option_says_what_it_is_for() {
+    let (ok, top, err) = agentvm(&["--help"]);
+    assert!(ok, "{err}");
+    let commands: Vec<String> = top
+        .lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
+        .filter(|c| c != "help")
+        .collect();
+    assert!(commands.len() > 15, "{top}");
+    let mut pages = vec![(String::from("agentvm"), top.clone())];
+    for command in &commands {
+        let (ok, help, err) = agentvm(&[command, "--help"]);
+        assert!(ok, "{command}: {err}");
+        // Nested commands (journal, node, image, harness) have their own.
+        let nested: Vec<String> = help
+            .lines()
+            .skip_while(|l| !l.starts_with("Commands:"))
+            .skip(1)
+            .take_while(|l| l.starts_with("  "))
+            .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
+            .filter(|c| c != "help")
+            .collect();
+        for sub in nested {
+            let (ok, help, err) = agentvm(&[command, &sub, "--help"]);
+            assert!(ok, "{command} {sub}: {err}");
+            pages.push((format!("{command} {sub}"), help));
+        }
+        pages.push((command.clone(), help));
+    }
+    for (page, help) in &pages {
+        assert!(!help.contains("[default: ]"), "{page}:\n{help}");
+        // A line naming an option or argument carries its description, or the next line does.
+        let lines: Vec<&str> = help.lines().collect();
+        for (i, line) in lines.iter().enumerate() {
+            let trimmed = line.trim_start();
+            let names_one = line.starts_with("  ")
+                && (trimmed.starts_with('-')
+                    || trimmed.starts_with('<')
+                    || trimmed.starts_with('['));
+            if !names_one {
+                continue;
+            }
+            let described = trimmed.contains("  ")
+                || lines
+                    .get(i + 1)
+                    .is_some_and(|next| next.starts_with("          ") && !next.trim().is_empty());
+            assert!(described, "{page}: {line:?} has no description:\n{help}");
+        }
+    }
+    // Subcommands too: each has a line of its own in its parent's list.
+    for line in top
+        .lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+    {
+        assert!(line.trim().contains("  "), "{line:?} has no description");
+    }
+}
+
+#[test]
+fn completions_and_the_manual_page_come_from_the_cli_definition() {
+    let (ok, bash, err) = agentvm(&["completions", "bash"]);
+    assert!(
+        ok && bash.contains("_agentvm") && bash.contains("--input-file"),
+        "{err}"
+    );
+    let (ok, zsh, err) = agentvm(&["completions", "zsh"]);
+    assert!(ok && zsh.contains("#compdef agentvm"), "{err}");
+    let (ok, fish, err) = agentvm(&["completions", "fish"]);
+    assert!(ok && fish.contains("complete -c agentvm"), "{err}");
+    let (ok, _, err) = agentvm(&["completions", "tcsh"]);
+    assert!(!ok && err.contains("tcsh"), "{err}");
+    let (ok, man, err) = agentvm(&["man"]);
+    assert!(
+        ok && man.contains(".TH agentvm") && man.contains("AGENTVM_ADDR"),
+        "{err}"
+    );
+}
+
+#[test]
+fn journal_export_goes_through_the_api() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = start_daemon(dir.path());
+    let uid = create_echo(&d);
+    let (ok, _, err) = cli(&d, &["exec", &uid, "-i", "exported"]);
+    assert!(ok, "{err}");
+    let (ok, log, err) = cli(&d, &["journal", "export", &uid]);
+    assert!(ok && log.contains("exported"), "{err}");
+    let (ok, out, err) = agentvm_with_stdin(&d, &["journal", "verify", "-"], log.as_bytes());
+    assert!(ok && out.contains("chain intact"), "{out}{err}");
+    let (ok, _, err) = cli(&d, &["journal", "export", "sess-nope"]);
+    assert!(!ok && err.contains("NotFound"), "{err}");
+}
