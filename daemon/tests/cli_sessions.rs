@@ -8,7 +8,7 @@ mod support;
 use std::io::Write;
 use std::process::{Command, Stdio};
 
-use support::daemon::{Daemon, cli, start_daemon};
+use support::daemon::{Daemon, cli, start_daemon, start_daemon_with};
 
 fn agentvm_with_stdin(d: &Daemon, args: &[&str], stdin: &[u8]) -> (bool, String, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_agentvm"))
@@ -283,4 +283,24 @@ fn journal_export_goes_through_the_api() {
     assert!(ok && out.contains("chain intact"), "{out}{err}");
     let (ok, _, err) = cli(&d, &["journal", "export", "sess-nope"]);
     assert!(!ok && err.contains("NotFound"), "{err}");
+}
+
+#[test]
+fn a_harness_the_node_cannot_run_is_refused_at_create() {
+    let dir = tempfile::tempdir().unwrap();
+    // No VMM: the counter, which keeps its count in RAM, has only the process runtime.
+    let d = start_daemon_with(dir.path(), &["--vmm-binary", "/nonexistent/agentvm-vmm"]);
+    let (ok, out, err) = cli(&d, &["create", "--harness", "counter"]);
+    assert!(!ok, "created: {out}");
+    assert!(
+        err.contains("FailedPrecondition") && err.contains("REQUIRES_MEMORY_SNAPSHOT"),
+        "{err}"
+    );
+    let (ok, out, _) = cli(&d, &["--json", "list"]);
+    assert!(
+        ok && !out.contains("counter"),
+        "a refused session was written: {out}"
+    );
+    let (ok, _, err) = cli(&d, &["create", "--harness", "echo"]);
+    assert!(ok, "{err}");
 }

@@ -203,7 +203,7 @@ async fn random_requests_get_a_proper_answer_and_the_node_keeps_serving() {
         rng: StdRng::seed_from_u64(seed),
         uids: Vec::new(),
     };
-    for harness in ["echo", "counter"] {
+    for harness in ["echo", "chat"] {
         let session = node
             .c()
             .create_session(CreateSessionRequest {

@@ -412,15 +412,27 @@ async fn scenario_60_routing_errors() {
     assert_eq!(exec(&mut c, over).await.code(), Code::InvalidArgument);
     let r = exec(&mut c, exec_req("sess-000000000000000000000000", "x")).await;
     assert_eq!(r.code(), Code::NotFound);
-    // A memory-snapshot harness cannot run on the process runtime.
-    let counter = uid(&n.create("counter").await);
-    let r = exec(&mut c, exec_req(&counter, "x")).await;
-    assert_eq!(r.code(), Code::FailedPrecondition, "{:?}", r.end);
-    assert_eq!(
-        n.get(&counter).await.last_seq,
-        0,
-        "refused before anything is journaled"
+    // A memory-snapshot harness cannot run on the process runtime: refused as the session
+    // is created (a session that could never run a turn is not written), and on an implicit
+    // create by Exec.
+    let err = c
+        .create_session(CreateSessionRequest {
+            session: Some(Session {
+                harness: "counter".into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(
+        err.message().contains("REQUIRES_MEMORY_SNAPSHOT"),
+        "{err:?}"
     );
+    let mut implicit = exec_req("", "x");
+    implicit.harness = "counter".into();
+    let r = exec(&mut c, implicit).await;
+    assert_eq!(r.code(), Code::FailedPrecondition, "{:?}", r.end);
 }
 
 #[tokio::test]

@@ -353,6 +353,13 @@ impl SessionHost {
             new.harness
         };
         let placement = self.place(&harness)?;
+        // A session its harness can never run on is refused now, not at its first turn.
+        crate::runtime::placement::can_place(
+            &placement.capabilities,
+            placement.runtime.name(),
+            &placement.runtime.capabilities(),
+        )
+        .map_err(|e| Status::failed_precondition(format!("harness {harness:?}: {e}")))?;
         self.admit_disk("a new session")?;
         if placement.retired {
             return Err(Status::failed_precondition(format!(
