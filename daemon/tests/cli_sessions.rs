@@ -186,33 +186,34 @@ fn long_payloads_are_cut_to_a_line_unless_full() {
     assert!(ok && out.contains(&"y".repeat(1000)), "{out}{err}");
 }
 
+/// The lines of a help page's command list.
+fn command_lines(help: &str) -> impl Iterator<Item = &str> {
+    help.lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+}
+
+/// The commands a help page lists (but `help`).
+fn commands_in(help: &str) -> Vec<String> {
+    command_lines(help)
+        .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
+        .filter(|c| c != "help")
+        .collect()
+}
+
 #[test]
 fn every_command_and_option_says_what_it_is_for() {
     let (ok, top, err) = agentvm(&["--help"]);
     assert!(ok, "{err}");
-    let commands: Vec<String> = top
-        .lines()
-        .skip_while(|l| !l.starts_with("Commands:"))
-        .skip(1)
-        .take_while(|l| l.starts_with("  "))
-        .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
-        .filter(|c| c != "help")
-        .collect();
+    let commands = commands_in(&top);
     assert!(commands.len() > 15, "{top}");
     let mut pages = vec![(String::from("agentvm"), top.clone())];
     for command in &commands {
         let (ok, help, err) = agentvm(&[command, "--help"]);
         assert!(ok, "{command}: {err}");
         // Nested commands (journal, node, image, harness) have their own.
-        let nested: Vec<String> = help
-            .lines()
-            .skip_while(|l| !l.starts_with("Commands:"))
-            .skip(1)
-            .take_while(|l| l.starts_with("  "))
-            .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
-            .filter(|c| c != "help")
-            .collect();
-        for sub in nested {
+        for sub in commands_in(&help) {
             let (ok, help, err) = agentvm(&[command, &sub, "--help"]);
             assert!(ok, "{command} {sub}: {err}");
             pages.push((format!("{command} {sub}"), help));
@@ -240,12 +241,7 @@ fn every_command_and_option_says_what_it_is_for() {
         }
     }
     // Subcommands too: each has a line of its own in its parent's list.
-    for line in top
-        .lines()
-        .skip_while(|l| !l.starts_with("Commands:"))
-        .skip(1)
-        .take_while(|l| l.starts_with("  "))
-    {
+    for line in command_lines(&top) {
         assert!(line.trim().contains("  "), "{line:?} has no description");
     }
 }

@@ -342,7 +342,14 @@ mod tests {
     use crate::manifest::{CONFIG_FILE, HostIdentity, STATE_FILE};
     use std::fs::OpenOptions;
 
-    fn snapshot(dir: &Path, pages: &[(u64, u8)], base: Option<&Snapshot>) -> Snapshot {
+    /// A snapshot in `dir` whose memory stores `pages` (index, byte), layered on `base` if
+    /// given; `digest` says how its memory is digested.
+    fn written(
+        dir: &Path,
+        pages: &[(u64, u8)],
+        base: Option<&Snapshot>,
+        digest: DigestKind,
+    ) -> Snapshot {
         let mut w = SnapshotWriter::create(dir, false).unwrap();
         w.write_file(CONFIG_FILE, b"{}").unwrap();
         w.write_file(STATE_FILE, b"{\"s\":1}").unwrap();
@@ -356,8 +363,11 @@ mod tests {
         for (index, byte) in pages {
             mem.write_all_at(&[*byte; 4096], index * PAGE_SIZE).unwrap();
         }
-        let digest = pages::file_digest(&mem).unwrap().0;
-        w.add_pages_file(MEMORY_FILE, digest).unwrap();
+        let sha = match digest {
+            DigestKind::LayerPages => pages::layer_digest(&mem).unwrap().0,
+            _ => pages::file_digest(&mem).unwrap().0,
+        };
+        w.add_memory_file(MEMORY_FILE, digest, sha).unwrap();
         w.finish(
             HostIdentity::current("PVM"),
             "t",
@@ -368,6 +378,15 @@ mod tests {
         )
         .unwrap();
         Snapshot::open(dir).unwrap()
+    }
+
+    fn snapshot(dir: &Path, pages: &[(u64, u8)], base: Option<&Snapshot>) -> Snapshot {
+        written(dir, pages, base, DigestKind::Pages)
+    }
+
+    /// A layer on `base` storing `pages` (a byte of 0 is a stored page of zeros).
+    fn layer(dir: &Path, pages: &[(u64, u8)], base: &Snapshot) -> Snapshot {
+        written(dir, pages, Some(base), DigestKind::LayerPages)
     }
 
     #[test]
@@ -391,35 +410,6 @@ mod tests {
             assert_eq!(page, [want; 4096], "page {index}");
         }
         assert_eq!(imported.read(STATE_FILE).unwrap(), b"{\"s\":1}");
-    }
-
-    /// A layer on `base` storing `pages` (a byte of 0 is a stored page of zeros).
-    fn layer(dir: &Path, pages: &[(u64, u8)], base: &Snapshot) -> Snapshot {
-        let mut w = SnapshotWriter::create(dir, false).unwrap();
-        w.write_file(STATE_FILE, b"{\"s\":2}").unwrap();
-        let mem = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(dir.join(MEMORY_FILE))
-            .unwrap();
-        mem.set_len(8 << 20).unwrap();
-        for (index, byte) in pages {
-            mem.write_all_at(&[*byte; 4096], index * PAGE_SIZE).unwrap();
-        }
-        let digest = pages::layer_digest(&mem).unwrap().0;
-        w.add_memory_file(MEMORY_FILE, DigestKind::LayerPages, digest)
-            .unwrap();
-        w.finish(
-            HostIdentity::current("PVM"),
-            "t",
-            MemoryLayout {
-                size: 8 << 20,
-                base: Some(base.base_ref()),
-            },
-        )
-        .unwrap();
-        Snapshot::open(dir).unwrap()
     }
 
     #[test]
