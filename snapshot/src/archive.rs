@@ -44,10 +44,7 @@ fn io_err(e: io::Error) -> SnapshotError {
 /// Writes `snapshot` (with its bases composed in) as an archive to `out`.
 pub fn export(snapshot: &Snapshot, out: impl Write) -> Result<(), SnapshotError> {
     let chain = snapshot.chain()?;
-    let mut z = zstd::Encoder::new(BufWriter::new(out), ZSTD_LEVEL).map_err(io_err)?;
-    z.write_all(MAGIC).map_err(io_err)?;
-    z.write_all(&ARCHIVE_VERSION.to_le_bytes())
-        .map_err(io_err)?;
+    let mut z = begin(out)?;
     // The flattened manifest: no base, and the memory digest of the composition.
     let mut manifest = snapshot.manifest.clone();
     manifest.memory.base = None;
@@ -65,6 +62,23 @@ pub fn export(snapshot: &Snapshot, out: impl Write) -> Result<(), SnapshotError>
         }
         write_extent(&mut z, 0, &[])?;
     }
+    end(z, &manifest)
+}
+
+/// Starts an archive on `out`: the zstd stream, the magic and the version.
+fn begin<W: Write>(out: W) -> Result<zstd::Encoder<'static, BufWriter<W>>, SnapshotError> {
+    let mut z = zstd::Encoder::new(BufWriter::new(out), ZSTD_LEVEL).map_err(io_err)?;
+    z.write_all(MAGIC).map_err(io_err)?;
+    z.write_all(&ARCHIVE_VERSION.to_le_bytes())
+        .map_err(io_err)?;
+    Ok(z)
+}
+
+/// Closes an archive: `manifest` last, then the end mark, flushed.
+fn end<W: Write>(
+    mut z: zstd::Encoder<'static, BufWriter<W>>,
+    manifest: &Manifest,
+) -> Result<(), SnapshotError> {
     let json = manifest.to_json();
     write_header(&mut z, MANIFEST_FILE, json.len() as u64)?;
     write_extent(&mut z, 0, &json)?;
@@ -79,10 +93,7 @@ pub fn export_layer(snapshot: &Snapshot, out: impl Write) -> Result<(), Snapshot
     if snapshot.manifest.memory.base.is_none() {
         return Err(archive_err("a layer archive needs a layered snapshot"));
     }
-    let mut z = zstd::Encoder::new(BufWriter::new(out), ZSTD_LEVEL).map_err(io_err)?;
-    z.write_all(MAGIC).map_err(io_err)?;
-    z.write_all(&ARCHIVE_VERSION.to_le_bytes())
-        .map_err(io_err)?;
+    let mut z = begin(out)?;
     let mut manifest = snapshot.manifest.clone();
     manifest.memory.base = None;
     for (name, entry) in manifest.files.iter_mut() {
@@ -95,12 +106,7 @@ pub fn export_layer(snapshot: &Snapshot, out: impl Write) -> Result<(), Snapshot
         write_extent(&mut z, 0, &[])?;
         entry.stamp = None;
     }
-    let json = manifest.to_json();
-    write_header(&mut z, MANIFEST_FILE, json.len() as u64)?;
-    write_extent(&mut z, 0, &json)?;
-    write_extent(&mut z, 0, &[])?;
-    z.write_all(&0u16.to_le_bytes()).map_err(io_err)?;
-    z.finish().and_then(|mut w| w.flush()).map_err(io_err)
+    end(z, &manifest)
 }
 
 /// Streams every data extent of a layer's memory file, zero pages included, in pieces the
