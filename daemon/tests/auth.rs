@@ -6,8 +6,8 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use agentvm_proto::node::v1::GetStatusRequest;
 use agentvm_proto::node::v1::node_client::NodeClient;
+use agentvm_proto::node::v1::{GetStatusRequest, ListProjectsRequest};
 use agentvm_proto::v1::sessions_client::SessionsClient;
 use agentvm_proto::v1::{
     CreateSessionRequest, ExecRequest, GetSessionRequest, ListSessionsRequest, ReplayRequest,
@@ -160,6 +160,23 @@ async fn tokens_principals_and_projects() {
         .unwrap()
         .into_inner();
     assert_eq!(listed.sessions.len(), 1);
+    // Listing projects shows each principal its own only.
+    let projects = |token: &'static str| {
+        let node = &node;
+        async move {
+            NodeClient::new(node.channel().await)
+                .list_projects(with_token(ListProjectsRequest {}, token))
+                .await
+                .unwrap()
+                .into_inner()
+                .projects
+                .into_iter()
+                .map(|p| (p.name, p.sessions))
+                .collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(projects("alice-token").await, [("team-a".to_owned(), 1)]);
+    assert!(projects("bob-token").await.is_empty());
 
     // What Alice's request caused is recorded as hers; the chain still verifies.
     let mut replay = c
@@ -190,9 +207,7 @@ async fn tokens_principals_and_projects() {
     );
     let cli = move |token: Option<&str>| {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_agentvm"));
-        cmd.arg("--addr")
-            .arg(&addr)
-            .args(["get", &session])
+        cmd.args(["get", &session, "--addr", &addr])
             .env_remove("AGENTVM_TOKEN");
         if let Some(t) = token {
             cmd.env("AGENTVM_TOKEN", t);

@@ -12,8 +12,7 @@ use support::daemon::{Daemon, cli, start_daemon, start_daemon_with};
 
 fn agentvm_with_stdin(d: &Daemon, args: &[&str], stdin: &[u8]) -> (bool, String, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_agentvm"))
-        .arg("--addr")
-        .arg(d.addr())
+        .env("AGENTVM_ADDR", d.addr())
         .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -141,7 +140,7 @@ fn errors_are_said_once_and_as_json_under_json() {
         "{error}"
     );
 
-    let (ok, _, err) = agentvm(&["--addr", "unix:/nonexistent/agentvmd.sock", "get", "x"]);
+    let (ok, _, err) = agentvm(&["get", "x", "--addr", "unix:/nonexistent/agentvmd.sock"]);
     assert!(!ok);
     assert!(
         err.contains("unix:/nonexistent/agentvmd.sock")
@@ -154,10 +153,10 @@ fn errors_are_said_once_and_as_json_under_json() {
     let stale = dir.path().join("stale.sock");
     drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
     let addr = format!("unix:{}", stale.display());
-    let (ok, _, err) = agentvm(&["--addr", &addr, "get", "x"]);
+    let (ok, _, err) = agentvm(&["get", "x", "--addr", &addr]);
     assert!(!ok && err.contains("cannot reach agentvmd"), "{err}");
     assert_eq!(err.matches("Connection refused").count(), 1, "{err}");
-    let (ok, _, err) = agentvm(&["--addr", "nowhere", "get", "x"]);
+    let (ok, _, err) = agentvm(&["get", "x", "--addr", "nowhere"]);
     assert!(!ok && err.contains("address \"nowhere\""), "{err}");
     assert!(!err.contains("listen address"), "{err}");
 }
@@ -244,6 +243,85 @@ fn every_command_and_option_says_what_it_is_for() {
     for line in command_lines(&top) {
         assert!(line.trim().contains("  "), "{line:?} has no description");
     }
+}
+
+#[test]
+fn only_commands_that_talk_to_the_daemon_take_connection_options() {
+    for command in [
+        &["exec"][..],
+        &["list"],
+        &["get"],
+        &["node", "status"],
+        &["node", "drain"],
+        &["journal", "export"],
+    ] {
+        let (ok, help, err) = agentvm(&[command, &["--help"]].concat());
+        assert!(ok, "{command:?}: {err}");
+        assert!(
+            help.contains("Connection:") && help.contains("--addr") && help.contains("--tls-ca"),
+            "{command:?}:\n{help}"
+        );
+    }
+    for command in [
+        &["completions", "bash"][..],
+        &["man"],
+        &["journal", "verify", "-"],
+        &["image", "testguest", "-o", "/dev/null"],
+        &["harness", "serve", "echo", "--listen", "unix:/nonexistent"],
+    ] {
+        let (ok, _, err) = agentvm(&[command, &["--addr", "unix:/x"]].concat());
+        assert!(
+            !ok && err.contains("unexpected argument '--addr'"),
+            "{command:?}: {err}"
+        );
+    }
+}
+
+#[test]
+fn list_all_projects_shows_every_project_newest_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = start_daemon(dir.path());
+    let mut created = Vec::new();
+    for project in ["alpha", "beta", "alpha"] {
+        let (ok, out, err) = cli(
+            &d,
+            &[
+                "--json",
+                "create",
+                "--harness",
+                "echo",
+                "--project",
+                project,
+            ],
+        );
+        assert!(ok, "{err}");
+        let s: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        created.push((s["metadata"]["uid"].as_str().unwrap().to_owned(), project));
+        // Distinct creation times, so newest first has one answer.
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // One project per call, as ListSessions is: only beta's.
+    let (ok, out, err) = cli(&d, &["list", "--project", "beta"]);
+    assert!(ok, "{err}");
+    assert_eq!(out.lines().count(), 1, "{out}");
+    // A page size of 1 makes it page through each project.
+    let (ok, out, err) = cli(&d, &["list", "--all-projects", "--page-size", "1"]);
+    assert!(ok, "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    let expected: Vec<(String, &str)> = created.iter().rev().cloned().collect();
+    assert_eq!(lines.len(), expected.len(), "{out}");
+    for (line, (uid, project)) in lines.iter().zip(&expected) {
+        assert!(
+            line.starts_with(uid.as_str()) && line.ends_with(&format!("project={project}")),
+            "{out}"
+        );
+    }
+    let (ok, out, err) = cli(&d, &["--json", "list", "--all-projects"]);
+    assert!(ok, "{err}");
+    let listed: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(listed["sessions"].as_array().unwrap().len(), 3, "{out}");
+    let (ok, _, err) = cli(&d, &["list", "--all-projects", "--project", "alpha"]);
+    assert!(!ok && err.contains("--project"), "{err}");
 }
 
 #[test]

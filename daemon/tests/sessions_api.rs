@@ -455,6 +455,56 @@ async fn scenario_61_implicit_create() {
     assert_eq!(r.outputs(), ["echo:hi"]);
 }
 
+/// The models the session's MODEL_CALL records name, in order.
+fn called_models(records: &[LogRecord]) -> Vec<String> {
+    records
+        .iter()
+        .filter_map(|r| match &r.event.as_ref()?.body {
+            Some(Body::Model(m)) => Some(m.model.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn chat_asks_the_session_model_unless_its_config_names_one() {
+    let n = start().await;
+    let mut c = n.c();
+    let create = |model: &str| CreateSessionRequest {
+        session: Some(Session {
+            harness: "chat".into(),
+            model: model.into(),
+            ..Default::default()
+        }),
+    };
+    let plain = uid(&c.create_session(create("")).await.unwrap().into_inner());
+    let r = exec(&mut c, exec_req(&plain, "hi")).await;
+    assert_eq!(r.code(), Code::Ok, "{:?}", r.end);
+    assert_eq!(r.outputs(), ["echo:hi"]);
+    assert_eq!(called_models(&n.replay(&plain).await), ["echo"]);
+
+    // This node has no provider for it, so the turn fails naming the model it asked for.
+    let modelled = uid(&c
+        .create_session(create("gpt-test"))
+        .await
+        .unwrap()
+        .into_inner());
+    let r = exec(&mut c, exec_req(&modelled, "hi")).await;
+    assert_ne!(r.code(), Code::Ok, "{:?}", r.end);
+    assert!(format!("{:?}", r.end).contains("gpt-test"), "{:?}", r.end);
+    assert_eq!(called_models(&n.replay(&modelled).await), ["gpt-test"]);
+
+    let mut overridden = exec_req(&modelled, "again");
+    overridden.config = br#"{"model": "echo"}"#.to_vec();
+    let r = exec(&mut c, overridden).await;
+    assert_eq!(r.code(), Code::Ok, "{:?}", r.end);
+    assert_eq!(r.outputs(), ["echo:again"]);
+    assert_eq!(
+        called_models(&n.replay(&modelled).await),
+        ["gpt-test", "echo"]
+    );
+}
+
 #[tokio::test]
 async fn scenario_62_session_frame_first_even_on_error() {
     let n = start().await;

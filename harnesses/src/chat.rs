@@ -1,7 +1,9 @@
 //! `chat` (STATELESS_REPLAY, fork-safe): a history-aware conversation. The model request is
 //! every INPUT and OUTPUT message of History in journal order, then this turn's inputs, with an
 //! optional system prompt from the JSON config `{"system_prompt": "...", "model": "..."}`.
-//! The model defaults to `echo`; a config that is not JSON fails the turn.
+//! Without a model in the config the call names none, and the host asks the session's model
+//! (`create --model`; `echo` for a session created without one). A config that is not JSON
+//! fails the turn.
 
 use agentvm_proto::v1::{
     Capabilities, EventKind, HarnessDescriptor, ModelCall, Resumability, event::Body,
@@ -16,13 +18,14 @@ pub const VERSION: &str = "1";
 
 struct ChatConfig {
     system_prompt: Option<String>,
+    /// Empty: the session's model.
     model: String,
 }
 
 fn parse_config(config: &[u8]) -> Result<ChatConfig, HarnessFailure> {
     let mut parsed = ChatConfig {
         system_prompt: None,
-        model: "echo".into(),
+        model: String::new(),
     };
     if config.is_empty() {
         return Ok(parsed);

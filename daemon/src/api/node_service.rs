@@ -5,7 +5,7 @@ use std::sync::Arc;
 use agentvm_proto::node::v1::node_server::{Node as NodeApi, NodeServer};
 use agentvm_proto::node::v1::{
     DrainRequest, DrainResponse, FleetNode, GetStatusRequest, ListNodesRequest, ListNodesResponse,
-    NodeStatus,
+    ListProjectsRequest, ListProjectsResponse, NodeStatus, Project,
 };
 use agentvm_proto::v1::ComputeState;
 use tonic::{Request, Response, Status};
@@ -201,6 +201,26 @@ impl NodeApi for NodeService {
                 })
                 .collect(),
             this_node: self.name.clone(),
+        }))
+    }
+
+    async fn list_projects(
+        &self,
+        request: Request<ListProjectsRequest>,
+    ) -> Result<Response<ListProjectsResponse>, Status> {
+        let principal = crate::api::auth::principal_of(&request);
+        let journal = self.journal.clone();
+        let projects = tokio::task::spawn_blocking(move || journal.projects())
+            .await
+            .map_err(|e| Status::internal(format!("listing projects: {e}")))?
+            .map_err(|e| journal_status(&e))?;
+        Ok(Response::new(ListProjectsResponse {
+            projects: projects
+                .into_iter()
+                // As ListSessions: another principal's projects are not there for this one.
+                .filter(|(name, _)| principal.as_ref().is_none_or(|p| p.allows(name)))
+                .map(|(name, sessions)| Project { name, sessions })
+                .collect(),
         }))
     }
 

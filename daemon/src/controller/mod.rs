@@ -83,6 +83,8 @@ pub struct Turn {
     pub fork_seq: i64,
     /// The resolved registry name, recorded on EXECUTION_START and checked on re-runs (R6).
     pub harness: String,
+    /// The session's model: what a model call that names none asks for ("" = [`DEFAULT_MODEL`]).
+    pub model: String,
     /// What the dialed harness reported.
     pub descriptor: HarnessDescriptor,
     pub endpoint: Arc<dyn HarnessEndpoint>,
@@ -100,6 +102,10 @@ impl Turn {
             .is_some_and(|c| c.resumability == Resumability::RequiresMemorySnapshot as i32)
     }
 }
+
+/// The model a call that names none gets on a session created without one: the built-in
+/// `echo`, so a session runs with no provider configured.
+pub const DEFAULT_MODEL: &str = "echo";
 
 /// The largest single input message, encoded.
 pub const MAX_INPUT_BYTES: usize = 1 << 20;
@@ -315,6 +321,10 @@ impl Controller {
             counters: &self.counters,
             observer: turn.observer.as_ref(),
             session: &turn.session,
+            model: match turn.model.as_str() {
+                "" => DEFAULT_MODEL,
+                model => model,
+            },
             fence: turn.fence,
             memory_tier: turn.memory_tier(),
         }

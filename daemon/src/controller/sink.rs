@@ -47,6 +47,8 @@ pub struct TurnIo<'a> {
     pub counters: &'a Counters,
     pub observer: Option<&'a mpsc::Sender<ExecUpdate>>,
     pub session: &'a str,
+    /// What a model call that names no model asks for: the session's model.
+    pub model: &'a str,
     pub fence: i64,
     /// Memory-tier harnesses cannot be re-run by replay, so they cannot park at a gate.
     pub memory_tier: bool,
@@ -152,7 +154,12 @@ impl<'a> EffectSink<'a> {
     }
 
     /// EVENT_MODEL_CALL: serve the recorded completion after the I0 check, or invoke the model.
-    pub async fn model(&mut self, call: ModelCall) -> Result<Reply> {
+    pub async fn model(&mut self, mut call: ModelCall) -> Result<Reply> {
+        // Resolved before hashing: the session's model never changes (fork children inherit
+        // it), so a replayed call resolves, and hashes, exactly as the recorded one did.
+        if call.model.is_empty() {
+            call.model = self.io.model.to_owned();
+        }
         let hash = input_hash(&call).map_err(|e| {
             ControllerError::HarnessProtocol(format!(
                 "model call {:?} cannot be hashed: {e}",

@@ -107,6 +107,7 @@ fn turn_with(uid: &str, fence: i64, harness: Arc<dyn Harness>) -> Turn {
         fence,
         fork_seq: 0,
         harness: "echo".into(),
+        model: String::new(),
         descriptor: harness.descriptor(),
         endpoint: Arc::new(InProcessEndpoint::new(harness)),
         identity: None,

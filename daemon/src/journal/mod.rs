@@ -250,6 +250,10 @@ pub trait Journal: Send + Sync {
         limit: usize,
     ) -> Result<Vec<SessionRow>>;
 
+    /// Every project with a live (not DELETED) session, by name, with how many it has: what
+    /// `list_sessions` pages through, project by project.
+    fn projects(&self) -> Result<Vec<(String, u64)>>;
+
     /// Mints the next fence for the session (first value 1), superseding every lower holder;
     /// this node holds the session from here on.
     fn new_fence(&self, uid: &str) -> Result<i64>;

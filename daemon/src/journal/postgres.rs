@@ -389,6 +389,22 @@ impl Journal for PostgresJournal {
         })
     }
 
+    fn projects(&self) -> Result<Vec<(String, u64)>> {
+        self.with("list projects", move |client| async move {
+            Ok(client
+                .query(
+                    "SELECT project, COUNT(*) FROM sessions WHERE deletion_state != 'DELETED'
+                     GROUP BY project ORDER BY project",
+                    &[],
+                )
+                .await
+                .map_err(pg("list projects"))?
+                .iter()
+                .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1) as u64))
+                .collect())
+        })
+    }
+
     fn list_sessions(
         &self,
         project: &str,

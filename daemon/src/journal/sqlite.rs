@@ -395,6 +395,21 @@ impl Journal for SqliteJournal {
         .map_err(storage(format!("get session {uid}")))
     }
 
+    fn projects(&self) -> Result<Vec<(String, u64)>> {
+        let conn = self.reader();
+        conn.prepare_cached(
+            "SELECT project, COUNT(*) FROM sessions WHERE deletion_state != 'DELETED'
+             GROUP BY project ORDER BY project",
+        )
+        .and_then(|mut st| {
+            st.query_map([], |r| {
+                Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as u64))
+            })?
+            .collect::<rusqlite::Result<Vec<_>>>()
+        })
+        .map_err(storage("list projects".to_owned()))
+    }
+
     fn list_sessions(
         &self,
         project: &str,

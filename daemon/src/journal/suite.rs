@@ -33,6 +33,7 @@ macro_rules! journal_cases {
             fork_copy_is_byte_identical_and_links_the_tree,
             fork_children_are_written_all_or_none,
             list_pages_newest_first_with_a_keyset_cursor,
+            projects_count_their_live_sessions,
             deletion_state_persists,
             children_count_until_they_are_deleted,
             operations_are_durable_until_ended
@@ -420,6 +421,25 @@ pub fn list_pages_newest_first_with_a_keyset_cursor(open: &Opener) {
     };
     let page2 = j.list_sessions("p", Some(&cursor), 10).unwrap();
     assert_eq!(uids(&page2), vec!["s-b", "s-d"]);
+}
+
+pub fn projects_count_their_live_sessions(open: &Opener) {
+    let j = open();
+    assert!(j.projects().unwrap().is_empty());
+    for (uid, project) in [
+        ("a1", "alpha"),
+        ("a2", "alpha"),
+        ("b1", "beta"),
+        ("g1", "gone"),
+    ] {
+        j.create_session(&session(uid, project, 1)).unwrap();
+    }
+    j.set_deletion("g1", DeletionState::Deleted).unwrap();
+    j.set_deletion("a2", DeletionState::Deleting).unwrap();
+    assert_eq!(
+        j.projects().unwrap(),
+        vec![("alpha".to_owned(), 2), ("beta".to_owned(), 1)]
+    );
 }
 
 pub fn deletion_state_persists(open: &Opener) {

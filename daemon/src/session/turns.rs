@@ -353,6 +353,7 @@ impl SessionHost {
                 fence,
                 fork_seq: row.fork_seq,
                 harness: placement.harness.clone(),
+                model: row.model.clone(),
                 descriptor,
                 endpoint,
                 identity: row.identity.clone(),

@@ -104,11 +104,10 @@ pub fn start_daemon_env(dir: &Path, extra: &[&str], env: &[(String, String)]) ->
     }
 }
 
-/// Runs `agentvm --addr <the daemon> ARGS`: (success, stdout, stderr).
+/// Runs `agentvm ARGS` against the daemon (AGENTVM_ADDR): (success, stdout, stderr).
 pub fn cli(d: &Daemon, args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_agentvm"))
-        .arg("--addr")
-        .arg(d.addr())
+        .env("AGENTVM_ADDR", d.addr())
         .args(args)
         .output()
         .unwrap();

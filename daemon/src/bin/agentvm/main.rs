@@ -2,6 +2,7 @@
 
 #![forbid(unsafe_code)]
 
+mod connection;
 mod harness_cmd;
 mod image_cmd;
 mod node_cmd;
@@ -9,6 +10,8 @@ mod sessions_cmd;
 
 use std::io::Read;
 use std::path::PathBuf;
+
+use connection::Connection;
 use std::process::ExitCode;
 
 use agentvm_proto::v1::LogRecord;
@@ -33,39 +36,8 @@ struct Cli {
     /// Print payloads whole in human output (cut to a line otherwise).
     #[arg(long, global = true)]
     full: bool,
-    /// The daemon's API address, `unix:PATH` or `HOST:PORT`. Default: agentvmd's default socket.
-    #[arg(long, global = true, env = "AGENTVM_ADDR")]
-    addr: Option<config::ListenAddr>,
-    /// Bearer token for a node with an auth file.
-    #[arg(long, global = true, env = "AGENTVM_TOKEN", hide_env_values = true)]
-    token: Option<String>,
-    /// For a TCP address: speak TLS, trusting this CA certificate (PEM).
-    #[arg(long, global = true, env = "AGENTVM_TLS_CA")]
-    tls_ca: Option<PathBuf>,
-    /// Client certificate (PEM) for mutual TLS, with --tls-key.
-    #[arg(long, global = true, env = "AGENTVM_TLS_CERT")]
-    tls_cert: Option<PathBuf>,
-    /// The client certificate's key (PEM).
-    #[arg(long, global = true, env = "AGENTVM_TLS_KEY")]
-    tls_key: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
-}
-
-impl Cli {
-    /// `--addr`, else `AGENTVM_ADDR`, else agentvmd's default socket.
-    fn addr(&self) -> config::ListenAddr {
-        self.addr.clone().unwrap_or_else(config::default_listen)
-    }
-
-    fn credentials(&self) -> agentvmd::client::Credentials {
-        agentvmd::client::Credentials {
-            token: self.token.clone(),
-            tls_ca: self.tls_ca.clone(),
-            tls_cert: self.tls_cert.clone(),
-            tls_key: self.tls_key.clone(),
-        }
-    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -97,9 +69,15 @@ enum Command {
 #[derive(Subcommand, Debug)]
 enum NodeCommand {
     /// Capacity, KVM flavour, VMM version, free memory, sessions and harnesses.
-    Status,
+    Status {
+        #[command(flatten)]
+        conn: Connection,
+    },
     /// The nodes sharing this node's journal, with their heartbeats and sessions.
-    List,
+    List {
+        #[command(flatten)]
+        conn: Connection,
+    },
     /// Refuse new work on node NAME, suspend everything it runs and let go of its sessions,
     /// so other nodes take them (found through the node at --addr).
     Drain {
@@ -108,6 +86,8 @@ enum NodeCommand {
         /// How long the suspends may take in all, in seconds.
         #[arg(long, default_value_t = 60)]
         timeout_secs: u32,
+        #[command(flatten)]
+        conn: Connection,
     },
 }
 
@@ -172,6 +152,8 @@ enum JournalCommand {
         /// STATE_DIR/journal.db; works with no daemon running).
         #[arg(long)]
         db: Option<PathBuf>,
+        #[command(flatten)]
+        conn: Connection,
     },
 }
 
@@ -210,12 +192,7 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
                 json: cli.json,
                 full: cli.full,
             };
-            async_runtime()?.block_on(sessions_cmd::run(
-                &cli.addr(),
-                &cli.credentials(),
-                output,
-                cmd.clone(),
-            ))?;
+            async_runtime()?.block_on(sessions_cmd::run(output, cmd.clone()))?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Completions { shell } => {
@@ -225,23 +202,19 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Man => {
-            use clap::CommandFactory;
-            clap_mangen::Man::new(Cli::command())
-                .render(&mut std::io::stdout())
-                .context("writing the manual page")?;
+            manual(&mut std::io::stdout().lock()).context("writing the manual page")?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Node(command) => {
-            let addr = cli.addr();
-            let runtime = async_runtime()?;
-            let creds = cli.credentials();
-            runtime.block_on(async {
+            async_runtime()?.block_on(async {
                 match command {
-                    NodeCommand::Status => node_cmd::status(&addr, &creds, cli.json).await,
-                    NodeCommand::List => node_cmd::list(&addr, &creds, cli.json).await,
-                    NodeCommand::Drain { name, timeout_secs } => {
-                        node_cmd::drain(&addr, &creds, name, *timeout_secs, cli.json).await
-                    }
+                    NodeCommand::Status { conn } => node_cmd::status(conn, cli.json).await,
+                    NodeCommand::List { conn } => node_cmd::list(conn, cli.json).await,
+                    NodeCommand::Drain {
+                        name,
+                        timeout_secs,
+                        conn,
+                    } => node_cmd::drain(conn, name, *timeout_secs, cli.json).await,
                 }
             })?;
             Ok(ExitCode::SUCCESS)
@@ -268,14 +241,10 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
             expect_head,
             expect_last_seq,
         }) => verify(file, expect_head.as_deref(), *expect_last_seq, cli.json),
-        Command::Journal(JournalCommand::Export { session, db }) => {
+        Command::Journal(JournalCommand::Export { session, db, conn }) => {
             let records = match db {
                 Some(db) => read_offline(db, session)?,
-                None => async_runtime()?.block_on(sessions_cmd::fetch_log(
-                    &cli.addr(),
-                    &cli.credentials(),
-                    session,
-                ))?,
+                None => async_runtime()?.block_on(sessions_cmd::fetch_log(conn, session))?,
             };
             let stdout = std::io::stdout();
             let mut out = std::io::BufWriter::new(stdout.lock());
@@ -283,6 +252,35 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// The manual page: clap_mangen's page for the top level, then the connection options, which
+/// only the commands that talk to agentvmd take (so the top level does not list them).
+fn manual(out: &mut impl std::io::Write) -> std::io::Result<()> {
+    use clap::{Args, CommandFactory};
+    clap_mangen::Man::new(Cli::command()).render(out)?;
+    let roff = |text: &str| text.replace('\\', "\\\\").replace('-', "\\-");
+    writeln!(out, ".SH CONNECTION")?;
+    writeln!(
+        out,
+        "The commands that talk to agentvmd (the session commands, node, journal export) take:"
+    )?;
+    for arg in Connection::augment_args(clap::Command::new("connection")).get_arguments() {
+        let Some(long) = arg.get_long() else { continue };
+        let help = arg.get_help().map(ToString::to_string).unwrap_or_default();
+        let env = arg
+            .get_env()
+            .map(|e| format!(" (environment: {})", e.to_string_lossy()))
+            .unwrap_or_default();
+        writeln!(
+            out,
+            ".TP\n\\fB\\-\\-{}\\fR\n{}{}",
+            roff(long),
+            roff(&help),
+            env
+        )?;
+    }
+    Ok(())
 }
 
 /// A session's records read from the journal database at `db`, with no daemon.

@@ -6,35 +6,21 @@ use agentvm_proto::node::v1::{DrainRequest, GetStatusRequest, ListNodesRequest};
 use agentvmd::config::ListenAddr;
 use anyhow::Context;
 
+use crate::connection::Connection;
+
 fn mib(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / f64::from(1 << 20))
 }
 
-type Client = NodeClient<
-    tonic::service::interceptor::InterceptedService<
-        tonic::transport::Channel,
-        agentvmd::client::Bearer,
-    >,
->;
+type Client = NodeClient<agentvmd::client::AuthedChannel>;
 
-async fn client(
-    addr: &ListenAddr,
-    creds: &agentvmd::client::Credentials,
-) -> anyhow::Result<Client> {
-    let channel = agentvmd::client::connect_with(addr, creds).await?;
-    Ok(NodeClient::with_interceptor(
-        channel,
-        agentvmd::client::bearer(creds.token.clone())?,
-    ))
+async fn client(conn: &Connection) -> anyhow::Result<Client> {
+    Ok(NodeClient::new(conn.connect().await?))
 }
 
 /// `agentvm node list`: the fleet as the node at `addr` sees it in the shared journal.
-pub async fn list(
-    addr: &ListenAddr,
-    creds: &agentvmd::client::Credentials,
-    json: bool,
-) -> anyhow::Result<()> {
-    let fleet = client(addr, creds)
+pub async fn list(conn: &Connection, json: bool) -> anyhow::Result<()> {
+    let fleet = client(conn)
         .await?
         .list_nodes(ListNodesRequest {})
         .await?
@@ -83,13 +69,12 @@ pub async fn list(
 /// `agentvm node drain NAME`: asks node NAME (at the address the fleet gives for it, or
 /// `addr` itself) to drain.
 pub async fn drain(
-    addr: &ListenAddr,
-    creds: &agentvmd::client::Credentials,
+    conn: &Connection,
     name: &str,
     timeout_secs: u32,
     json: bool,
 ) -> anyhow::Result<()> {
-    let mut here = client(addr, creds).await?;
+    let mut here = client(conn).await?;
     let fleet = here.list_nodes(ListNodesRequest {}).await?.into_inner();
     let mut target = if fleet.this_node == name {
         here
@@ -105,7 +90,7 @@ pub async fn drain(
             .address
             .parse()
             .map_err(|e| anyhow::anyhow!("node {name}'s address {:?}: {e}", node.address))?;
-        client(&at, creds).await?
+        client(&conn.at(at)).await?
     };
     let drained = target
         .drain(DrainRequest {
@@ -133,12 +118,8 @@ pub async fn drain(
     Ok(())
 }
 
-pub async fn status(
-    addr: &ListenAddr,
-    creds: &agentvmd::client::Credentials,
-    json: bool,
-) -> anyhow::Result<()> {
-    let s = client(addr, creds)
+pub async fn status(conn: &Connection, json: bool) -> anyhow::Result<()> {
+    let s = client(conn)
         .await?
         .get_status(GetStatusRequest {})
         .await?

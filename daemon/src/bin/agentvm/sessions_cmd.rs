@@ -6,18 +6,21 @@ use std::collections::HashMap;
 use std::io::Write;
 
 use agentvm_proto::canon::to_proto_json;
+use agentvm_proto::node::v1::ListProjectsRequest;
+use agentvm_proto::node::v1::node_client::NodeClient;
 use agentvm_proto::v1::sessions_client::SessionsClient;
 use agentvm_proto::v1::{
     ApproveRequest, CancelRequest, CreateSessionRequest, DeleteSessionRequest, ExecRequest,
-    ForkRequest, GetSessionRequest, IdentityRef, ListSessionsRequest, LogRecord, Message, Part,
-    ReplayRequest, ResourceMetadata, ResumeRequest, Session, SuspendRequest, TextPart, event::Body,
-    exec_update::Update, part,
+    ForkRequest, GetSessionRequest, IdentityRef, ListSessionsRequest, ListSessionsResponse,
+    LogRecord, Message, Part, ReplayRequest, ResourceMetadata, ResumeRequest, Session,
+    SuspendRequest, TextPart, event::Body, exec_update::Update, part,
 };
 use agentvmd::client::AuthedChannel;
-use agentvmd::config::ListenAddr;
 use agentvmd::journal::verify::verify_chain;
 use anyhow::Context;
 use clap::Subcommand;
+
+use crate::connection::Connection;
 
 /// Where a command's session comes from: the positional argument or `--session`.
 #[derive(clap::Args, Debug, Clone)]
@@ -59,23 +62,33 @@ pub enum SessionCommand {
         /// KEY=VALUE, repeatable.
         #[arg(long = "label", value_parser = key_value)]
         labels: Vec<(String, String)>,
+        #[command(flatten)]
+        conn: Connection,
     },
     /// Show one session.
     Get {
         #[command(flatten)]
         session: SessionArg,
+        #[command(flatten)]
+        conn: Connection,
     },
     /// List a project's sessions, newest first.
     List {
         /// The project. Default: the node's default project.
         #[arg(long)]
         project: Option<String>,
+        /// Every project's sessions (those the credential may see), newest first, each line
+        /// naming its project; every page is fetched.
+        #[arg(long, conflicts_with_all = ["project", "page_token"])]
+        all_projects: bool,
         /// Sessions per page. Default: the server's page size.
         #[arg(long)]
         page_size: Option<i32>,
         /// Where to go on from (a previous page's `next page` token).
         #[arg(long)]
         page_token: Option<String>,
+        #[command(flatten)]
+        conn: Connection,
     },
     /// Run one turn and stream its records. Without input it only re-drives an interrupted
     /// turn; a session whose last turn ended is refused.
@@ -112,6 +125,8 @@ pub enum SessionCommand {
         /// Unix seconds after which the host cancels the turn.
         #[arg(long, value_name = "UNIX_SECONDS")]
         deadline_unix: Option<i64>,
+        #[command(flatten)]
+        conn: Connection,
     },
     /// Print a session's records (read-only).
     Replay {
@@ -123,6 +138,8 @@ pub enum SessionCommand {
         /// The last seq to print. Default: the head.
         #[arg(long, value_name = "SEQ")]
         to_seq: Option<i64>,
+        #[command(flatten)]
+        conn: Connection,
     },
     /// Fork children from a point of the log (default: its head). A memory-tier session
     /// forks only at its head.
@@ -141,17 +158,23 @@ pub enum SessionCommand {
         /// KEY=VALUE for every child, repeatable.
         #[arg(long = "label", value_parser = key_value)]
         labels: Vec<(String, String)>,
+        #[command(flatten)]
+        conn: Connection,
     },
     /// Snapshot the session's compute and stop it (memory tier: COLD, resumable anywhere
     /// its snapshot is).
     Suspend {
         #[command(flatten)]
         session: SessionArg,
+        #[command(flatten)]
+        conn: Connection,
     },
     /// Bring a suspended session's compute back (its next turn would too).
     Resume {
         #[command(flatten)]
         session: SessionArg,
+        #[command(flatten)]
+        conn: Connection,
     },
     /// Decide a pending approval, then resume the session.
     Approve {
@@ -178,6 +201,8 @@ pub enum SessionCommand {
         /// Only record the decision; do not resume.
         #[arg(long)]
         no_resume: bool,
+        #[command(flatten)]
+        conn: Connection,
     },
     /// Stop the running or interrupted execution.
     Cancel {
@@ -189,17 +214,42 @@ pub enum SessionCommand {
         /// Why, recorded with the cancellation.
         #[arg(long)]
         reason: Option<String>,
+        #[command(flatten)]
+        conn: Connection,
     },
     /// Delete a session: stop its compute, free its snapshots, keep its log as a tombstone.
     Delete {
         #[command(flatten)]
         session: SessionArg,
+        #[command(flatten)]
+        conn: Connection,
     },
     /// Fetch a session's log and verify its hash chain.
     Verify {
         #[command(flatten)]
         session: SessionArg,
+        #[command(flatten)]
+        conn: Connection,
     },
+}
+
+impl SessionCommand {
+    fn connection(&self) -> &Connection {
+        match self {
+            Self::Create { conn, .. }
+            | Self::Get { conn, .. }
+            | Self::List { conn, .. }
+            | Self::Exec { conn, .. }
+            | Self::Replay { conn, .. }
+            | Self::Fork { conn, .. }
+            | Self::Suspend { conn, .. }
+            | Self::Resume { conn, .. }
+            | Self::Approve { conn, .. }
+            | Self::Cancel { conn, .. }
+            | Self::Delete { conn, .. }
+            | Self::Verify { conn, .. } => conn,
+        }
+    }
 }
 
 fn key_value(s: &str) -> Result<(String, String), String> {
@@ -387,16 +437,9 @@ pub struct Output {
     pub full: bool,
 }
 
-pub async fn run(
-    addr: &ListenAddr,
-    creds: &agentvmd::client::Credentials,
-    output: Output,
-    cmd: SessionCommand,
-) -> anyhow::Result<()> {
+pub async fn run(output: Output, cmd: SessionCommand) -> anyhow::Result<()> {
     let Output { json, full } = output;
-    let channel = agentvmd::client::connect_with(addr, creds).await?;
-    let mut c =
-        SessionsClient::with_interceptor(channel, agentvmd::client::bearer(creds.token.clone())?);
+    let mut c = SessionsClient::new(cmd.connection().connect().await?);
     match cmd {
         SessionCommand::Create {
             harness,
@@ -404,6 +447,7 @@ pub async fn run(
             name,
             model,
             labels,
+            ..
         } => {
             let s = c
                 .create_session(CreateSessionRequest {
@@ -423,7 +467,7 @@ pub async fn run(
                 .into_inner();
             show_session(&s, json, full)
         }
-        SessionCommand::Get { session } => {
+        SessionCommand::Get { session, .. } => {
             let s = c
                 .get_session(GetSessionRequest { uid: session.uid() })
                 .await?
@@ -431,9 +475,29 @@ pub async fn run(
             show_session(&s, json, full)
         }
         SessionCommand::List {
+            all_projects: true,
+            page_size,
+            conn,
+            ..
+        } => {
+            let sessions = every_project(&mut c, &conn, page_size.unwrap_or_default()).await?;
+            if json {
+                return print_json(&ListSessionsResponse {
+                    sessions,
+                    next_page_token: String::new(),
+                });
+            }
+            for s in &sessions {
+                let project = s.metadata.as_ref().map_or("", |m| m.project.as_str());
+                println!("{}  project={project}", session_line(s, full));
+            }
+            Ok(())
+        }
+        SessionCommand::List {
             project,
             page_size,
             page_token,
+            ..
         } => {
             let r = c
                 .list_sessions(ListSessionsRequest {
@@ -464,6 +528,7 @@ pub async fn run(
             resume_from_seq,
             expected_last_seq,
             deadline_unix,
+            ..
         } => {
             let session = positional.or(session_flag).unwrap_or_default();
             let mut texts = inputs;
@@ -487,6 +552,7 @@ pub async fn run(
             session,
             from_seq,
             to_seq,
+            ..
         } => {
             let records = replay(
                 &mut c,
@@ -510,6 +576,7 @@ pub async fn run(
             at_seq,
             child_names,
             labels,
+            ..
         } => {
             let r = c
                 .fork(ForkRequest {
@@ -527,7 +594,7 @@ pub async fn run(
             }
             Ok(())
         }
-        SessionCommand::Suspend { session } => {
+        SessionCommand::Suspend { session, .. } => {
             let s = c
                 .suspend(SuspendRequest {
                     session: session.uid(),
@@ -536,7 +603,7 @@ pub async fn run(
                 .into_inner();
             show_session(&s, json, full)
         }
-        SessionCommand::Resume { session } => {
+        SessionCommand::Resume { session, .. } => {
             let s = c
                 .resume(ResumeRequest {
                     session: session.uid(),
@@ -555,6 +622,7 @@ pub async fn run(
             reason,
             principal,
             no_resume,
+            ..
         } => {
             let session = session.uid();
             let r = c
@@ -601,6 +669,7 @@ pub async fn run(
             session,
             execution_id,
             reason,
+            ..
         } => {
             let s = c
                 .cancel(CancelRequest {
@@ -612,14 +681,14 @@ pub async fn run(
                 .into_inner();
             show_session(&s, json, full)
         }
-        SessionCommand::Delete { session } => {
+        SessionCommand::Delete { session, .. } => {
             let s = c
                 .delete_session(DeleteSessionRequest { uid: session.uid() })
                 .await?
                 .into_inner();
             show_session(&s, json, full)
         }
-        SessionCommand::Verify { session } => {
+        SessionCommand::Verify { session, .. } => {
             let session = session.uid();
             let records = replay(&mut c, session.clone(), 0, 0).await?;
             match verify_chain(&records) {
@@ -637,15 +706,60 @@ pub async fn run(
     }
 }
 
-/// A session's whole log, through the API at `addr`.
-pub async fn fetch_log(
-    addr: &ListenAddr,
-    creds: &agentvmd::client::Credentials,
-    session: &str,
-) -> anyhow::Result<Vec<LogRecord>> {
-    let channel = agentvmd::client::connect_with(addr, creds).await?;
-    let mut c =
-        SessionsClient::with_interceptor(channel, agentvmd::client::bearer(creds.token.clone())?);
+/// Every session of every project the node lists for this credential, newest first (ties by
+/// uid, as ListSessions orders one project).
+async fn every_project(
+    c: &mut SessionsClient<AuthedChannel>,
+    conn: &Connection,
+    page_size: i32,
+) -> anyhow::Result<Vec<Session>> {
+    let projects = NodeClient::new(conn.connect().await?)
+        .list_projects(ListProjectsRequest {})
+        .await?
+        .into_inner()
+        .projects;
+    let mut sessions = Vec::new();
+    for project in projects {
+        let mut page_token = String::new();
+        loop {
+            let page = c
+                .list_sessions(ListSessionsRequest {
+                    project: project.name.clone(),
+                    page_size,
+                    page_token,
+                })
+                .await?
+                .into_inner();
+            sessions.extend(page.sessions);
+            if page.next_page_token.is_empty() {
+                break;
+            }
+            page_token = page.next_page_token;
+        }
+    }
+    let created = |s: &Session| {
+        s.metadata
+            .as_ref()
+            .and_then(|m| m.create_time)
+            .map(|t| (t.seconds, t.nanos))
+    };
+    let uid = |s: &Session| {
+        s.metadata
+            .as_ref()
+            .map(|m| m.uid.clone())
+            .unwrap_or_default()
+    };
+    sessions.sort_by(|a, b| {
+        created(b)
+            .cmp(&created(a))
+            .then_with(|| uid(a).cmp(&uid(b)))
+    });
+    Ok(sessions)
+}
+
+/// A session's whole log, through the API.
+pub async fn fetch_log(conn: &Connection, session: &str) -> anyhow::Result<Vec<LogRecord>> {
+    let mut c = SessionsClient::new(conn.connect().await?);
     replay(&mut c, session.to_owned(), 0, 0).await
 }
 
