@@ -234,6 +234,8 @@ pub struct Node {
     pub disk: DiskReserve,
     /// This node's name in its fleet.
     pub name: String,
+    /// What node status last measured an idle VMM to cost (shared by every NodeService).
+    vmm_footprint: crate::api::node_service::VmmFootprint,
 }
 
 impl Node {
@@ -383,6 +385,7 @@ impl Node {
             auth: cfg.auth.clone(),
             disk,
             name: cfg.node_name.clone(),
+            vmm_footprint: Default::default(),
         })
     }
 }
@@ -398,6 +401,7 @@ impl Node {
             registry: Arc::clone(&self.registry),
             microvm: self.microvm.clone(),
             disk: self.disk.clone(),
+            vmm_footprint: Arc::clone(&self.vmm_footprint),
         }
     }
 

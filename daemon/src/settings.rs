@@ -272,87 +272,185 @@ impl Settings {
         self
     }
 
-    /// The effective settings as a TOML file would say them (defaults filled in).
-    pub fn effective_toml(&self) -> String {
-        let mut t = toml::map::Map::new();
-        let mut put = |k: &str, v: Option<String>| {
-            if let Some(v) = v {
-                t.insert(k.to_owned(), toml::Value::String(v));
-            }
-        };
-        let path = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
-        put("state_dir", path(&self.state_dir));
-        put(
-            "journal_url",
-            self.journal_url.as_deref().map(without_password),
+    /// Every setting as a TOML file would say it, with the value the node runs with: what
+    /// was given, else its default. A setting that is off unless given is a comment saying
+    /// what being unset means. The text reads back as the same settings.
+    pub fn effective_toml(
+        &self,
+        node: &crate::node::NodeConfig,
+        listen: &ListenAddr,
+        admin_listen: &ListenAddr,
+    ) -> String {
+        let mut out = String::new();
+        let mut set = |key: &str, value: toml::Value| out.push_str(&format!("{key} = {value}\n"));
+        let text = |v: &str| toml::Value::String(v.to_owned());
+        let path = |p: &Path| toml::Value::String(p.display().to_string());
+        let secs = |n: u64| toml::Value::Integer(i64::try_from(n).unwrap_or(i64::MAX));
+        set("state_dir", path(&node.state_dir));
+        set("node_name", text(&node.node_name));
+        set("listen", text(&listen.to_string()));
+        set("admin_listen", text(&admin_listen.to_string()));
+        set(
+            "advertise_address",
+            text(
+                self.advertise_address
+                    .as_deref()
+                    .unwrap_or(&listen.to_string()),
+            ),
         );
-        put("node_name", self.node_name.clone());
-        put("snapshot_url", self.snapshot_url.clone());
-        put("advertise_address", self.advertise_address.clone());
-        put("listen", self.listen.as_ref().map(|l| l.to_string()));
-        put(
-            "admin_listen",
-            self.admin_listen.as_ref().map(|l| l.to_string()),
+        set("lease_secs", secs(node.lease.as_secs()));
+        set(
+            "snapshot_sweep_secs",
+            secs(
+                self.snapshot_sweep_secs
+                    .unwrap_or(DEFAULT_SNAPSHOT_SWEEP_SECS),
+            ),
         );
-        put("metrics_listen", self.metrics_listen.map(|a| a.to_string()));
-        put(
+        set(
             "log_format",
-            Some(
-                match self.log_format.unwrap_or_default() {
-                    LogFormat::Text => "text",
-                    LogFormat::Json => "json",
-                }
-                .to_owned(),
+            text(match self.log_format.unwrap_or_default() {
+                LogFormat::Text => "text",
+                LogFormat::Json => "json",
+            }),
+        );
+        if let Some(program) = node.harness_command.first() {
+            set("harness_bin", text(program));
+        }
+        set("vmm_flavour", text(node.vmm_flavour.name()));
+        set("ram_dir", path(&node.ram_dir));
+        set(
+            "image_dir",
+            path(
+                &node
+                    .image_dir
+                    .clone()
+                    .unwrap_or_else(|| node.state_dir.join("images")),
             ),
         );
-        put("harness_bin", path(&self.harness_bin));
-        put("vmm_binary", path(&self.vmm_binary));
-        put(
-            "vmm_flavour",
-            Some(self.vmm_flavour.unwrap_or_default().name().to_owned()),
+        set("vm_uid_base", secs(u64::from(node.vm_uid_base)));
+        set(
+            "openai_api_key_env",
+            text(
+                self.openai_api_key_env
+                    .as_deref()
+                    .unwrap_or(DEFAULT_OPENAI_API_KEY_ENV),
+            ),
         );
-        put("ram_dir", path(&self.ram_dir));
-        put("image_dir", path(&self.image_dir));
-        put("openai_base_url", self.openai_base_url.clone());
-        put("openai_api_key_env", self.openai_api_key_env.clone());
-        put("openai_api_key_file", path(&self.openai_api_key_file));
-        put("tool_executor_url", self.tool_executor_url.clone());
-        put("tls_cert", path(&self.tls_cert));
-        put("tls_key", path(&self.tls_key));
-        put("tls_client_ca", path(&self.tls_client_ca));
-        put("auth_file", path(&self.auth_file));
-        put(
+        set(
+            "openai_timeout_secs",
+            secs(
+                self.openai_timeout_secs
+                    .unwrap_or(DEFAULT_OPENAI_TIMEOUT_SECS),
+            ),
+        );
+        set(
+            "tool_executor_timeout_secs",
+            secs(
+                self.tool_executor_timeout_secs
+                    .unwrap_or(DEFAULT_TOOL_EXECUTOR_TIMEOUT_SECS),
+            ),
+        );
+        set(
             "shutdown_policy",
-            Some(
-                match self.shutdown_policy.unwrap_or_default() {
-                    ShutdownPolicy::Leave => "leave",
-                    ShutdownPolicy::Suspend => "suspend",
-                }
-                .to_owned(),
+            text(match self.shutdown_policy.unwrap_or_default() {
+                ShutdownPolicy::Leave => "leave",
+                ShutdownPolicy::Suspend => "suspend",
+            }),
+        );
+        set(
+            "shutdown_timeout_secs",
+            secs(
+                self.shutdown_timeout_secs
+                    .unwrap_or(DEFAULT_SHUTDOWN_TIMEOUT_SECS),
             ),
         );
-        let mut text = toml::to_string(&t).unwrap_or_default();
-        for (k, v) in [
-            ("openai_timeout_secs", self.openai_timeout_secs),
+        set(
+            "guest_ready_timeout_secs",
+            secs(node.guest_ready_timeout.as_secs()),
+        );
+        set(
+            "harness_idle_timeout_secs",
+            secs(node.harness_idle_timeout.as_secs()),
+        );
+        set("min_free_disk_mib", secs(node.min_free_disk_mib));
+        let optional: [(&str, Option<String>, &str); 11] = [
             (
-                "tool_executor_timeout_secs",
-                self.tool_executor_timeout_secs,
+                "journal_url",
+                self.journal_url.as_deref().map(without_password),
+                "the embedded sqlite journal, STATE_DIR/journal.db",
             ),
-            ("shutdown_timeout_secs", self.shutdown_timeout_secs),
-            ("guest_ready_timeout_secs", self.guest_ready_timeout_secs),
-            ("harness_idle_timeout_secs", self.harness_idle_timeout_secs),
-            ("min_free_disk_mib", self.min_free_disk_mib),
-            ("vm_uid_base", self.vm_uid_base.map(u64::from)),
-            ("lease_secs", self.lease_secs),
-            ("snapshot_sweep_secs", self.snapshot_sweep_secs),
-        ] {
-            if let Some(v) = v {
-                text.push_str(&format!("{k} = {v}\n"));
+            (
+                "snapshot_url",
+                self.snapshot_url.clone(),
+                "snapshots stay in this node's own store",
+            ),
+            (
+                "metrics_listen",
+                self.metrics_listen.map(|a| a.to_string()),
+                "no metrics endpoint",
+            ),
+            (
+                "vmm_binary",
+                node.vmm_binary.as_ref().map(|p| p.display().to_string()),
+                "none found: the node has no microvm runtime",
+            ),
+            (
+                "openai_base_url",
+                self.openai_base_url.clone(),
+                "only the built-in echo model",
+            ),
+            (
+                "openai_api_key_file",
+                self.openai_api_key_file
+                    .as_ref()
+                    .map(|p| p.display().to_string()),
+                "the key comes from openai_api_key_env",
+            ),
+            (
+                "tool_executor_url",
+                self.tool_executor_url.clone(),
+                "host-mediated tool calls fail with MissingToolExecutor",
+            ),
+            (
+                "tls_cert",
+                self.tls_cert.as_ref().map(|p| p.display().to_string()),
+                "no TLS: the Sessions listener is a unix socket or loopback",
+            ),
+            (
+                "tls_key",
+                self.tls_key.as_ref().map(|p| p.display().to_string()),
+                "no TLS",
+            ),
+            (
+                "tls_client_ca",
+                self.tls_client_ca.as_ref().map(|p| p.display().to_string()),
+                "no client certificates asked for",
+            ),
+            (
+                "auth_file",
+                self.auth_file.as_ref().map(|p| p.display().to_string()),
+                "no authentication: every caller may use every project",
+            ),
+        ];
+        let mut unset_notes = String::new();
+        for (key, value, unset) in optional {
+            match value {
+                Some(value) => set(key, text(&value)),
+                None => unset_notes.push_str(&format!("# {key}: unset, {unset}\n")),
             }
         }
-        text
+        out + &unset_notes
     }
 }
+
+/// How often the node deletes snapshots of deleted sessions (with a fleet or a snapshot store).
+pub const DEFAULT_SNAPSHOT_SWEEP_SECS: u64 = 300;
+/// The environment variable holding the OpenAI-compatible endpoint's key.
+pub const DEFAULT_OPENAI_API_KEY_ENV: &str = "OPENAI_API_KEY";
+pub const DEFAULT_OPENAI_TIMEOUT_SECS: u64 = 600;
+pub const DEFAULT_TOOL_EXECUTOR_TIMEOUT_SECS: u64 = 60;
+/// How long a `suspend` shutdown may take.
+pub const DEFAULT_SHUTDOWN_TIMEOUT_SECS: u64 = 60;
 
 /// A database URL fit to print: its password, if any, replaced by `***`.
 pub fn without_password(url: &str) -> String {
@@ -434,7 +532,10 @@ mod tests {
         assert_eq!(s.vmm_flavour, Some(VmmFlavour::CloudHypervisor));
         assert_eq!(s.log_format, Some(LogFormat::Json));
         assert_eq!(s.openai_timeout_secs, Some(30));
-        let effective = s.effective_toml();
+        let node = crate::node::NodeConfig::new(s.state_dir.clone().unwrap());
+        let listen = s.listen.clone().unwrap();
+        let admin = crate::config::default_admin_listen(&listen);
+        let effective = s.effective_toml(&node, &listen, &admin);
         assert!(
             effective.contains("listen = \"unix:/tmp/b.sock\""),
             "{effective}"
@@ -442,7 +543,36 @@ mod tests {
         // What it prints reads back as the same settings.
         let again = file(&effective).unwrap();
         assert_eq!(again.listen, s.listen);
-        assert_eq!(again.vmm_flavour, s.vmm_flavour);
+        assert_eq!(again.openai_timeout_secs, s.openai_timeout_secs);
+        assert_eq!(again.log_format, s.log_format);
+        assert_eq!(again.state_dir, s.state_dir);
+    }
+
+    #[test]
+    fn the_effective_settings_name_every_setting() {
+        use clap::CommandFactory;
+        let s = Settings::default();
+        let node = crate::node::NodeConfig::new(PathBuf::from("/var/lib/agentvm"));
+        let listen = crate::config::default_listen();
+        let admin = crate::config::default_admin_listen(&listen);
+        let effective = s.effective_toml(&node, &listen, &admin);
+        for arg in Settings::command().get_arguments() {
+            let key = arg.get_id().as_str();
+            if ["config", "check_config", "help", "version"].contains(&key) {
+                continue;
+            }
+            let named = effective
+                .lines()
+                .filter(|l| {
+                    l.starts_with(&format!("{key} = ")) || l.starts_with(&format!("# {key}: "))
+                })
+                .count();
+            assert_eq!(named, 1, "{key}:\n{effective}");
+        }
+        // Defaults are spelled out, and the text is a valid settings file.
+        assert!(effective.contains("min_free_disk_mib = 256"), "{effective}");
+        assert!(effective.contains("# journal_url: unset"), "{effective}");
+        file(&effective).unwrap();
     }
 
     #[test]

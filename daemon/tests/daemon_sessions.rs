@@ -4,7 +4,7 @@
 
 mod support;
 
-use support::daemon::{Daemon, cli, start_daemon, start_daemon_with};
+use support::daemon::{Daemon, cli, kvm_unavailable, start_daemon, start_daemon_with};
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -278,6 +278,7 @@ fn node_status_reports_what_a_scheduler_needs() {
     // Human output too.
     let (ok, out, _) = cli(&d, &["node", "status"]);
     assert!(ok && out.contains("sessions    1"), "{out}");
+    assert!(out.contains("running     0 here"), "{out}");
     assert!(out.contains("disk free   state "), "{out}");
     if has_microvm {
         assert!(out.contains("isolation   "), "{out}");
@@ -285,6 +286,74 @@ fn node_status_reports_what_a_scheduler_needs() {
         assert_eq!(s["vmm_restore"], "map-private", "{s}");
         assert!(out.contains("restore     map-private"), "{out}");
     }
+    let status = || -> serde_json::Value {
+        let (ok, out, err) = cli(&d, &["--json", "node", "status"]);
+        assert!(ok, "{err}");
+        serde_json::from_str(&out).unwrap()
+    };
+    let count = |s: &serde_json::Value, field: &str| -> u64 {
+        s[field].as_str().unwrap_or("0").parse().unwrap()
+    };
+    let running = |s: &serde_json::Value, runtime: &str| -> u64 {
+        s["running_sessions"][runtime]
+            .as_str()
+            .unwrap_or("0")
+            .parse()
+            .unwrap()
+    };
+    // A turn of the echo harness runs it as a process here.
+    let (ok, out, err) = cli(&d, &["--json", "exec", "-i", "hi"]);
+    assert!(ok, "{out}{err}");
+    let s = status();
+    assert_eq!(running(&s, "process"), 1, "{s}");
+    assert_eq!(count(&s, "vmms"), 0, "{s}");
+    if !has_microvm || kvm_unavailable().is_some() {
+        eprintln!("VMM counts not checked: no microvm runtime or no usable /dev/kvm");
+        return;
+    }
+    assert!(
+        s["capacity_basis"]
+            .as_str()
+            .unwrap()
+            .contains("no VMM has run here yet"),
+        "{s}"
+    );
+    // A microVM session: its VMM is counted once, as the session running in it.
+    let (ok, out, err) = cli(&d, &["--json", "create", "--harness", "testguest"]);
+    assert!(ok, "{err}");
+    let created: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
+    let vm = created["metadata"]["uid"].as_str().unwrap().to_owned();
+    let (ok, out, err) = cli(&d, &["exec", &vm, "-i", "tick"]);
+    assert!(ok, "{out}{err}");
+    let s = status();
+    assert_eq!(running(&s, "microvm"), 1, "{s}");
+    assert_eq!(count(&s, "vmms"), 1, "{s}");
+    assert_eq!(count(&s, "vmms_without_session"), 0, "{s}");
+    let basis = s["capacity_basis"].as_str().unwrap();
+    assert!(basis.contains("the mean PSS of the 1 running VMMs"), "{s}");
+    assert_eq!(
+        count(&s, "capacity_sessions"),
+        count(&s, "memory_available_bytes") / count(&s, "vmm_memory_bytes"),
+        "{s}"
+    );
+    let (ok, out, _) = cli(&d, &["node", "status"]);
+    assert!(
+        ok && out.contains("running     2 here: 1 microvm, 1 process"),
+        "{out}"
+    );
+    // Suspended, it runs nowhere; capacity keeps the footprint it measured.
+    let (ok, out, err) = cli(&d, &["suspend", &vm]);
+    assert!(ok, "{out}{err}");
+    let s = status();
+    assert_eq!(running(&s, "microvm"), 0, "{s}");
+    assert_eq!(count(&s, "vmms"), 0, "{s}");
+    assert!(
+        s["capacity_basis"]
+            .as_str()
+            .unwrap()
+            .contains("the 1 VMMs that ran here last"),
+        "{s}"
+    );
 }
 
 #[test]

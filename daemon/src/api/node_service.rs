@@ -93,11 +93,54 @@ pub struct NodeService {
     pub registry: Arc<Registry>,
     pub microvm: Option<Arc<MicrovmRuntime>>,
     pub disk: crate::disk::DiskReserve,
+    pub vmm_footprint: VmmFootprint,
 }
+
+/// The mean PSS of the VMMs last seen running, and how many there were.
+pub type VmmFootprint = Arc<std::sync::Mutex<Option<(u64, usize)>>>;
+
+/// What capacity assumes an idle microVM costs before any has run here to measure: the test
+/// guest's measured footprint, rounded up.
+const ASSUMED_VMM_FOOTPRINT: u64 = 1 << 20;
 
 impl NodeService {
     pub fn into_server(self) -> NodeServer<Self> {
         NodeServer::new(self)
+    }
+
+    /// How many more idle microVM sessions fit in `available` bytes, and how that was reached:
+    /// at the mean PSS of the running VMMs, else of those that ran last, else an assumption.
+    fn capacity(&self, available: u64, vmms: &[(String, u64)]) -> (u64, String) {
+        let mut measured = self.vmm_footprint.lock().unwrap_or_else(|p| p.into_inner());
+        let total: u64 = vmms.iter().map(|(_, pss)| pss).sum();
+        let (per_vmm, basis) = if vmms.is_empty() {
+            match *measured {
+                Some((per_vmm, count)) => (
+                    per_vmm,
+                    format!("the mean PSS of the {count} VMMs that ran here last"),
+                ),
+                None => (
+                    ASSUMED_VMM_FOOTPRINT,
+                    "an assumed footprint: no VMM has run here yet to measure".to_owned(),
+                ),
+            }
+        } else {
+            let per_vmm = (total / vmms.len() as u64).max(1);
+            *measured = Some((per_vmm, vmms.len()));
+            (
+                per_vmm,
+                format!("the mean PSS of the {} running VMMs", vmms.len()),
+            )
+        };
+        let mib = |b: u64| b as f64 / f64::from(1 << 20);
+        (
+            available / per_vmm,
+            format!(
+                "{:.0} MiB available / {:.2} MiB per idle session, {basis}",
+                mib(available),
+                mib(per_vmm)
+            ),
+        )
     }
 
     pub fn status(&self) -> Result<NodeStatus, Status> {
@@ -118,15 +161,22 @@ impl NodeService {
             .unwrap_or_default();
         let vmm_memory_bytes: u64 = vmms.iter().map(|(_, pss)| pss).sum();
         let (memory_total_bytes, memory_available_bytes) = meminfo();
-        let per_vmm = if vmms.is_empty() {
-            1 << 20
-        } else {
-            (vmm_memory_bytes / vmms.len() as u64).max(1)
-        };
-        let capacity_sessions = if self.microvm.is_some() {
-            memory_available_bytes / per_vmm
-        } else {
-            0
+        let running = self.host.running();
+        let mut running_sessions = std::collections::HashMap::<String, u64>::new();
+        for (_, runtime) in &running {
+            *running_sessions.entry((*runtime).to_owned()).or_default() += 1;
+        }
+        let vmms_without_session = vmms
+            .iter()
+            .filter(|(vm, _)| {
+                !running
+                    .iter()
+                    .any(|(uid, runtime)| uid == vm && *runtime == crate::runtime::microvm::NAME)
+            })
+            .count() as u64;
+        let (capacity_sessions, capacity_basis) = match &self.microvm {
+            Some(_) => self.capacity(memory_available_bytes, &vmms),
+            None => (0, "no microvm runtime on this node".to_owned()),
         };
         let harnesses = self
             .registry
@@ -156,6 +206,9 @@ impl NodeService {
             vmms: vmms.len() as u64,
             vmm_memory_bytes,
             capacity_sessions,
+            capacity_basis,
+            running_sessions,
+            vmms_without_session,
             harnesses,
             vmm_isolation: self
                 .microvm

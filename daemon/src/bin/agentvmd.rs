@@ -126,7 +126,10 @@ fn node_config(s: &Settings) -> anyhow::Result<(NodeConfig, ListenAddr, ListenAd
     }
     node_config.tool_executor = s.tool_executor_url.clone().map(|url| WebhookConfig {
         url,
-        timeout: std::time::Duration::from_secs(s.tool_executor_timeout_secs.unwrap_or(60)),
+        timeout: std::time::Duration::from_secs(
+            s.tool_executor_timeout_secs
+                .unwrap_or(agentvmd::settings::DEFAULT_TOOL_EXECUTOR_TIMEOUT_SECS),
+        ),
     });
     if let Some(path) = &s.auth_file {
         node_config.auth = Some(std::sync::Arc::new(
@@ -134,14 +137,20 @@ fn node_config(s: &Settings) -> anyhow::Result<(NodeConfig, ListenAddr, ListenAd
         ));
     }
     if let Some(base_url) = &s.openai_base_url {
-        let key_env = s.openai_api_key_env.as_deref().unwrap_or("OPENAI_API_KEY");
+        let key_env = s
+            .openai_api_key_env
+            .as_deref()
+            .unwrap_or(agentvmd::settings::DEFAULT_OPENAI_API_KEY_ENV);
         let api_key = load_api_key(Some(key_env), s.openai_api_key_file.as_deref())
             .context("reading the OpenAI API key file")?;
         info!(base_url = %base_url, key = api_key.is_some(), "OpenAI-compatible provider configured");
         node_config.openai = Some(OpenAiConfig {
             base_url: base_url.clone(),
             api_key,
-            timeout: std::time::Duration::from_secs(s.openai_timeout_secs.unwrap_or(600)),
+            timeout: std::time::Duration::from_secs(
+                s.openai_timeout_secs
+                    .unwrap_or(agentvmd::settings::DEFAULT_OPENAI_TIMEOUT_SECS),
+            ),
         });
     }
     Ok((node_config, listen, admin_listen))
@@ -211,7 +220,7 @@ fn check(s: Settings) -> anyhow::Result<()> {
     if let Some(c) = &node_config.tool_executor {
         agentvmd::tool_webhook::WebhookExecutor::new(c.clone()).context("tool_executor_url")?;
     }
-    print!("{}", s.effective_toml());
+    print!("{}", s.effective_toml(&node_config, &listen, &admin_listen));
     println!("# configuration is valid");
     Ok(())
 }
@@ -260,8 +269,13 @@ fn run(s: Settings) -> anyhow::Result<()> {
     let lease = node_config.lease;
     let fleet = node_config.journal_url.is_some();
     // A shared journal or snapshot store holds what other nodes' deletes leave here.
-    let sweep_every = (fleet || node_config.snapshot_remote.is_some())
-        .then(|| std::time::Duration::from_secs(s.snapshot_sweep_secs.unwrap_or(300).max(1)));
+    let sweep_every = (fleet || node_config.snapshot_remote.is_some()).then(|| {
+        std::time::Duration::from_secs(
+            s.snapshot_sweep_secs
+                .unwrap_or(agentvmd::settings::DEFAULT_SNAPSHOT_SWEEP_SECS)
+                .max(1),
+        )
+    });
     let node = Node::open(node_config)?;
     info!(state_dir = %state_dir.display(), "journal open");
     let advertise = s
@@ -270,7 +284,10 @@ fn run(s: Settings) -> anyhow::Result<()> {
         .unwrap_or_else(|| listen.to_string());
     let metrics_listen = s.metrics_listen;
     let shutdown_policy = s.shutdown_policy.unwrap_or_default();
-    let shutdown_budget = std::time::Duration::from_secs(s.shutdown_timeout_secs.unwrap_or(60));
+    let shutdown_budget = std::time::Duration::from_secs(
+        s.shutdown_timeout_secs
+            .unwrap_or(agentvmd::settings::DEFAULT_SHUTDOWN_TIMEOUT_SECS),
+    );
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -166,6 +166,16 @@ impl SessionHost {
         &self.controller
     }
 
+    /// The sessions whose compute runs on this node now, with the runtime each runs on.
+    pub fn running(&self) -> Vec<(String, &'static str)> {
+        self.live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(uid, l)| (uid.clone(), l.runtime.name()))
+            .collect()
+    }
+
     fn live_get(&self, uid: &str) -> Option<(Incarnation, Arc<dyn Runtime>)> {
         self.live
             .lock()

@@ -161,11 +161,29 @@ pub async fn status(conn: &Connection, json: bool) -> anyhow::Result<()> {
         mib(s.state_dir_free_bytes),
         mib(s.min_free_disk_bytes)
     );
-    println!("sessions    {} ({} live)", s.sessions, s.sessions_live);
-    println!("vmms        {} holding {}", s.vmms, mib(s.vmm_memory_bytes));
     println!(
-        "capacity    ~{} more idle microVM sessions",
-        s.capacity_sessions
+        "sessions    {} in the journal ({} recorded live)",
+        s.sessions, s.sessions_live
+    );
+    let mut running: Vec<_> = s.running_sessions.iter().collect();
+    running.sort();
+    let total: u64 = running.iter().map(|(_, n)| **n).sum();
+    let by_runtime: Vec<String> = running.iter().map(|(r, n)| format!("{n} {r}")).collect();
+    match by_runtime.is_empty() {
+        true => println!("running     0 here"),
+        false => println!("running     {total} here: {}", by_runtime.join(", ")),
+    }
+    println!("vmms        {} holding {}", s.vmms, mib(s.vmm_memory_bytes));
+    if s.vmms_without_session > 0 {
+        println!(
+            "            {} of them serve no running session (adopted after a restart, or \
+             stopping)",
+            s.vmms_without_session
+        );
+    }
+    println!(
+        "capacity    ~{} more idle microVM sessions ({})",
+        s.capacity_sessions, s.capacity_basis
     );
     println!("harnesses   {}", s.harnesses.join(", "));
     Ok(())

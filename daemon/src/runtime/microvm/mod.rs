@@ -48,7 +48,8 @@ use super::{
 };
 use crate::controller::endpoint::HarnessEndpoint;
 
-const NAME: &str = "microvm";
+/// The runtime's name, as sessions and node status name it.
+pub const NAME: &str = "microvm";
 /// Guest CID: with hybrid vsock it is visible only inside the guest, so every VM may use it.
 const GUEST_CID: u32 = 3;
 
