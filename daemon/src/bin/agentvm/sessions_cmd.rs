@@ -62,6 +62,9 @@ pub enum SessionCommand {
         /// KEY=VALUE, repeatable.
         #[arg(long = "label", value_parser = key_value)]
         labels: Vec<(String, String)>,
+        /// Print only the new session's uid (for `S=$(agentvm create -q)`; over --json).
+        #[arg(short, long)]
+        quiet: bool,
         #[command(flatten)]
         conn: Connection,
     },
@@ -158,6 +161,9 @@ pub enum SessionCommand {
         /// KEY=VALUE for every child, repeatable.
         #[arg(long = "label", value_parser = key_value)]
         labels: Vec<(String, String)>,
+        /// Print only the children's uids, one a line (over --json).
+        #[arg(short, long)]
+        quiet: bool,
         #[command(flatten)]
         conn: Connection,
     },
@@ -333,6 +339,12 @@ fn record_line(r: &LogRecord, full: bool) -> String {
         _ => String::new(),
     };
     format!("{:>5}  {kind:<16} {}", r.seq, shown(&detail, full))
+        .trim_end()
+        .to_owned()
+}
+
+fn uid_of(s: &Session) -> &str {
+    s.metadata.as_ref().map_or("", |m| m.uid.as_str())
 }
 
 fn show_session(s: &Session, json: bool, full: bool) -> anyhow::Result<()> {
@@ -447,6 +459,7 @@ pub async fn run(output: Output, cmd: SessionCommand) -> anyhow::Result<()> {
             name,
             model,
             labels,
+            quiet,
             ..
         } => {
             let s = c
@@ -465,6 +478,10 @@ pub async fn run(output: Output, cmd: SessionCommand) -> anyhow::Result<()> {
                 })
                 .await?
                 .into_inner();
+            if quiet {
+                println!("{}", uid_of(&s));
+                return Ok(());
+            }
             show_session(&s, json, full)
         }
         SessionCommand::Get { session, .. } => {
@@ -576,6 +593,7 @@ pub async fn run(output: Output, cmd: SessionCommand) -> anyhow::Result<()> {
             at_seq,
             child_names,
             labels,
+            quiet,
             ..
         } => {
             let r = c
@@ -590,7 +608,10 @@ pub async fn run(output: Output, cmd: SessionCommand) -> anyhow::Result<()> {
                 .await?
                 .into_inner();
             for s in &r.children {
-                show_session(s, json, full)?;
+                match quiet {
+                    true => println!("{}", uid_of(s)),
+                    false => show_session(s, json, full)?,
+                }
             }
             Ok(())
         }
