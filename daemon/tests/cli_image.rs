@@ -96,7 +96,12 @@ impl ImageDir {
     }
 
     fn build(&self, out: &str) -> std::process::Output {
+        self.build_with(out, &[])
+    }
+
+    fn build_with(&self, out: &str, flags: &[&str]) -> std::process::Output {
         Command::new(env!("CARGO_BIN_EXE_agentvm"))
+            .args(flags)
             .args(["image", "build", "--config"])
             .arg(self.dir.path().join("image.toml"))
             .arg("-o")
@@ -151,6 +156,11 @@ fn image_build_writes_a_reproducible_bundle() {
     let manifest: serde_json::Value =
         serde_json::from_slice(&img.read("a", "manifest.json")).unwrap();
     assert_eq!(manifest["format"], 1);
+    // Under --json the build prints the manifest it wrote.
+    let json = img.build_with("c", &["--json"]);
+    assert!(json.status.success(), "{json:?}");
+    let printed: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(printed, manifest);
     let initramfs = img.read("a", "initramfs.cpio");
     assert_eq!(
         manifest["files"]["initramfs.cpio"]["size"],

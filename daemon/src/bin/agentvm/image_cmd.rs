@@ -29,6 +29,7 @@ pub fn build(
     output: &Path,
     kernel: Option<std::path::PathBuf>,
     agent: Option<std::path::PathBuf>,
+    json: bool,
 ) -> anyhow::Result<()> {
     let agent = agent.or_else(|| {
         let sibling = std::env::current_exe()
@@ -42,6 +43,13 @@ pub fn build(
         &agentvmd::image::BuildInputs { kernel, agent },
     )
     .with_context(|| format!("building the image of {}", config.display()))?;
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string(&manifest).context("rendering the manifest")?
+        );
+        return Ok(());
+    }
     for (name, d) in &manifest.files {
         println!("{name:16} {:>10} bytes  sha256:{}", d.size, d.sha256);
     }

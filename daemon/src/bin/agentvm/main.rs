@@ -229,7 +229,7 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
             kernel,
             agent,
         }) => {
-            image_cmd::build(config, output, kernel.clone(), agent.clone())?;
+            image_cmd::build(config, output, kernel.clone(), agent.clone(), cli.json)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Image(ImageCommand::Testguest { output }) => {
