@@ -1,7 +1,10 @@
 //! virtio 1.x devices over the MMIO transport. The transport owns the registers and the
 //! queues; a device owns its config space and what it does with the queues.
 
+pub mod block;
 pub mod mmio;
+#[cfg(test)]
+mod test_driver;
 pub mod vsock;
 
 use std::sync::Arc;

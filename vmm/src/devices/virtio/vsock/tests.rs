@@ -19,107 +19,14 @@ use super::muxer::{self, Muxer, VsockStats};
 use super::packet::{self, HEADER_LEN, HOST_CID, Header, TYPE_STREAM, op};
 use super::{Vsock, VsockHandler};
 use crate::devices::bus::BusDevice;
+use crate::devices::virtio::Interrupt;
 use crate::devices::virtio::mmio::VirtioMmio;
-use crate::devices::virtio::{Interrupt, status};
+use crate::devices::virtio::test_driver::{DESC_NEXT, GuestQueue, QUEUE_SIZE, bring_up};
 use crate::event_loop::{Registry, Subscriber};
 
 const GUEST_CID: u64 = 3;
-const QUEUE_SIZE: u16 = 64;
 const RAM: usize = 16 << 20;
 const BUFFERS_START: u64 = 1 << 20;
-const DESC_NEXT: u16 = 1;
-const DESC_WRITE: u16 = 2;
-
-/// A split virtqueue as a guest driver sees it.
-struct GuestQueue {
-    desc: u64,
-    avail: u64,
-    used: u64,
-    next_desc: u16,
-    avail_idx: u16,
-    used_seen: u16,
-}
-
-impl GuestQueue {
-    fn new(base: u64) -> Self {
-        Self {
-            desc: base,
-            avail: base + 16 * u64::from(QUEUE_SIZE),
-            used: base + 0x2000,
-            next_desc: 0,
-            avail_idx: 0,
-            used_seen: 0,
-        }
-    }
-
-    fn write_desc(mem: &GuestMemoryMmap, at: u64, addr: u64, len: u32, flags: u16, next: u16) {
-        mem.write_obj(addr, GuestAddress(at)).unwrap();
-        mem.write_obj(len, GuestAddress(at + 8)).unwrap();
-        mem.write_obj(flags, GuestAddress(at + 12)).unwrap();
-        mem.write_obj(next, GuestAddress(at + 14)).unwrap();
-    }
-
-    /// Writes descriptors verbatim (index, addr, len, flags, next) and makes `head` available.
-    fn push_raw(&mut self, mem: &GuestMemoryMmap, descs: &[(u16, u64, u32, u16, u16)], head: u16) {
-        for &(index, addr, len, flags, next) in descs {
-            Self::write_desc(
-                mem,
-                self.desc + 16 * u64::from(index),
-                addr,
-                len,
-                flags,
-                next,
-            );
-        }
-        self.publish(mem, head);
-    }
-
-    /// A well-formed chain of (addr, len, device-writable) buffers.
-    fn push_chain(&mut self, mem: &GuestMemoryMmap, buffers: &[(u64, u32, bool)]) -> u16 {
-        let head = self.next_desc;
-        for (i, &(addr, len, writable)) in buffers.iter().enumerate() {
-            let index = self.next_desc;
-            self.next_desc = (self.next_desc + 1) % QUEUE_SIZE;
-            let mut flags = if writable { DESC_WRITE } else { 0 };
-            if i + 1 < buffers.len() {
-                flags |= DESC_NEXT;
-            }
-            Self::write_desc(
-                mem,
-                self.desc + 16 * u64::from(index),
-                addr,
-                len,
-                flags,
-                self.next_desc,
-            );
-        }
-        self.publish(mem, head);
-        head
-    }
-
-    fn publish(&mut self, mem: &GuestMemoryMmap, head: u16) {
-        let slot = self.avail + 4 + 2 * u64::from(self.avail_idx % QUEUE_SIZE);
-        mem.write_obj(head, GuestAddress(slot)).unwrap();
-        self.avail_idx = self.avail_idx.wrapping_add(1);
-        mem.write_obj(self.avail_idx, GuestAddress(self.avail + 2))
-            .unwrap();
-    }
-
-    /// Used entries (id, len) the device returned since the last call.
-    fn take_used(&mut self, mem: &GuestMemoryMmap) -> Vec<(u32, u32)> {
-        let idx: u16 = mem.read_obj(GuestAddress(self.used + 2)).unwrap();
-        let mut out = Vec::new();
-        while self.used_seen != idx {
-            let at = self.used + 4 + 8 * u64::from(self.used_seen % QUEUE_SIZE);
-            let id: u32 = mem.read_obj(GuestAddress(at)).unwrap();
-            let len: u32 = mem.read_obj(GuestAddress(at + 4)).unwrap();
-            out.push((id, len));
-            self.used_seen = self.used_seen.wrapping_add(1);
-        }
-        out
-    }
-}
-
 struct Harness {
     _dir: tempfile::TempDir,
     socket: PathBuf,
@@ -154,7 +61,7 @@ impl Harness {
             GuestQueue::new(0x20000),
             GuestQueue::new(0x30000),
         ];
-        bring_up(&mut transport, &queues);
+        bring_up(&mut transport, &queues, 1);
         assert!(transport.is_activated());
         let notify = transport
             .queue_events()
@@ -336,28 +243,6 @@ impl Harness {
             .map(|(_, v)| v)
             .unwrap()
     }
-}
-
-fn bring_up(t: &mut VirtioMmio<Vsock>, queues: &[GuestQueue; 3]) {
-    let w =
-        |t: &mut VirtioMmio<Vsock>, offset: u64, value: u32| t.write(offset, &value.to_le_bytes());
-    w(t, 0x70, status::ACKNOWLEDGE | status::DRIVER);
-    w(t, 0x24, 1);
-    w(t, 0x20, 1);
-    w(
-        t,
-        0x70,
-        status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK,
-    );
-    for (i, q) in queues.iter().enumerate() {
-        w(t, 0x30, i as u32);
-        w(t, 0x38, u32::from(QUEUE_SIZE));
-        w(t, 0x80, q.desc as u32);
-        w(t, 0x90, q.avail as u32);
-        w(t, 0xa0, q.used as u32);
-        w(t, 0x44, 1);
-    }
-    w(t, 0x70, 0xf);
 }
 
 fn read_line(stream: &mut UnixStream) -> String {
