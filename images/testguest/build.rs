@@ -14,6 +14,7 @@ const SOURCES: &[&str] = &[
     "clock.c",
     "mp.c",
     "virtio.c",
+    "disk.c",
     "vsock.c",
     "frame.c",
     "handlers.c",

@@ -61,6 +61,10 @@ pub struct VmState {
     pub serial: Option<SerialState>,
     #[serde(default)]
     pub vsock: Option<VirtioMmioState>,
+    /// The virtio-blk disks' transports, in config order. Their contents are files of their
+    /// own, which the snapshot's owner keeps beside it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disks: Vec<VirtioMmioState>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]

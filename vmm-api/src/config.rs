@@ -1,8 +1,8 @@
 //! The `VmConfig` subset agentvm-vmm supports, in Cloud Hypervisor's JSON shape.
 //!
 //! Field names and defaults are CH's (`vmm/src/vm_config.rs`), with two differences:
-//! every struct denies unknown fields (a CH field we do not implement, such as `disks`, `net`,
-//! `rng` or `cpus.topology`, is a 400 naming it rather than silently ignored), and the console
+//! every struct denies unknown fields (a CH field we do not implement, such as `net`, `rng`,
+//! `cpus.topology` or a disk's `vhost_user`, is a 400 naming it rather than silently ignored), and the console
 //! defaults to `Off` (CH: `Tty`) because agentvm-vmm has no virtio-console.
 //!
 //! Decoding checks types; [`VmConfig::validate`] checks values. Both name the field at fault.
@@ -79,6 +79,9 @@ pub struct VmConfig {
     /// Hybrid vsock device; none by default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vsock: Option<VsockConfig>,
+    /// virtio-blk disks, in the order the guest sees them (`vda`, `vdb`, …); none by default.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disks: Vec<DiskConfig>,
 }
 
 impl VmConfig {
@@ -94,6 +97,7 @@ impl VmConfig {
             serial: SerialConfig::default(),
             console: ConsoleConfig::default(),
             vsock: None,
+            disks: Vec::new(),
         }
     }
 
@@ -113,6 +117,25 @@ impl VmConfig {
         self.console.validate()?;
         if let Some(vsock) = &self.vsock {
             vsock.validate()?;
+        }
+        if self.disks.len() > MAX_DISKS {
+            return Err(ConfigError::new(
+                "disks",
+                format!("at most {MAX_DISKS} disks, got {}", self.disks.len()),
+            ));
+        }
+        for (i, disk) in self.disks.iter().enumerate() {
+            disk.validate(i)?;
+            let id = disk.id.as_deref();
+            let vsock_id = self.vsock.as_ref().and_then(|v| v.id.as_deref());
+            if id.is_some()
+                && (id == vsock_id || self.disks[..i].iter().any(|d| d.id.as_deref() == id))
+            {
+                return Err(ConfigError::new(
+                    &format!("disks[{i}].id"),
+                    format!("{:?} is the id of another device", id.unwrap_or_default()),
+                ));
+            }
         }
         Ok(())
     }
@@ -464,6 +487,54 @@ impl VsockConfig {
         check_path("vsock.socket", &self.socket)?;
         if self.id.as_deref() == Some("") {
             return Err(ConfigError::new("vsock.id", "must not be empty"));
+        }
+        Ok(())
+    }
+}
+
+/// Most disks a VM may have (each takes a virtio-mmio window and an interrupt line).
+pub const MAX_DISKS: usize = 8;
+/// Longest disk serial: what virtio-blk's GET_ID carries.
+pub const MAX_DISK_SERIAL_LEN: usize = 20;
+
+/// A virtio-blk disk backed by a file (a raw image, a whole number of 512-byte sectors).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskConfig {
+    /// The image file. Opened read-write unless `readonly`.
+    pub path: PathBuf,
+    /// The guest may read it only (writes fail with an I/O error in the guest).
+    #[serde(default)]
+    pub readonly: bool,
+    /// Device id; `_diskN` when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// What the guest reads as the disk's serial (`/dev/disk/by-id/virtio-SERIAL`): up to 20
+    /// printable ASCII bytes. Default: the device id, cut to 20 bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serial: Option<String>,
+}
+
+impl DiskConfig {
+    fn validate(&self, index: usize) -> Result<(), ConfigError> {
+        let field = |name: &str| format!("disks[{index}].{name}");
+        check_path(&field("path"), &self.path)?;
+        if self.id.as_deref() == Some("") {
+            return Err(ConfigError::new(&field("id"), "must not be empty"));
+        }
+        if let Some(serial) = &self.serial {
+            if serial.len() > MAX_DISK_SERIAL_LEN {
+                return Err(ConfigError::new(
+                    &field("serial"),
+                    format!("at most {MAX_DISK_SERIAL_LEN} bytes, got {}", serial.len()),
+                ));
+            }
+            if !serial.bytes().all(|b| b.is_ascii_graphic()) {
+                return Err(ConfigError::new(
+                    &field("serial"),
+                    "must be printable ASCII without spaces",
+                ));
+            }
         }
         Ok(())
     }

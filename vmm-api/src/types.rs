@@ -196,6 +196,10 @@ pub struct RestoreConfig {
     /// snapshot's config says (which belonged to the VM that was snapshotted).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub serial_file: Option<std::path::PathBuf>,
+    /// agentvm extension: the restored VM's disk files, in the order of the snapshot's
+    /// `disks` (a clone's own copies of them); empty keeps the paths its config names.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disk_paths: Vec<std::path::PathBuf>,
     /// Cloud Hypervisor's tap FDs; agentvm-vmm has no network devices, so only empty is
     /// accepted.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

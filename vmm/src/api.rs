@@ -21,7 +21,7 @@ use crate::boot::layout;
 use crate::exit::{ExitReason, ExitSignal};
 use crate::kvm::Flavour;
 use crate::kvm::vm::{KvmVm, VmError};
-use crate::vm::{RamSpec, RestoreSpec, SaveKind, SerialSpec, Vm, VmSpec, VsockSpec};
+use crate::vm::{DiskSpec, RamSpec, RestoreSpec, SaveKind, SerialSpec, Vm, VmSpec, VsockSpec};
 
 enum Slot {
     Empty,
@@ -262,6 +262,19 @@ pub fn spec_from_config(config: &VmConfig) -> Result<VmSpec, ApiError> {
             cid: v.cid,
             socket: v.socket.clone(),
         }),
+        disks: config
+            .disks
+            .iter()
+            .enumerate()
+            .map(|(i, d)| DiskSpec {
+                path: d.path.clone(),
+                read_only: d.readonly,
+                serial: d
+                    .serial
+                    .clone()
+                    .unwrap_or_else(|| disk_id(d.id.as_deref(), i)),
+            })
+            .collect(),
         ram_dir: None,
     })
 }
@@ -304,7 +317,27 @@ fn device_tree(config: &VmConfig) -> BTreeMap<String, DeviceNode> {
             ),
         );
     }
+    for (i, disk) in config.disks.iter().enumerate() {
+        let id = disk_id(disk.id.as_deref(), i);
+        let window = 1 + i as u32;
+        let (base, size) = layout::virtio_mmio_window(window);
+        tree.insert(
+            id.clone(),
+            node(
+                &id,
+                vec![
+                    serde_json::json!({"MmioAddressRange": {"base": base, "size": size}}),
+                    serde_json::json!({"LegacyIrq": layout::VIRTIO_IRQ_BASE + window}),
+                ],
+            ),
+        );
+    }
     tree
+}
+
+/// A disk's device id: its own, else `_diskN` (Cloud Hypervisor's naming).
+fn disk_id(id: Option<&str>, index: usize) -> String {
+    id.map_or_else(|| format!("_disk{index}"), str::to_owned)
 }
 
 impl VmmBackend for Vmm {
@@ -510,6 +543,19 @@ impl VmmBackend for Vmm {
                     }
                     config.serial.mode = ConsoleOutputMode::File;
                     config.serial.file = Some(file.clone());
+                }
+                if !request.disk_paths.is_empty() {
+                    if request.disk_paths.len() != config.disks.len() {
+                        return Err(format!(
+                            "disk_paths: {} given, the snapshot's VM has {} disks",
+                            request.disk_paths.len(),
+                            config.disks.len()
+                        ));
+                    }
+                    for (disk, path) in config.disks.iter_mut().zip(&request.disk_paths) {
+                        disk.path = path.clone();
+                    }
+                    config.validate().map_err(|e| e.to_string())?;
                 }
                 let spec = spec_from_config(&config).map_err(|e| e.to_string())?;
                 restored_config = Some(config);

@@ -72,10 +72,15 @@ const DEVICES: &[libc::c_long] = &[
     libc::SYS_epoll_pwait,
     libc::SYS_epoll_wait,
     libc::SYS_fcntl,
+    // virtio-blk: a FLUSH request.
+    libc::SYS_fdatasync,
     libc::SYS_getsockopt,
     libc::SYS_ioctl,
     libc::SYS_poll,
     libc::SYS_ppoll,
+    // virtio-blk: reads and writes of the disk files.
+    libc::SYS_pread64,
+    libc::SYS_pwrite64,
     libc::SYS_recvfrom,
     libc::SYS_recvmsg,
     libc::SYS_sendmsg,

@@ -55,10 +55,10 @@ async fn lifecycle_without_booting() {
         .request(
             Method::PUT,
             "vm.create",
-            Some(r#"{"payload":{"kernel":"/k"},"disks":[]}"#.into()),
+            Some(r#"{"payload":{"kernel":"/k"},"net":[]}"#.into()),
         )
         .await;
-    assert!(messages(unknown.map(|r| r.status)).contains("disks"));
+    assert!(messages(unknown.map(|r| r.status)).contains("net"));
 
     let config = vmm.config(1, 64, "");
     vmm.client.create(&config).await.unwrap();

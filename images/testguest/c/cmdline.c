@@ -114,6 +114,12 @@ void tg_cmdline_parse(const char *s, u32 max, struct tg_cmdline *out)
 			out->irqtest = 1;
 		} else if (starts(&c, "testguest.echo") && at_end(&c)) {
 			out->echo = 1;
+		} else if (starts(&c, "testguest.disk=")) {
+			u64 n;
+			if (parse_num(&c, &n, 0) || !at_end(&c) || !n || n > 0xffffffffu)
+				out->bad++;
+			else
+				out->disk = (u32)n;
 		} else if (starts(&c, "testguest.connect=")) {
 			u64 port;
 			if (parse_num(&c, &port, 0) || !at_end(&c) || !port || port > 0xffffffffu)

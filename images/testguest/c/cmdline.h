@@ -17,6 +17,7 @@ struct tg_cmdline {
 	u32 connect_port; /* testguest.connect=<port>; 0 = none */
 	u32 irqtest;      /* testguest.irqtest: prove PIC interrupt delivery with the PIT */
 	u32 echo;         /* testguest.echo: be the stateless echo harness, not the counter */
+	u32 disk;         /* testguest.disk=<n>: check the first disk at boot, writing n; 0 = none */
 	u32 bad;          /* options with a malformed value, ignored */
 };
 

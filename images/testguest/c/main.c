@@ -1,5 +1,6 @@
 /* Boot: PVH start info, markers, devices; then the main loop every interrupt restarts. */
 #include "cmdline.h"
+#include "disk.h"
 #include "handlers.h"
 #include "pic.h"
 #include "plat.h"
@@ -119,6 +120,8 @@ void tg_start(u32 start_info)
 	pic_init();
 	lapic_virtual_wire();
 	start_vsock(&cl);
+	if (cl.disk)
+		disk_check(&cl);
 	if (cl.irqtest)
 		irqtest_start();
 	tg_set_echo(cl.echo);

@@ -3,7 +3,7 @@ use serde_json::json;
 use super::*;
 
 /// vmm-api.md §3.4's minimal sandbox body, minus what agentvm-vmm does not support
-/// (`disks`, memory `zones`).
+/// (memory `zones`).
 const MINIMAL_BODY: &str = r#"{"cpus":{"boot_vcpus":2,"max_vcpus":2},
  "memory":{"size":1073741824},
  "payload":{"kernel":"/var/lib/sbx/vmlinux","initramfs":"/var/lib/sbx/initrd",
@@ -90,14 +90,20 @@ fn payload_is_required() {
 
 #[test]
 fn cloud_hypervisor_fields_we_lack_are_refused_by_name() {
-    let disks = json!({"disks": [{"path": "/run/sbx/v1/rootfs.img", "id": "root"}]});
+    // A disk field of CH's we lack is refused by name, as a whole unknown section is.
+    let disks =
+        json!({"disks": [{"path": "/run/sbx/v1/rootfs.img", "id": "root", "vhost_user": true}]});
     let err = VmConfig::from_json(
         MINIMAL_BODY
             .replacen('{', &format!("{{\"disks\":{},", disks["disks"]), 1)
             .as_bytes(),
     )
-    .expect_err("disks");
-    assert!(err.to_string().contains("unknown field `disks`"), "{err}");
+    .expect_err("vhost_user");
+    assert!(
+        err.to_string().contains("unknown field `vhost_user`"),
+        "{err}"
+    );
+    assert!(err.path.starts_with("disks[0]"), "{err:?}");
 
     let zones = r#"{"payload":{"kernel":"/k"},"memory":{"size":0,"zones":[{"id":"mem0","size":1073741824,"file":"/run/sbx/v1/mem","shared":false}]}}"#;
     let err = VmConfig::from_json(zones.as_bytes()).expect_err("zones");
@@ -286,4 +292,58 @@ fn vsock_values_are_checked() {
     let ok = decode(json!({"payload": {"kernel": "/k"}, "vsock": {"cid": u32::MAX - 1, "socket": "/s", "id": "_vsock0"}}))
         .expect("valid vsock");
     assert_eq!(ok.vsock.and_then(|v| v.id).as_deref(), Some("_vsock0"));
+}
+
+#[test]
+fn disks_decode_in_order_and_their_values_are_checked() {
+    let ok = decode(json!({
+        "payload": {"kernel": "/k"},
+        "vsock": {"cid": 3, "socket": "/s", "id": "_vsock0"},
+        "disks": [
+            {"path": "/images/root.erofs", "readonly": true, "id": "root"},
+            {"path": "/run/w.img", "serial": "workspace"}
+        ]
+    }))
+    .expect("valid disks");
+    assert_eq!(ok.disks.len(), 2);
+    assert!(ok.disks[0].readonly && !ok.disks[1].readonly);
+    assert_eq!(ok.disks[1].serial.as_deref(), Some("workspace"));
+    // It round-trips, and a VM without disks says nothing of them.
+    let again: VmConfig = serde_json::from_value(serde_json::to_value(&ok).unwrap()).unwrap();
+    assert_eq!(again, ok);
+    assert!(
+        !serde_json::to_string(&decode(base()).unwrap())
+            .unwrap()
+            .contains("disks")
+    );
+
+    rejected(json!({"disks": [{"path": ""}]}), "disks[0].path");
+    rejected(
+        json!({"disks": [{"path": "/a"}, {"path": "/b", "id": ""}]}),
+        "disks[1].id",
+    );
+    rejected(
+        json!({"disks": [{"path": "/a", "serial": "a serial that is much too long"}]}),
+        "disks[0].serial",
+    );
+    rejected(
+        json!({"disks": [{"path": "/a", "serial": "with space"}]}),
+        "disks[0].serial",
+    );
+    rejected(
+        json!({"disks": [{"path": "/a", "id": "x"}, {"path": "/b", "id": "x"}]}),
+        "disks[1].id",
+    );
+    rejected(
+        json!({"vsock": {"cid": 3, "socket": "/s", "id": "v"}, "disks": [{"path": "/a", "id": "v"}]}),
+        "disks[0].id",
+    );
+    let many: Vec<serde_json::Value> = (0..=MAX_DISKS)
+        .map(|i| json!({"path": format!("/d{i}")}))
+        .collect();
+    rejected(json!({"disks": many}), "disks");
+    rejected(
+        json!({"disks": [{"path": "/a", "readonly": "yes"}]}),
+        "disks[0].readonly",
+    );
 }

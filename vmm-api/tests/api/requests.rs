@@ -177,8 +177,8 @@ async fn unknown_fields_are_400_naming_the_field() {
     let server = TestServer::start().await;
     for (body, field) in [
         (
-            json!({"payload": {"kernel": "/k"}, "disks": [{"path": "/d"}]}),
-            "disks",
+            json!({"payload": {"kernel": "/k"}, "disks": [{"path": "/d", "direct": true}]}),
+            "direct",
         ),
         (json!({"payload": {"kernel": "/k"}, "net": []}), "net"),
         (

@@ -22,10 +22,11 @@ use crate::boot::{layout, mptable};
 use crate::devices::bus::{Bus, Overlap};
 use crate::devices::i8042::{self, I8042};
 use crate::devices::serial::{Destination, RateLimit, SerialDevice, SerialOutput, SerialStats};
-use crate::devices::virtio::Interrupt;
+use crate::devices::virtio::block::{Block, BlockError, BlockHandler, BlockStats};
 use crate::devices::virtio::mmio::{self, MmioError, VirtioMmio};
 use crate::devices::virtio::vsock::muxer::Muxer;
 use crate::devices::virtio::vsock::{Vsock, VsockHandler, VsockStats};
+use crate::devices::virtio::{Interrupt, VirtioDevice};
 use crate::event_loop::{EventLoop, EventLoopError, Subscriber};
 use crate::exit::ExitSignal;
 use crate::kvm::memory::{GuestRam, MemoryError, RamOptions};
@@ -44,8 +45,24 @@ pub struct VmSpec {
     pub cmdline: String,
     pub serial: SerialSpec,
     pub vsock: Option<VsockSpec>,
+    /// virtio-blk disks, in the order the guest finds them.
+    pub disks: Vec<DiskSpec>,
     /// Where guest RAM files live (a tmpfs); `None` for a memfd.
     pub ram_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiskSpec {
+    pub path: PathBuf,
+    pub read_only: bool,
+    /// What GET_ID answers (the guest's serial for it).
+    pub serial: String,
+}
+
+/// virtio-mmio window of the `index`th disk: vsock keeps window 0 whether it is there or not,
+/// so a disk's window (and the guest's view of it) never depends on the vsock device.
+fn disk_window(index: usize) -> u32 {
+    1 + index as u32
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -109,6 +126,8 @@ pub enum BuildError {
         path: String,
         source: std::io::Error,
     },
+    #[error(transparent)]
+    Disk(#[from] BlockError),
     #[error("restoring device state: {0}")]
     State(String),
     #[error(transparent)]
@@ -133,6 +152,7 @@ pub struct Vm {
     devices: EventLoop,
     serial: Option<Arc<Mutex<SerialDevice>>>,
     vsock: Option<AttachedVsock>,
+    disks: Vec<AttachedDisk>,
     exit: Arc<ExitSignal>,
     serial_stats: Arc<SerialStats>,
     vcpu_stats: Arc<VcpuStats>,
@@ -147,6 +167,7 @@ pub struct Vm {
 struct Parts {
     ram: GuestRam,
     vsock: Option<AttachedVsock>,
+    disks: Vec<AttachedDisk>,
     serial: Option<SerialParts>,
     serial_stats: Arc<SerialStats>,
 }
@@ -180,12 +201,22 @@ impl Vm {
             }
             None => None,
         };
+        let disks = spec
+            .disks
+            .iter()
+            .enumerate()
+            .map(|(i, disk)| {
+                append_device(&mut cmdline, disk_window(i));
+                create_disk(&ram, disk, None)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let entry = load_guest(&ram, spec, &cmdline)?;
         let stats = Arc::new(SerialStats::default());
         let serial = serial_device(spec, stats.clone(), None)?;
         let parts = Parts {
             ram,
             vsock,
+            disks,
             serial,
             serial_stats: stats,
         };
@@ -210,6 +241,7 @@ impl Vm {
         let Parts {
             ram,
             vsock,
+            disks,
             serial,
             serial_stats,
         } = parts;
@@ -220,10 +252,29 @@ impl Vm {
         let mut mmio = Bus::default();
         let mut subscribers: Vec<Box<dyn Subscriber>> = Vec::new();
         if let Some(vsock) = &vsock {
-            connect_vsock(&kvm, vsock, 0, &mut mmio)?;
+            connect_virtio(
+                &kvm,
+                &vsock.device,
+                0,
+                &mut mmio,
+                ["KVM_IRQFD (vsock)", "KVM_IOEVENTFD (vsock)"],
+            )?;
             subscribers.push(Box::new(
                 VsockHandler::new(vsock.device.clone())
                     .map_err(io("cloning vsock queue eventfds"))?,
+            ));
+        }
+        for (i, disk) in disks.iter().enumerate() {
+            connect_virtio(
+                &kvm,
+                &disk.device,
+                disk_window(i),
+                &mut mmio,
+                ["KVM_IRQFD (disk)", "KVM_IOEVENTFD (disk)"],
+            )?;
+            subscribers.push(Box::new(
+                BlockHandler::new(disk.device.clone())
+                    .map_err(io("cloning a disk's queue eventfd"))?,
             ));
         }
         let serial = match serial {
@@ -267,6 +318,7 @@ impl Vm {
             devices,
             serial,
             vsock,
+            disks,
             exit,
             serial_stats,
             vcpu_stats,
@@ -352,6 +404,9 @@ impl Vm {
         if self.serial.is_some() {
             all.insert("_serial".to_owned(), collect(&self.serial_stats.counters()));
         }
+        for (i, disk) in self.disks.iter().enumerate() {
+            all.insert(format!("_disk{i}"), disk_counters(&disk.stats));
+        }
         all
     }
 
@@ -435,21 +490,22 @@ fn create_vsock(
     })
 }
 
-/// Makes the vsock device virtio-mmio device `index`: its interrupt line and queue-notify
-/// eventfds registered with KVM, its registers on the MMIO bus.
-fn connect_vsock(
+/// Makes `device` virtio-mmio device `index`: its interrupt line and queue-notify eventfds
+/// registered with KVM, its registers on the MMIO bus.
+fn connect_virtio<D: VirtioDevice + 'static>(
     kvm: &KvmVm,
-    vsock: &AttachedVsock,
+    device: &Arc<Mutex<VirtioMmio<D>>>,
     index: u32,
     mmio: &mut Bus,
+    [irqfd_call, ioevent_call]: [&'static str; 2],
 ) -> Result<(), BuildError> {
-    let transport = lock_vsock(&vsock.device);
+    let transport = device.lock().unwrap_or_else(|p| p.into_inner());
     kvm.fd
         .register_irqfd(
             transport.interrupt().irqfd(),
             layout::VIRTIO_IRQ_BASE + index,
         )
-        .map_err(ioctl("KVM_IRQFD (vsock)"))?;
+        .map_err(ioctl(irqfd_call))?;
     let (base, size) = layout::virtio_mmio_window(index);
     for (queue, event) in transport.queue_events().iter().enumerate() {
         // Notifications then wake the device thread straight from KVM, without a trip
@@ -460,11 +516,57 @@ fn connect_vsock(
                 &IoEventAddress::Mmio(base + mmio::NOTIFY_OFFSET),
                 queue as u32,
             )
-            .map_err(ioctl("KVM_IOEVENTFD (vsock)"))?;
+            .map_err(ioctl(ioevent_call))?;
     }
     drop(transport);
-    mmio.insert(base, size, vsock.device.clone())?;
+    mmio.insert(base, size, device.clone())?;
     Ok(())
+}
+
+struct AttachedDisk {
+    device: Arc<Mutex<VirtioMmio<Block>>>,
+    stats: Arc<BlockStats>,
+}
+
+fn lock_disk(device: &Mutex<VirtioMmio<Block>>) -> std::sync::MutexGuard<'_, VirtioMmio<Block>> {
+    device.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A disk: its file opened, the device model behind a virtio-mmio transport (fresh, or
+/// continuing from a snapshot's transport state).
+fn create_disk(
+    ram: &GuestRam,
+    spec: &DiskSpec,
+    saved: Option<&agentvm_snapshot::state::VirtioMmioState>,
+) -> Result<AttachedDisk, BuildError> {
+    let block = Block::open(&spec.path, spec.read_only, &spec.serial)?;
+    let stats = block.stats();
+    let irqfd = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)
+        .map_err(io("creating a disk's irqfd"))?;
+    let interrupt = Interrupt::new(irqfd);
+    let transport = match saved {
+        Some(state) => VirtioMmio::restore(block, ram.shared_memory(), interrupt, state)?,
+        None => VirtioMmio::new(block, ram.shared_memory(), interrupt)?,
+    };
+    Ok(AttachedDisk {
+        device: Arc::new(Mutex::new(transport)),
+        stats,
+    })
+}
+
+fn disk_counters(stats: &BlockStats) -> BTreeMap<String, u64> {
+    use std::sync::atomic::Ordering::Relaxed;
+    [
+        ("read_ops", stats.reads.load(Relaxed)),
+        ("read_bytes", stats.read_bytes.load(Relaxed)),
+        ("write_ops", stats.writes.load(Relaxed)),
+        ("write_bytes", stats.written_bytes.load(Relaxed)),
+        ("flush_ops", stats.flushes.load(Relaxed)),
+        ("errors", stats.errors.load(Relaxed)),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect()
 }
 
 /// Kernel, initramfs, command line, boot parameters and MP table into RAM.

@@ -23,7 +23,8 @@ use agentvm_snapshot::{Snapshot, SnapshotError};
 use kvm_ioctls::VcpuFd;
 
 use super::{
-    BuildError, Parts, RamSpec, SerialStats, Vm, VmError, VmSpec, create_vsock, serial_device,
+    BuildError, Parts, RamSpec, SerialStats, Vm, VmError, VmSpec, create_disk, create_vsock,
+    serial_device,
 };
 use crate::devices::virtio::vsock;
 use crate::kvm::Flavour;
@@ -41,6 +42,11 @@ pub enum PersistError {
     Memory(#[from] MemoryError),
     #[error("snapshot state does not fit this VM: {0}")]
     Mismatch(String),
+    #[error("syncing disk {path}: {source}")]
+    DiskSync {
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 /// A snapshot of a VM whose chain of snapshots is this deep is written whole instead of as
@@ -109,6 +115,13 @@ impl RestoreSpec {
                 "vsock device in state.json and config.json disagree".into(),
             ));
         }
+        if state.disks.len() != spec.disks.len() {
+            return Err(PersistError::Mismatch(format!(
+                "{} disks saved, config.json has {}",
+                state.disks.len(),
+                spec.disks.len()
+            )));
+        }
         Ok(Self {
             spec,
             state,
@@ -133,6 +146,7 @@ impl Vm {
         let started = Instant::now();
         let mut writer = SnapshotWriter::create(dir, kind == SaveKind::Snapshot)?;
         self.reset_vsock_streams();
+        self.sync_disks()?;
         let state = self.save_state()?;
         writer.write_file(STATE_FILE, &state.to_json()?)?;
         writer.write_file(CONFIG_FILE, config_json)?;
@@ -194,6 +208,20 @@ impl Vm {
         Ok(report)
     }
 
+    /// What the guest wrote to its disks reaches their files before the snapshot says it did:
+    /// whoever keeps the snapshot copies the disks next, and a crash must not lose them.
+    fn sync_disks(&self) -> Result<(), PersistError> {
+        for disk in &self.disks {
+            let transport = super::lock_disk(&disk.device);
+            let block = transport.device();
+            block.sync().map_err(|source| PersistError::DiskSync {
+                path: block.path().to_owned(),
+                source,
+            })?;
+        }
+        Ok(())
+    }
+
     /// Every host stream ends at a snapshot; the guest is told through its event queue.
     fn reset_vsock_streams(&self) {
         if let Some(attached) = &self.vsock {
@@ -241,6 +269,15 @@ impl Vm {
                 let cid = transport.device().cid();
                 transport.save(cid.to_le_bytes().to_vec())
             }),
+            disks: self
+                .disks
+                .iter()
+                .map(|d| {
+                    let transport = super::lock_disk(&d.device);
+                    let capacity = transport.device().capacity();
+                    transport.save(capacity.to_le_bytes().to_vec())
+                })
+                .collect(),
         })
     }
 
@@ -278,11 +315,30 @@ impl Vm {
             }
             _ => None,
         };
+        let disks = spec
+            .disks
+            .iter()
+            .zip(&state.disks)
+            .map(|(disk, saved)| {
+                let attached = create_disk(&ram, disk, Some(saved))?;
+                // The guest sized its view of the disk when it booted; a file of another
+                // size would put its filesystem's end somewhere else.
+                let capacity = super::lock_disk(&attached.device).device().capacity();
+                if saved.device_config != capacity.to_le_bytes() {
+                    return Err(BuildError::State(format!(
+                        "disk {} is {capacity} bytes, not the size the snapshot was taken with",
+                        disk.path.display()
+                    )));
+                }
+                Ok(attached)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let stats = Arc::new(SerialStats::default());
         let serial = serial_device(&spec, stats.clone(), state.serial.as_ref())?;
         let parts = Parts {
             ram,
             vsock,
+            disks,
             serial,
             serial_stats: stats,
         };

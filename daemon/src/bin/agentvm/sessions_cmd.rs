@@ -93,8 +93,8 @@ pub enum SessionCommand {
         #[command(flatten)]
         conn: Connection,
     },
-    /// Run one turn and stream its records. Without input it only re-drives an interrupted
-    /// turn; a session whose last turn ended is refused.
+    /// Run one turn and stream its records. Without input it only re-drives a turn that did
+    /// not finish (interrupted or FAILED); a session whose last turn completed is refused.
     Exec {
         /// The session's uid. Omitted: a new session with the server's defaults.
         #[arg(value_name = "SESSION")]
@@ -426,10 +426,13 @@ async fn check_exec(
         s.last_seq
     );
     use agentvm_proto::v1::ExecState;
-    let interrupted = matches!(
-        ExecState::try_from(s.exec_state),
-        Ok(ExecState::ExecPending | ExecState::ExecRunning | ExecState::ExecAwaiting)
-    );
+    // What an inputless Exec re-drives: an execution that did not finish (a FAILED one
+    // included). A session with no execution yet, or whose last one ended, has nothing.
+    let interrupted = match ExecState::try_from(s.exec_state) {
+        Ok(ExecState::ExecRunning | ExecState::ExecAwaiting | ExecState::ExecFailed) => true,
+        Ok(ExecState::ExecPending) => s.last_seq > 0,
+        _ => false,
+    };
     anyhow::ensure!(
         !no_input || interrupted,
         "no input: give -i TEXT or --input-file PATH; without input exec only re-drives an \
