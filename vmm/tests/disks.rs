@@ -108,7 +108,7 @@ async fn a_read_only_disk_refuses_the_guest_s_writes() {
 }
 
 #[tokio::test]
-async fn a_snapshot_restores_onto_a_copy_of_its_disk_and_refuses_one_that_does_not_fit() {
+async fn a_snapshot_keeps_a_copy_of_its_disk_and_each_restore_writes_to_a_new_one() {
     require_kvm!();
     let vmm = Vmm::spawn().await;
     // Outlives the VMM's own directory.
@@ -129,10 +129,12 @@ async fn a_snapshot_restores_onto_a_copy_of_its_disk_and_refuses_one_that_does_n
     vmm.client.snapshot(&snapshot).await.unwrap();
     vmm.shutdown().await;
 
-    // The clone's own disk: a copy, as agentvmd makes one per fork child.
-    let copy = scratch.path().join("child.img");
-    std::fs::copy(&disk, &copy).unwrap();
+    // The snapshot holds its own copy of the disk: what the parent writes afterwards is
+    // not what a clone sees.
+    assert!(snapshot.join("disk-0").exists());
+    std::fs::write(&disk, vec![0xeeu8; (SECTORS * 512) as usize]).unwrap();
     let child = Vmm::spawn().await;
+    let copy = scratch.path().join("child.img");
     let request = agentvm_vmm_api::types::RestoreConfig {
         source_url: format!("file://{}", snapshot.display()),
         resume: true,
@@ -152,14 +154,19 @@ async fn a_snapshot_restores_onto_a_copy_of_its_disk_and_refuses_one_that_does_n
             .unwrap()
             .contains_key("_disk0")
     );
+    assert!(sector(&copy, 0).starts_with(b"parent"));
+    assert!(sector(&copy, 1).starts_with(b"testguest wrote 3\0"));
     child.shutdown().await;
 
-    // A copy of another size, or the wrong number of disks, is refused by name.
-    let short = scratch.path().join("short.img");
-    std::fs::write(&short, vec![0u8; 512 * 16]).unwrap();
+    // A file that exists is never written over (without disk_paths that is the parent's
+    // own disk), and the count must match.
     for (paths, expect) in [
-        (vec![short.clone()], "not the size"),
-        (vec![copy.clone(), copy.clone()], "disk_paths"),
+        (vec![], "disk_paths"),
+        (vec![copy.clone()], "File exists"),
+        (
+            vec![scratch.path().join("a"), scratch.path().join("b")],
+            "disk_paths",
+        ),
     ] {
         let vmm = Vmm::spawn().await;
         let request = agentvm_vmm_api::types::RestoreConfig {
@@ -172,4 +179,9 @@ async fn a_snapshot_restores_onto_a_copy_of_its_disk_and_refuses_one_that_does_n
         assert!(err.contains(expect), "{err}");
         vmm.shutdown().await;
     }
+    assert_eq!(
+        std::fs::read(&disk).unwrap()[0],
+        0xee,
+        "the parent's disk untouched"
+    );
 }

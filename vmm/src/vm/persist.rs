@@ -19,6 +19,11 @@ use agentvm_snapshot::manifest::{
     CONFIG_FILE, DigestKind, HostIdentity, MEMORY_FILE, MemoryLayout, STATE_FILE,
 };
 use agentvm_snapshot::state::{Raw, VmState};
+
+/// The snapshot's copy of writable disk `index`.
+pub fn disk_file(index: usize) -> String {
+    format!("disk-{index}")
+}
 use agentvm_snapshot::{Snapshot, SnapshotError};
 use kvm_ioctls::VcpuFd;
 
@@ -42,8 +47,8 @@ pub enum PersistError {
     Memory(#[from] MemoryError),
     #[error("snapshot state does not fit this VM: {0}")]
     Mismatch(String),
-    #[error("syncing disk {path}: {source}")]
-    DiskSync {
+    #[error("copying disk {path} into the snapshot: {source}")]
+    DiskCopy {
         path: PathBuf,
         source: std::io::Error,
     },
@@ -75,6 +80,9 @@ pub struct SaveReport {
 pub struct RestoreSpec {
     pub spec: VmSpec,
     pub state: VmState,
+    /// The snapshot's copies of the VM's writable disks (index, file): each is copied to the
+    /// disk's path in `spec` before the VM opens it.
+    pub disk_copies: Vec<(usize, PathBuf)>,
     /// Memory files, base first.
     pub chain: Vec<PathBuf>,
     /// The snapshot the VM will run on (the top of the chain).
@@ -122,9 +130,29 @@ impl RestoreSpec {
                 spec.disks.len()
             )));
         }
+        let mut disk_copies = Vec::new();
+        for (index, disk) in spec.disks.iter().enumerate() {
+            let name = disk_file(index);
+            let saved = snapshot.manifest.files.contains_key(&name);
+            if saved == disk.read_only {
+                return Err(PersistError::Mismatch(format!(
+                    "disk {index} is {} but the snapshot {} a copy of it",
+                    if disk.read_only {
+                        "read-only"
+                    } else {
+                        "writable"
+                    },
+                    if saved { "holds" } else { "lacks" }
+                )));
+            }
+            if saved {
+                disk_copies.push((index, snapshot.path(&name)));
+            }
+        }
         Ok(Self {
             spec,
             state,
+            disk_copies,
             chain: chain.iter().map(|s| s.path(MEMORY_FILE)).collect(),
             top: snapshot.dir,
             prefault,
@@ -146,10 +174,12 @@ impl Vm {
         let started = Instant::now();
         let mut writer = SnapshotWriter::create(dir, kind == SaveKind::Snapshot)?;
         self.reset_vsock_streams();
-        self.sync_disks()?;
         let state = self.save_state()?;
         writer.write_file(STATE_FILE, &state.to_json()?)?;
         writer.write_file(CONFIG_FILE, config_json)?;
+        // Before the memory: a fork resumes the VM once its RAM is frozen, and the disks must
+        // be captured at the same instant as the memory that knows what it wrote to them.
+        self.copy_disks(&mut writer)?;
 
         let memory_path = dir.join(MEMORY_FILE);
         let (digest_kind, digest, pages, zero_copy, base) = match (self.ram.backing().clone(), kind)
@@ -208,16 +238,29 @@ impl Vm {
         Ok(report)
     }
 
-    /// What the guest wrote to its disks reaches their files before the snapshot says it did:
-    /// whoever keeps the snapshot copies the disks next, and a crash must not lose them.
-    fn sync_disks(&self) -> Result<(), PersistError> {
-        for disk in &self.disks {
+    /// A copy of each writable disk as the snapshot's `disk-N` (its data pages only; holes
+    /// stay holes), so the snapshot is whole on its own: it can be archived, fetched by
+    /// another node and restored any number of times, each restore writing to a copy of its
+    /// own. Read-only disks are images shared by path, not copied.
+    fn copy_disks(&self, writer: &mut SnapshotWriter) -> Result<(), PersistError> {
+        for (index, disk) in self.disks.iter().enumerate() {
             let transport = super::lock_disk(&disk.device);
             let block = transport.device();
-            block.sync().map_err(|source| PersistError::DiskSync {
+            if block.read_only() {
+                continue;
+            }
+            let name = disk_file(index);
+            let failed = |source| PersistError::DiskCopy {
                 path: block.path().to_owned(),
                 source,
-            })?;
+            };
+            let copy = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(writer.path(&name))
+                .map_err(failed)?;
+            let (digest, _pages) = block.copy_to(&copy).map_err(failed)?;
+            writer.add_pages_file(&name, digest)?;
         }
         Ok(())
     }
@@ -290,6 +333,7 @@ impl Vm {
         let RestoreSpec {
             spec,
             state,
+            disk_copies,
             chain,
             top,
             prefault,
@@ -315,6 +359,16 @@ impl Vm {
             }
             _ => None,
         };
+        for (index, copy) in &disk_copies {
+            let target = &spec.disks[*index].path;
+            copy_disk(copy, target).map_err(|e| {
+                BuildError::State(format!(
+                    "copying the snapshot's disk {index} to {}: {e} (each restore needs a new \
+                     file for it: vm.restore's disk_paths)",
+                    target.display()
+                ))
+            })?;
+        }
         let disks = spec
             .disks
             .iter()
@@ -349,6 +403,21 @@ impl Vm {
             !resume,
         )
     }
+}
+
+/// The restored VM's own writable copy of a snapshot's disk, at `target` (which must not
+/// exist: a restore never writes into a file someone else may be using).
+fn copy_disk(copy: &Path, target: &Path) -> std::io::Result<()> {
+    let source = std::fs::File::open(copy)?;
+    let made = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(target)?;
+    let copied = agentvm_snapshot::pages::copy_sparse(&source, &made).and_then(|_| made.sync_all());
+    if copied.is_err() {
+        let _ = std::fs::remove_file(target);
+    }
+    copied
 }
 
 /// Interrupt controllers and PIT, then every vCPU, then the clock (last, so kvmclock is

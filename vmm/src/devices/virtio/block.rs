@@ -142,12 +142,20 @@ impl Block {
         Arc::clone(&self.stats)
     }
 
-    /// Makes every write the guest was told is done durable (before a snapshot is taken).
+    /// Makes every write the guest was told is done durable.
     pub fn sync(&self) -> std::io::Result<()> {
         if self.read_only {
             return Ok(());
         }
         self.file.sync_data()
+    }
+
+    /// Copies the disk's data pages into the empty `copy` (holes stay holes) and syncs it;
+    /// returns the page digest and page count. The VM must be paused.
+    pub fn copy_to(&self, copy: &File) -> std::io::Result<(String, u64)> {
+        let digest = agentvm_snapshot::pages::copy_sparse(&self.file, copy)?;
+        copy.sync_all()?;
+        Ok(digest)
     }
 
     fn config(&self) -> [u8; 24] {
