@@ -1043,6 +1043,11 @@ async fn scenario_73_and_74_stateless_sessions_on_microvms_replay_suspend_and_re
 /// initramfs and boots into its counter) — the whole bundle path of a Linux image, runnable
 /// on this host.
 fn testguest_bundle(images: &std::path::Path, name: &str) -> std::path::PathBuf {
+    testguest_bundle_with(images, name, "")
+}
+
+/// As [`testguest_bundle`], with `vm` added to the image's `[vm]` table.
+fn testguest_bundle_with(images: &std::path::Path, name: &str, vm: &str) -> std::path::PathBuf {
     let src = tempfile::tempdir().unwrap();
     let p = src.path();
     std::fs::write(p.join("vmlinux"), agentvm_testguest::TESTGUEST_ELF).unwrap();
@@ -1053,9 +1058,11 @@ fn testguest_bundle(images: &std::path::Path, name: &str) -> std::path::PathBuf 
     std::fs::set_permissions(p.join("harness/h"), std::fs::Permissions::from_mode(0o755)).unwrap();
     std::fs::write(
         p.join("image.toml"),
+        format!(
         "[harness]\ncommand = [\"/opt/harness/h\"]\nresumability = \"REQUIRES_MEMORY_SNAPSHOT\"\n\
-         [vm]\nmemory_mib = 96\n\
+         [vm]\nmemory_mib = 96\n{vm}\n\
          [build]\nkernel = \"vmlinux\"\nagent = \"agent\"\nharness_dir = \"harness\"\n",
+        ),
     )
     .unwrap();
     let out = images.join(name);
@@ -1124,6 +1131,75 @@ async fn image_bundles_in_the_image_dir_are_served_as_harnesses() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+}
+
+/// What the test guest last wrote to sector `n` of a disk file, up to the first NUL.
+fn disk_text(path: &std::path::Path, n: usize) -> String {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let sector = &bytes[n * 512..(n + 1) * 512];
+    let end = sector.iter().position(|&b| b == 0).unwrap_or(512);
+    String::from_utf8_lossy(&sector[..end]).into_owned()
+}
+
+/// A session's workspace disk follows it: written at boot and on every turn (the test guest
+/// records its count in sector 2), kept by suspend, restored into the new VM, and copied to
+/// each fork child, whose writes no other VM sees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workspace_disk_survives_suspend_and_each_fork_child_writes_its_own_copy() {
+    require_kvm!();
+    let dir = tempfile::tempdir().unwrap();
+    let images = dir.path().join("images");
+    testguest_bundle_with(
+        &images,
+        "tg-disk",
+        "cmdline = \"testguest.disk=5\"\nworkspace_mib = 1",
+    );
+    let binary = vmm_binary();
+    let node = start_with(move |cfg| {
+        cfg.vmm_binary = Some(binary);
+        cfg.image_dir = Some(images);
+        cfg.ram_dir = std::env::temp_dir();
+    })
+    .await;
+    let mut c = node.c();
+    let s = create_for(&mut c, "tg-disk").await;
+    assert_eq!(turn(&mut c, &s).await, "1");
+    let disk = |session: &str| vm_dir(&node, session).join("workspace.img");
+    assert_eq!(
+        disk_text(&disk(&s), 1),
+        "testguest wrote 5",
+        "the boot check"
+    );
+    assert_eq!(disk_text(&disk(&s), 2), "count=1");
+    assert_eq!(std::fs::metadata(disk(&s)).unwrap().len(), 1 << 20);
+    let info = agentvm_vmm_api::client::VmmClient::new(vm_dir(&node, &s).join("api.sock"))
+        .info()
+        .await
+        .unwrap();
+    assert_eq!(info.config.disks[0].serial.as_deref(), Some("workspace"));
+
+    // Suspended, the VM and its directory are gone; the snapshot holds the disk.
+    c.suspend(SuspendRequest { session: s.clone() })
+        .await
+        .unwrap();
+    assert_eq!(turn(&mut c, &s).await, "2", "restored with its memory");
+    assert_eq!(disk_text(&disk(&s), 2), "count=2", "and its disk");
+    assert_eq!(disk_text(&disk(&s), 1), "testguest wrote 5");
+
+    let children = fork(&mut c, &s, 2).await;
+    assert_eq!(turn(&mut c, &children[0]).await, "3");
+    assert_eq!(turn(&mut c, &children[1]).await, "3");
+    assert_eq!(turn(&mut c, &children[1]).await, "4");
+    assert_eq!(turn(&mut c, &s).await, "3");
+    assert_eq!(turn(&mut c, &s).await, "4");
+    assert_eq!(turn(&mut c, &s).await, "5");
+    // Each VM wrote only its own disk.
+    assert_eq!(disk_text(&disk(&children[0]), 2), "count=3");
+    assert_eq!(disk_text(&disk(&children[1]), 2), "count=4");
+    assert_eq!(disk_text(&disk(&s), 2), "count=5");
+    for child in &children {
+        assert_eq!(disk_text(&disk(child), 1), "testguest wrote 5");
+    }
 }
 
 // ---------- Linux guests (where KVM can run them) ----------

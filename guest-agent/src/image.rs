@@ -14,6 +14,7 @@
 //! vcpus = 1
 //! memory_mib = 256
 //! cmdline = "console=ttyS0"
+//! workspace_mib = 1024                    # a writable disk per session; 0: none
 //!
 //! [build]                                 # for `agentvm image build` only
 //! kernel = "vmlinux"
@@ -31,6 +32,8 @@ use serde::{Deserialize, Serialize};
 
 /// Where the image builder puts the configuration inside the guest.
 pub const IMAGE_CONFIG_PATH: &str = "/etc/agentvm/image.toml";
+/// The largest workspace disk an image may ask for, in MiB (1 TiB).
+pub const MAX_WORKSPACE_MIB: u32 = 1 << 20;
 /// The placeholder for the harness socket in `command` and `env`.
 pub const SOCKET_PLACEHOLDER: &str = "{socket}";
 
@@ -102,6 +105,13 @@ pub struct VmConfig {
     /// Appended to the kernel command line the host builds.
     #[serde(default)]
     pub cmdline: String,
+    /// A writable disk of this many MiB for each session (the guest's first virtio disk,
+    /// serial `workspace`), blank at the first boot and carried through suspend, resume and
+    /// fork (each child gets a copy of its own). 0: none. For now only a harness whose state
+    /// lives in memory snapshots (REQUIRES_MEMORY_SNAPSHOT) may have one: a stateless one is
+    /// resumed by replay into a fresh VM, which would start from a blank disk.
+    #[serde(default)]
+    pub workspace_mib: u32,
 }
 
 impl Default for VmConfig {
@@ -110,6 +120,7 @@ impl Default for VmConfig {
             vcpus: default_vcpus(),
             memory_mib: default_memory_mib(),
             cmdline: String::new(),
+            workspace_mib: 0,
         }
     }
 }
@@ -216,6 +227,21 @@ impl ImageConfig {
         }
         if self.vm.memory_mib < 32 {
             return Err(invalid("vm.memory_mib", "must be at least 32"));
+        }
+        if self.vm.workspace_mib > MAX_WORKSPACE_MIB {
+            return Err(invalid(
+                "vm.workspace_mib",
+                "must be at most 1048576 (1 TiB)",
+            ));
+        }
+        if self.vm.workspace_mib > 0
+            && self.harness.resumability != Resumability::RequiresMemorySnapshot
+        {
+            return Err(invalid(
+                "vm.workspace_mib",
+                "needs resumability = \"REQUIRES_MEMORY_SNAPSHOT\": a stateless harness is \
+                 resumed by replay into a fresh VM, whose disk would be blank",
+            ));
         }
         Ok(())
     }

@@ -7,9 +7,11 @@
  * It writes "testguest wrote <n>" (n from testguest.disk=<n>) to sector 1, flushes, reads it
  * back, and reads one sector past the end (the device must refuse: status 1). Statuses are
  * virtio-blk's: 0 OK, 1 IOERR, 2 UNSUPP; 255 means the device never answered.
+ * Afterwards every counter turn writes "count=<n>" to sector 2 (plat_disk_note).
  * The disk's interrupt line stays masked: completions are seen by polling the used ring.
  */
 #include "disk.h"
+#include "plat.h"
 #include "x86.h"
 
 enum {
@@ -47,6 +49,7 @@ enum { T_IN = 0, T_OUT = 1, T_FLUSH = 4, T_GET_ID = 8 };
 #define POLL_LIMIT 50000000u
 
 static u32 base;
+static int ready;
 static u8 ring[3][4096] __attribute__((aligned(4096)));
 static u8 header[16];
 static u8 sector[512] __attribute__((aligned(512)));
@@ -166,6 +169,7 @@ void disk_check(const struct tg_cmdline *cl)
 		return;
 	}
 	u64 capacity = rd(R_CONFIG) | (u64)rd(R_CONFIG + 4) << 32;
+	ready = 1;
 
 	struct tg_line l = {.len = 0};
 	memset(sector, 0, 32);
@@ -205,4 +209,18 @@ void disk_check(const struct tg_cmdline *cl)
 	line_str(&l, same ? " readback=OK beyond=" : " readback=BAD beyond=");
 	line_u64(&l, beyond);
 	line_emit(&l);
+}
+
+void plat_disk_note(u64 count)
+{
+	if (!ready)
+		return;
+	char text[32] = "count=";
+	u32 n = tg_strlen(text);
+	n += tg_fmt_u64(text + n, count);
+	memset(sector, 0, sizeof sector);
+	memcpy(sector, text, n);
+	u32 st = request(T_OUT, 2, sector, 512, 0);
+	if (st)
+		tg_error_n("disk note status", st);
 }

@@ -344,6 +344,7 @@ static int counter_turn(u64 id, u64 stream, const u8 *exec, u32 exec_len, struct
 {
 	char digits[20];
 	u32 nd = tg_fmt_u64(digits, ++harness_count);
+	plat_disk_note(harness_count);
 	return answer_turn(id, stream, exec, exec_len, digits, nd, out);
 }
 

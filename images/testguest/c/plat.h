@@ -15,6 +15,9 @@ u8 *plat_tx_alloc(void);
 void plat_tx_submit(u8 *buf, u32 len);
 /* Milliseconds since boot, 0 when unknown. */
 u64 plat_uptime_ms(void);
+/* Records the counter's value on the disk the guest checked at boot, if any (sector 2,
+ * "count=<n>"), so the host can see which VM wrote what to its own disk. */
+void plat_disk_note(u64 count);
 /* Asks the VMM to stop the VM. Returns only where that is not possible (native build). */
 void plat_reset(void);
 

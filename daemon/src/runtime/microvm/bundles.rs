@@ -104,6 +104,7 @@ fn load_one(dir: &Path, reserved: &[&str]) -> Result<GuestImage, String> {
         memory_snapshot: config.harness.resumability == Resumability::RequiresMemorySnapshot,
         vcpus: Some(config.vm.vcpus),
         memory_mib: Some(u64::from(config.vm.memory_mib)),
+        workspace_mib: u64::from(config.vm.workspace_mib),
     })
 }
 

@@ -55,6 +55,8 @@ pub struct RestoreTarget<'a> {
     pub scratch: &'a Path,
     pub vsock: &'a Path,
     pub serial: &'a Path,
+    /// Where the restored VM's copy of its workspace disk goes (a snapshot with one).
+    pub workspace: &'a Path,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -145,8 +147,11 @@ impl VmmFlavour {
     /// describes, the payload and disks named there too.
     pub fn restore_files(self, snapshot: &Path) -> Result<Vec<PathBuf>, String> {
         let mut files = agentvm_snapshot::store::LocalStore::chain(snapshot);
-        if self == Self::CloudHypervisor {
-            files.extend(files_named(&read_config(snapshot)?));
+        match self {
+            Self::CloudHypervisor => files.extend(files_named(&read_config(snapshot)?)),
+            // agentvm-vmm copies writable disks out of the snapshot; read-only ones are
+            // images it opens where they are.
+            Self::Agentvm => files.extend(read_only_disks(&read_config(snapshot)?)),
         }
         Ok(files)
     }
@@ -170,6 +175,7 @@ impl VmmFlavour {
                 resume: true,
                 vsock_socket: Some(target.vsock.to_owned()),
                 serial_file: Some(target.serial.to_owned()),
+                disk_paths: disk_paths(&read_config(snapshot)?, target)?,
                 ..Default::default()
             }),
             Self::CloudHypervisor => {
@@ -185,10 +191,46 @@ impl VmmFlavour {
     }
 }
 
+/// Where each disk of a restored VM is: a writable one (the workspace) is copied from the
+/// snapshot into the VM's own directory; a read-only one is the image it names.
+fn disk_paths(config: &serde_json::Value, target: &RestoreTarget) -> Result<Vec<PathBuf>, String> {
+    let disks = config["disks"].as_array().map(Vec::as_slice).unwrap_or(&[]);
+    let writable = disks.iter().filter(|d| d["readonly"] != true).count();
+    if writable > 1 {
+        return Err(format!(
+            "the snapshot's VM has {writable} writable disks; agentvmd gives a VM one (its workspace)"
+        ));
+    }
+    disks
+        .iter()
+        .map(
+            |disk| match (disk["readonly"] == true, disk["path"].as_str()) {
+                (true, Some(path)) => Ok(PathBuf::from(path)),
+                (true, None) => {
+                    Err("a read-only disk of the snapshot's VM names no path".to_owned())
+                }
+                (false, _) => Ok(target.workspace.to_owned()),
+            },
+        )
+        .collect()
+}
+
 fn read_config(snapshot: &Path) -> Result<serde_json::Value, String> {
     let path = snapshot.join(CH_CONFIG_FILE);
     let text = std::fs::read(&path).map_err(|e| format!("reading {}: {e}", path.display()))?;
     serde_json::from_slice(&text).map_err(|e| format!("{} is not JSON: {e}", path.display()))
+}
+
+/// The images a VM config's read-only disks name.
+fn read_only_disks(config: &serde_json::Value) -> Vec<PathBuf> {
+    config["disks"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|disk| disk["readonly"] == true)
+        .filter_map(|disk| disk["path"].as_str())
+        .map(PathBuf::from)
+        .collect()
 }
 
 /// The host files a Cloud Hypervisor VM config names: its payload's kernel, initramfs and
@@ -347,6 +389,7 @@ mod tests {
             scratch: &scratch,
             vsock: Path::new("/vm/vsock.sock"),
             serial: Path::new("/vm/serial.log"),
+            workspace: Path::new("/vm/workspace.img"),
         };
         let flavour = VmmFlavour::CloudHypervisor;
         for (userfaultfd, mode) in [(false, "Copy"), (true, "OnDemand")] {
@@ -402,8 +445,12 @@ mod tests {
             );
         }
         assert_eq!(files.len(), 6, "{files:?}");
-        // agentvm-vmm reads only the snapshot chain on restore.
-        assert_eq!(VmmFlavour::Agentvm.restore_files(&snap).unwrap(), [snap]);
+        // agentvm-vmm reads the snapshot chain and its read-only disks' images on restore
+        // (it copies writable disks out of the snapshot).
+        assert_eq!(
+            VmmFlavour::Agentvm.restore_files(&snap).unwrap(),
+            [snap, PathBuf::from("/images/rootfs.erofs")]
+        );
     }
 
     #[test]
@@ -421,6 +468,7 @@ mod tests {
                 scratch: &scratch,
                 vsock: &vsock,
                 serial: &serial,
+                workspace: Path::new("/vm/workspace.img"),
             };
             prepare_clone_source(&snap, &target).unwrap();
             let config: serde_json::Value =
@@ -467,6 +515,7 @@ mod tests {
             scratch: &scratch,
             vsock: Path::new("/v"),
             serial: Path::new("/s"),
+            workspace: Path::new("/w"),
         };
         let snap = tmp.path().join("snap");
         let err = prepare_clone_source(&snap, &target).unwrap_err();
@@ -482,16 +531,39 @@ mod tests {
 
     #[test]
     fn agentvm_restores_in_place_with_its_extensions() {
+        let tmp = tempfile::tempdir().unwrap();
+        let snap = tmp.path().join("s1");
+        std::fs::create_dir(&snap).unwrap();
+        let config = |disks: serde_json::Value| {
+            std::fs::write(
+                snap.join("config.json"),
+                json!({"payload": {"kernel": "/k"}, "disks": disks}).to_string(),
+            )
+            .unwrap();
+        };
+        config(json!([
+            {"path": "/images/rootfs.erofs", "readonly": true},
+            {"path": "/old-vm/workspace.img"}
+        ]));
         let target = RestoreTarget {
             session: "s2",
             scratch: Path::new("/unused"),
             vsock: Path::new("/vm/vsock.sock"),
             serial: Path::new("/vm/serial.log"),
+            workspace: Path::new("/vm/workspace.img"),
         };
         let request = VmmFlavour::Agentvm
-            .restore_request(Path::new("/store/s1"), &target, RestoreMemory::MapPrivate)
+            .restore_request(&snap, &target, RestoreMemory::MapPrivate)
             .unwrap();
-        assert_eq!(request.source_url, "file:///store/s1");
+        assert_eq!(request.source_url, format!("file://{}", snap.display()));
+        // The image stays where it is; the workspace is copied into the new VM's directory.
+        assert_eq!(
+            request.disk_paths,
+            [
+                PathBuf::from("/images/rootfs.erofs"),
+                PathBuf::from("/vm/workspace.img")
+            ]
+        );
         assert_eq!(
             request.vsock_socket.as_deref(),
             Some(Path::new("/vm/vsock.sock"))
@@ -502,6 +574,16 @@ mod tests {
         );
         assert_eq!(request.memory_restore_mode, MemoryRestoreMode::OnDemand);
         assert!(!Path::new("/unused").exists());
+        config(json!([]));
+        let request = VmmFlavour::Agentvm
+            .restore_request(&snap, &target, RestoreMemory::MapPrivate)
+            .unwrap();
+        assert!(request.disk_paths.is_empty());
+        config(json!([{"path": "/a"}, {"path": "/b"}]));
+        let err = VmmFlavour::Agentvm
+            .restore_request(&snap, &target, RestoreMemory::MapPrivate)
+            .unwrap_err();
+        assert!(err.contains("2 writable disks"), "{err}");
     }
 
     #[test]

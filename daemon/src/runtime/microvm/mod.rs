@@ -31,7 +31,7 @@ use agentvm_proto::guest::v1::{Identity, Restored};
 use agentvm_proto::v1::{RuntimeCapabilities, SnapshotRef};
 use agentvm_snapshot::LocalStore;
 use agentvm_vmm_api::config::{
-    ConsoleOutputMode, CpusConfig, MemoryConfig, SerialConfig, VmConfig, VsockConfig,
+    ConsoleOutputMode, CpusConfig, DiskConfig, MemoryConfig, SerialConfig, VmConfig, VsockConfig,
 };
 use rand::RngCore;
 
@@ -47,6 +47,9 @@ use super::{
     SnapshotOwner,
 };
 use crate::controller::endpoint::HarnessEndpoint;
+
+/// The workspace disk's device id and the serial its guest sees.
+const WORKSPACE: &str = "workspace";
 
 /// The runtime's name, as sessions and node status name it.
 pub const NAME: &str = "microvm";
@@ -67,6 +70,9 @@ pub struct GuestImage {
     /// The image's own VM size, where it asks for one (else the runtime's default).
     pub vcpus: Option<u8>,
     pub memory_mib: Option<u64>,
+    /// A writable disk of this many MiB per session (0: none), blank at first boot; its
+    /// snapshots carry a copy, so it follows the session through suspend, resume and fork.
+    pub workspace_mib: u64,
 }
 
 /// What the runtime needs from the node.
@@ -328,6 +334,14 @@ impl MicrovmRuntime {
             socket: dir.vsock(),
             id: None,
         });
+        if image.workspace_mib > 0 {
+            config.disks = vec![DiskConfig {
+                path: dir.workspace(),
+                readonly: false,
+                id: Some(WORKSPACE.into()),
+                serial: Some(WORKSPACE.into()),
+            }];
+        }
         config
     }
 
@@ -516,6 +530,7 @@ impl MicrovmRuntime {
                     scratch: &dir.restore_scratch(),
                     vsock: &dir.vsock(),
                     serial: &dir.serial(),
+                    workspace: &dir.workspace(),
                 };
                 let mut request = dir.flavour.restore_request(&source, &target, memory)?;
                 // Restored paused while the VMM's cgroup move finishes; run once it has.
@@ -852,6 +867,9 @@ impl Runtime for MicrovmRuntime {
             .start(session, files, |dir, confined| {
                 let config = self.vm_config(spec, &image, &dir);
                 async move {
+                    if image.workspace_mib > 0 {
+                        vmm_process::blank_disk(&dir, &dir.workspace(), image.workspace_mib << 20)?;
+                    }
                     let client = dir.client();
                     client
                         .create(&config)

@@ -45,6 +45,11 @@ impl VmmDir {
     pub fn vsock(&self) -> PathBuf {
         self.dir.join("vsock.sock")
     }
+    /// The session's workspace disk (a VM whose image asks for one).
+    pub fn workspace(&self) -> PathBuf {
+        self.dir.join("workspace.img")
+    }
+
     pub fn serial(&self) -> PathBuf {
         self.dir.join("serial.log")
     }
@@ -316,4 +321,19 @@ impl Stopping {
             "VMM stopped"
         );
     }
+}
+
+/// Makes `path` a blank (sparse) disk of `bytes` in `dir`, owned like the directory: the
+/// VMM in its jail runs as the directory's owner and opens the disk read-write.
+pub fn blank_disk(dir: &VmmDir, path: &Path, bytes: u64) -> Result<(), String> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let owner = std::fs::metadata(&dir.dir).map_err(|e| format!("{}: {e}", dir.dir.display()))?;
+    let made = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .and_then(|file| file.set_len(bytes))
+        .and_then(|()| std::os::unix::fs::chown(path, Some(owner.uid()), Some(owner.gid())));
+    made.map_err(|e| format!("making the workspace disk {}: {e}", path.display()))
 }

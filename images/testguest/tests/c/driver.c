@@ -56,6 +56,8 @@ u64 plat_uptime_ms(void) { return uptime; }
 
 void plat_reset(void) { rec('X', NULL, 0); }
 
+void plat_disk_note(u64 count) { (void)count; }
+
 static int emit_frame(void *ctx, const u8 *frame, u32 n)
 {
 	(void)ctx;
