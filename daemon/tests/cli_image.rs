@@ -252,3 +252,61 @@ fn image_build_refuses_what_cannot_run() {
     std::fs::write(img.dir.path().join("vmlinux"), b"#!/bin/sh\n").unwrap();
     refused(&img, "neither a vmlinux ELF nor a bzImage");
 }
+
+/// An image with an ext4 workspace ships its formatted template: sparse, described by a page
+/// digest, byte-identical from build to build; a workspace on a stateless image is refused.
+#[test]
+fn an_ext4_workspace_is_formatted_once_at_build_and_reproducibly() {
+    let img = ImageDir::new();
+    let write = |resumability: &str, vm: &str| {
+        std::fs::write(
+            img.dir.path().join("image.toml"),
+            format!(
+                "[harness]\ncommand = [\"/opt/harness/bin/python3\"]\nresumability = \
+                 \"{resumability}\"\n\n[vm]\nmemory_mib = 128\n{vm}\n\n[build]\n\
+                 kernel = \"vmlinux\"\nagent = \"agent\"\nharness_dir = \"harness\"\n"
+            ),
+        )
+        .unwrap();
+    };
+    write("REQUIRES_MEMORY_SNAPSHOT", "workspace_mib = 64");
+    for out in ["a", "b"] {
+        let built = img.build(out);
+        assert!(built.status.success(), "{built:?}");
+    }
+    let template = img.dir.path().join("a/workspace.img");
+    let meta = std::fs::metadata(&template).unwrap();
+    assert_eq!(meta.len(), 64 << 20);
+    use std::os::unix::fs::MetadataExt;
+    assert!(
+        meta.blocks() * 512 < 8 << 20,
+        "sparse: {} blocks",
+        meta.blocks()
+    );
+    let bytes = img.read("a", "workspace.img");
+    assert_eq!(
+        &bytes[1080..1082],
+        &[0x53, 0xef],
+        "the ext4 superblock magic"
+    );
+    assert_eq!(&bytes[1144..1153], b"workspace", "the volume label");
+    assert_eq!(bytes, img.read("b", "workspace.img"), "reproducible");
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&img.read("a", "manifest.json")).unwrap();
+    assert_eq!(manifest["files"]["workspace.img"]["digest"], "pages");
+    assert_eq!(manifest["files"]["workspace.img"]["size"], 64u64 << 20);
+    // Rebuilt raw, or without a workspace, the template goes.
+    write(
+        "REQUIRES_MEMORY_SNAPSHOT",
+        "workspace_mib = 64\nworkspace_fs = \"raw\"",
+    );
+    assert!(img.build("a").status.success());
+    assert!(!template.exists());
+    write("STATELESS_REPLAY", "workspace_mib = 64");
+    let out = img.build("c");
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("vm.workspace_mib"),
+        "{out:?}"
+    );
+}

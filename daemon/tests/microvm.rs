@@ -1152,7 +1152,7 @@ async fn a_workspace_disk_survives_suspend_and_each_fork_child_writes_its_own_co
     testguest_bundle_with(
         &images,
         "tg-disk",
-        "cmdline = \"testguest.disk=5\"\nworkspace_mib = 1",
+        "cmdline = \"testguest.disk=5\"\nworkspace_mib = 1\nworkspace_fs = \"raw\"",
     );
     let binary = vmm_binary();
     let node = start_with(move |cfg| {
@@ -1200,6 +1200,36 @@ async fn a_workspace_disk_survives_suspend_and_each_fork_child_writes_its_own_co
     for child in &children {
         assert_eq!(disk_text(&disk(child), 1), "testguest wrote 5");
     }
+}
+
+/// An image with an ext4 workspace: each session's disk starts as the bundle's formatted
+/// template (the test guest leaves it alone without `testguest.disk`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ext4_workspace_starts_as_the_image_s_template() {
+    require_kvm!();
+    let dir = tempfile::tempdir().unwrap();
+    let images = dir.path().join("images");
+    let bundle = testguest_bundle_with(&images, "tg-ext4", "workspace_mib = 8");
+    let binary = vmm_binary();
+    let node = start_with(move |cfg| {
+        cfg.vmm_binary = Some(binary);
+        cfg.image_dir = Some(images);
+        cfg.ram_dir = std::env::temp_dir();
+    })
+    .await;
+    let mut c = node.c();
+    let s = create_for(&mut c, "tg-ext4").await;
+    assert_eq!(turn(&mut c, &s).await, "1");
+    let disk = std::fs::read(vm_dir(&node, &s).join("workspace.img")).unwrap();
+    assert_eq!(disk.len(), 8 << 20);
+    assert_eq!(&disk[1080..1082], &[0x53, 0xef], "an ext4 superblock");
+    assert_eq!(disk, std::fs::read(bundle.join("workspace.img")).unwrap());
+    c.suspend(SuspendRequest { session: s.clone() })
+        .await
+        .unwrap();
+    assert_eq!(turn(&mut c, &s).await, "2");
+    let restored = std::fs::read(vm_dir(&node, &s).join("workspace.img")).unwrap();
+    assert_eq!(restored, disk);
 }
 
 // ---------- Linux guests (where KVM can run them) ----------

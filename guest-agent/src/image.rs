@@ -15,6 +15,8 @@
 //! memory_mib = 256
 //! cmdline = "console=ttyS0"
 //! workspace_mib = 1024                    # a writable disk per session; 0: none
+//! workspace_fs = "ext4"                   # or "raw" (the harness formats it)
+//! workspace_mount = "/workspace"          # where the agent mounts an ext4 workspace
 //!
 //! [build]                                 # for `agentvm image build` only
 //! kernel = "vmlinux"
@@ -112,6 +114,30 @@ pub struct VmConfig {
     /// resumed by replay into a fresh VM, which would start from a blank disk.
     #[serde(default)]
     pub workspace_mib: u32,
+    /// `ext4`: the image builder ships a formatted template (the bundle's `workspace.img`)
+    /// each session's disk starts as, and the agent mounts it at `workspace_mount` before the
+    /// harness starts. `raw`: a blank disk the harness uses as it likes.
+    #[serde(default)]
+    pub workspace_fs: WorkspaceFs,
+    #[serde(default = "default_workspace_mount")]
+    pub workspace_mount: PathBuf,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkspaceFs {
+    #[default]
+    Ext4,
+    Raw,
+}
+
+/// The workspace disk's serial: how the agent (and a harness) finds it among the disks.
+pub const WORKSPACE_SERIAL: &str = "workspace";
+/// Set in the harness's environment to where the workspace is mounted.
+pub const WORKSPACE_ENV: &str = "AGENTVM_WORKSPACE";
+
+fn default_workspace_mount() -> PathBuf {
+    PathBuf::from("/workspace")
 }
 
 impl Default for VmConfig {
@@ -121,6 +147,8 @@ impl Default for VmConfig {
             memory_mib: default_memory_mib(),
             cmdline: String::new(),
             workspace_mib: 0,
+            workspace_fs: WorkspaceFs::default(),
+            workspace_mount: default_workspace_mount(),
         }
     }
 }
@@ -234,6 +262,12 @@ impl ImageConfig {
                 "must be at most 1048576 (1 TiB)",
             ));
         }
+        if !self.vm.workspace_mount.is_absolute() || self.vm.workspace_mount == Path::new("/") {
+            return Err(invalid(
+                "vm.workspace_mount",
+                "must be an absolute path other than /",
+            ));
+        }
         if self.vm.workspace_mib > 0
             && self.harness.resumability != Resumability::RequiresMemorySnapshot
         {
@@ -256,7 +290,8 @@ impl ImageConfig {
             .collect()
     }
 
-    /// The environment with `{socket}` replaced, plus `AGENTVM_HARNESS_SOCKET`.
+    /// The environment with `{socket}` replaced, plus `AGENTVM_HARNESS_SOCKET`, and
+    /// `AGENTVM_WORKSPACE` where the image has a workspace the agent mounts.
     pub fn env_for(&self, socket: &Path) -> BTreeMap<String, String> {
         let s = socket.display().to_string();
         let mut env: BTreeMap<String, String> = self
@@ -266,6 +301,12 @@ impl ImageConfig {
             .map(|(k, v)| (k.clone(), v.replace(SOCKET_PLACEHOLDER, &s)))
             .collect();
         env.insert("AGENTVM_HARNESS_SOCKET".into(), s);
+        if self.vm.workspace_mib > 0 && self.vm.workspace_fs == WorkspaceFs::Ext4 {
+            env.insert(
+                WORKSPACE_ENV.into(),
+                self.vm.workspace_mount.display().to_string(),
+            );
+        }
         env
     }
 }

@@ -17,6 +17,7 @@ pub mod supervisor;
 mod sys;
 pub mod system;
 pub mod transport;
+pub mod workspace;
 
 use std::sync::Arc;
 

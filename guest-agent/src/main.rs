@@ -111,6 +111,14 @@ fn run(pid1: bool) -> anyhow::Result<()> {
             None
         } else {
             let config = ImageConfig::load(&args.config)?;
+            if pid1 {
+                match agentvm_guest::workspace::mount(&config) {
+                    Ok(Some(at)) => tracing::info!(at = %at.display(), "workspace mounted"),
+                    Ok(None) => {}
+                    // The harness still starts: its turns will say what they cannot find.
+                    Err(e) => tracing::error!(error = %e, "the workspace is not mounted"),
+                }
+            }
             if let Some(dir) = args.harness_socket.parent() {
                 std::fs::create_dir_all(dir)
                     .with_context(|| format!("creating {}", dir.display()))?;

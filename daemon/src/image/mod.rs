@@ -9,7 +9,7 @@ pub mod elf;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use agentvm_guest::image::{IMAGE_CONFIG_PATH, ImageConfig, ImageConfigError};
+use agentvm_guest::image::{IMAGE_CONFIG_PATH, ImageConfig, ImageConfigError, WorkspaceFs};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
@@ -21,6 +21,9 @@ pub const KERNEL_FILE: &str = "vmlinux";
 pub const INITRAMFS_FILE: &str = "initramfs.cpio";
 pub const CONFIG_FILE: &str = "image.toml";
 pub const MANIFEST_FILE: &str = "manifest.json";
+/// The formatted template each session's workspace disk starts as (an image with an ext4
+/// workspace). Sparse; its digest is over its data pages.
+pub const WORKSPACE_FILE: &str = "workspace.img";
 const HARNESS_ROOT: &str = "opt/harness";
 
 #[derive(Debug, thiserror::Error)]
@@ -61,7 +64,14 @@ pub struct BuildInputs {
 pub struct FileDigest {
     pub sha256: String,
     pub size: u64,
+    /// `pages`: the sha256 is over the file's non-zero 4 KiB pages (a sparse disk image),
+    /// not its bytes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub digest: Option<&'static str>,
 }
+
+/// The `digest` of a file hashed by its pages.
+pub const PAGES_DIGEST: &str = "pages";
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Manifest {
@@ -73,7 +83,71 @@ fn digest(bytes: &[u8]) -> FileDigest {
     FileDigest {
         sha256: hex::encode(Sha256::digest(bytes)),
         size: bytes.len() as u64,
+        digest: None,
     }
+}
+
+/// Formats `path` as the workspace template: an ext4 filesystem of `mib` MiB labelled
+/// `workspace`, written by Debian's mke2fs. Its identity (UUID, hash seed) comes from `seed`
+/// and its timestamps are fixed, so the same image.toml gives the same bytes.
+fn format_workspace(path: &Path, mib: u32, seed: &[u8]) -> Result<FileDigest, ImageError> {
+    let hash = Sha256::digest(seed);
+    let h = hex::encode(&hash[..16]);
+    let uuid = format!(
+        "{}-{}-4{}-8{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[13..16],
+        &h[17..20],
+        &h[20..32]
+    );
+    let _ = std::fs::remove_file(path);
+    let file = std::fs::File::create(path).map_err(io_error(path))?;
+    file.set_len(u64::from(mib) << 20).map_err(io_error(path))?;
+    drop(file);
+    let output = std::process::Command::new("mke2fs")
+        .args([
+            "-q",
+            "-F",
+            "-t",
+            "ext4",
+            "-L",
+            "workspace",
+            "-U",
+            &uuid,
+            "-E",
+        ])
+        .arg(format!(
+            "hash_seed={uuid},lazy_itable_init=1,lazy_journal_init=1,nodiscard"
+        ))
+        .arg(path)
+        // mke2fs stamps the superblock with this time instead of now.
+        .env("E2FSPROGS_FAKE_TIME", "1")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| {
+            invalid(
+                "vm.workspace_fs",
+                format!("ext4 needs mke2fs (Debian: apt-get install e2fsprogs): {e}"),
+            )
+        })?;
+    if !output.status.success() {
+        return Err(invalid(
+            "vm.workspace_fs",
+            format!(
+                "mke2fs {}: {}",
+                path.display(),
+                String::from_utf8_lossy(&output.stderr).trim()
+            ),
+        ));
+    }
+    let file = std::fs::File::open(path).map_err(io_error(path))?;
+    let (sha256, _pages) = agentvm_snapshot::pages::file_digest(&file).map_err(io_error(path))?;
+    Ok(FileDigest {
+        sha256,
+        size: u64::from(mib) << 20,
+        digest: Some(PAGES_DIGEST),
+    })
 }
 
 /// Builds the bundle for `config_path` into `output` (created if needed; the four files are
@@ -209,6 +283,15 @@ pub fn build(
         let path = output.join(name);
         std::fs::write(&path, bytes).map_err(io_error(&path))?;
         files.insert(name.to_owned(), digest(bytes));
+    }
+    let workspace = output.join(WORKSPACE_FILE);
+    if config.vm.workspace_mib > 0 && config.vm.workspace_fs == WorkspaceFs::Ext4 {
+        let formatted =
+            format_workspace(&workspace, config.vm.workspace_mib, guest_toml.as_bytes())?;
+        files.insert(WORKSPACE_FILE.to_owned(), formatted);
+    } else if workspace.exists() {
+        // A bundle rebuilt without a workspace must not keep the old one's template.
+        std::fs::remove_file(&workspace).map_err(io_error(&workspace))?;
     }
     let manifest = Manifest {
         format: BUNDLE_FORMAT,

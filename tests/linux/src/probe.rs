@@ -3,7 +3,9 @@
 //! what a cloned or restored guest must not get wrong:
 //! `{"count": N, "random": "<16 bytes of the kernel RNG, hex>", "unix_ms": <wall clock>}`.
 //! The input `crash` aborts the process (the agent must restart it); `sleep MS` answers
-//! after MS milliseconds (a turn that is surely in flight).
+//! after MS milliseconds (a turn that is surely in flight); `note TEXT` writes TEXT to
+//! `note.txt` on the workspace disk first. Every answer carries `"note"`: that file as it
+//! reads now (null when there is none, `"no workspace"` without one).
 
 use std::io::Read;
 use std::process::ExitCode;
@@ -28,6 +30,28 @@ fn kernel_random() -> Result<String, HarnessFailure> {
     Ok(hex::encode(bytes))
 }
 
+/// Writes `write` to the workspace's note.txt when given; the note as it reads now.
+fn workspace_note(write: Option<&str>) -> Result<serde_json::Value, HarnessFailure> {
+    let Ok(workspace) = std::env::var("AGENTVM_WORKSPACE") else {
+        return Ok("no workspace".into());
+    };
+    let path = std::path::Path::new(&workspace).join("note.txt");
+    if let Some(text) = write {
+        std::fs::write(&path, text)
+            .map_err(|e| HarnessFailure::new(format!("writing {}: {e}", path.display())))?;
+    }
+    Ok(match std::fs::read_to_string(&path) {
+        Ok(text) => text.into(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::Value::Null,
+        Err(e) => {
+            return Err(HarnessFailure::new(format!(
+                "reading {}: {e}",
+                path.display()
+            )));
+        }
+    })
+}
+
 #[async_trait::async_trait]
 impl Harness for Probe {
     fn descriptor(&self) -> HarnessDescriptor {
@@ -50,6 +74,7 @@ impl Harness for Probe {
         if let Some(ms) = input.strip_prefix("sleep ").and_then(|m| m.parse().ok()) {
             tokio::time::sleep(Duration::from_millis(ms)).await;
         }
+        let note = workspace_note(input.strip_prefix("note "))?;
         let count = self.count.fetch_add(1, Ordering::SeqCst) + 1;
         let unix_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -59,6 +84,7 @@ impl Harness for Probe {
             "count": count,
             "random": kernel_random()?,
             "unix_ms": unix_ms,
+            "note": note,
         });
         sink.output(text_message("assistant", answer.to_string()))
             .await?;

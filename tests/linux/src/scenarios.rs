@@ -54,6 +54,7 @@ pub const ALL: &[(&str, Scenario)] = &[
         Box::pin(counter_suspend_resume(l))
     }),
     ("fork-three-children", |l| Box::pin(fork_three_children(l))),
+    ("workspace-disk-fork", |l| Box::pin(workspace_disk_fork(l))),
     ("clock-stepped-after-resume", |l| {
         Box::pin(clock_stepped_after_resume(l))
     }),
@@ -90,6 +91,8 @@ struct ProbeAnswer {
     count: u64,
     random: String,
     unix_ms: u64,
+    /// The workspace's note.txt (None: no such file).
+    note: Option<String>,
 }
 
 async fn probe(c: &mut Client, session: &str, input: &str) -> anyhow::Result<ProbeAnswer> {
@@ -104,6 +107,7 @@ async fn probe(c: &mut Client, session: &str, input: &str) -> anyhow::Result<Pro
         count: field("count")?.as_u64().context("count")?,
         random: field("random")?.as_str().context("random")?.to_owned(),
         unix_ms: field("unix_ms")?.as_u64().context("unix_ms")?,
+        note: field("note")?.as_str().map(str::to_owned),
     })
 }
 
@@ -274,6 +278,53 @@ async fn fork_three_children(lane: &mut Lane) -> anyhow::Result<String> {
         "Fork(3) {}, parent LIVE throughout; children answered 4 then 5, parent 4; 4 distinct RNG outputs; clocks within 2 s",
         secs(forked)
     ))
+}
+
+/// The probe image's ext4 workspace: a file written in a turn is there after suspend and
+/// resume; fork children start with the parent's file and never see each other's writes.
+async fn workspace_disk_fork(lane: &mut Lane) -> anyhow::Result<String> {
+    let parent = lane.create("linux-probe").await?;
+    let mut c = lane.c().await?;
+    let note = |a: &ProbeAnswer| a.note.clone().unwrap_or_else(|| "(none)".into());
+    let a = probe(&mut c, &parent, "look").await?;
+    ensure!(
+        a.note.is_none(),
+        "a new workspace holds a note: {}",
+        note(&a)
+    );
+    let a = probe(&mut c, &parent, "note from the parent").await?;
+    expect(&note(&a), "from the parent", "the note just written")?;
+    session::suspend(&mut c, &parent).await?;
+    let a = probe(&mut c, &parent, "look").await?;
+    ensure!(a.count == 3, "after resume the parent counted {}", a.count);
+    expect(
+        &note(&a),
+        "from the parent",
+        "the note after suspend and resume",
+    )?;
+    let children = session::fork(&mut c, &parent, 2).await?;
+    lane.sessions.extend(children.iter().cloned());
+    let a = probe(&mut c, &children[0], "note from child 0").await?;
+    expect(&note(&a), "from child 0", "child 0's own note")?;
+    let a = probe(&mut c, &children[1], "look").await?;
+    expect(&note(&a), "from the parent", "child 1 before writing")?;
+    let a = probe(&mut c, &children[1], "note from child 1").await?;
+    expect(&note(&a), "from child 1", "child 1's own note")?;
+    let a = probe(&mut c, &children[0], "look").await?;
+    expect(&note(&a), "from child 0", "child 0 after child 1 wrote")?;
+    let a = probe(&mut c, &parent, "look").await?;
+    expect(
+        &note(&a),
+        "from the parent",
+        "the parent after its children wrote",
+    )?;
+    for s in children.iter().chain([&parent]) {
+        session::verify(&mut c, s).await?;
+    }
+    Ok(
+        "a note on the ext4 workspace survived suspend/resume; 2 fork children each kept their own"
+            .into(),
+    )
 }
 
 async fn clock_stepped_after_resume(lane: &mut Lane) -> anyhow::Result<String> {

@@ -5,11 +5,13 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use agentvm_guest::image::{ImageConfig, Resumability};
+use agentvm_guest::image::{ImageConfig, Resumability, WorkspaceFs};
 use sha2::{Digest, Sha256};
 
 use super::GuestImage;
-use crate::image::{CONFIG_FILE, INITRAMFS_FILE, KERNEL_FILE, MANIFEST_FILE};
+use crate::image::{
+    CONFIG_FILE, INITRAMFS_FILE, KERNEL_FILE, MANIFEST_FILE, PAGES_DIGEST, WORKSPACE_FILE,
+};
 
 /// Why a directory under the image directory is not served.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -96,6 +98,14 @@ fn load_one(dir: &Path, reserved: &[&str]) -> Result<GuestImage, String> {
         digests.insert(file, path);
     }
     let config = ImageConfig::load(&digests[CONFIG_FILE]).map_err(|e| e.to_string())?;
+    let workspace_template = match (config.vm.workspace_mib, config.vm.workspace_fs) {
+        (0, _) | (_, WorkspaceFs::Raw) => None,
+        (mib, WorkspaceFs::Ext4) => Some(workspace_template(
+            dir,
+            &manifest["files"][WORKSPACE_FILE],
+            u64::from(mib) << 20,
+        )?),
+    };
     Ok(GuestImage {
         harness: name.to_owned(),
         kernel: digests[KERNEL_FILE].clone(),
@@ -105,7 +115,41 @@ fn load_one(dir: &Path, reserved: &[&str]) -> Result<GuestImage, String> {
         vcpus: Some(config.vm.vcpus),
         memory_mib: Some(u64::from(config.vm.memory_mib)),
         workspace_mib: u64::from(config.vm.workspace_mib),
+        workspace_template,
     })
+}
+
+/// The bundle's formatted workspace template, checked against the manifest (its pages'
+/// digest: reading a large sparse image whole would cost the node its size in memory).
+fn workspace_template(dir: &Path, entry: &serde_json::Value, size: u64) -> Result<PathBuf, String> {
+    let path = dir.join(WORKSPACE_FILE);
+    let (Some(want), Some(PAGES_DIGEST)) = (entry["sha256"].as_str(), entry["digest"].as_str())
+    else {
+        return Err(format!(
+            "the image has an ext4 workspace but its manifest lists no {WORKSPACE_FILE} \
+             page digest (rebuild it with agentvm image build)"
+        ));
+    };
+    let file = std::fs::File::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let len = file
+        .metadata()
+        .map_err(|e| format!("{}: {e}", path.display()))?
+        .len();
+    if len != size {
+        return Err(format!(
+            "{} is {len} bytes; image.toml's workspace_mib says {size}",
+            path.display()
+        ));
+    }
+    let (got, _) = agentvm_snapshot::pages::file_digest(&file)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    if got != want {
+        return Err(format!(
+            "{} does not match the manifest (page sha256 {got}, manifest {want})",
+            path.display()
+        ));
+    }
+    Ok(path)
 }
 
 #[cfg(test)]

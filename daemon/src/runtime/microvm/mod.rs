@@ -73,6 +73,8 @@ pub struct GuestImage {
     /// A writable disk of this many MiB per session (0: none), blank at first boot; its
     /// snapshots carry a copy, so it follows the session through suspend, resume and fork.
     pub workspace_mib: u64,
+    /// What a new session's workspace starts as (a formatted filesystem); blank without.
+    pub workspace_template: Option<PathBuf>,
 }
 
 /// What the runtime needs from the node.
@@ -868,7 +870,12 @@ impl Runtime for MicrovmRuntime {
                 let config = self.vm_config(spec, &image, &dir);
                 async move {
                     if image.workspace_mib > 0 {
-                        vmm_process::blank_disk(&dir, &dir.workspace(), image.workspace_mib << 20)?;
+                        vmm_process::new_disk(
+                            &dir,
+                            &dir.workspace(),
+                            image.workspace_mib << 20,
+                            image.workspace_template.as_deref(),
+                        )?;
                     }
                     let client = dir.client();
                     client

@@ -323,9 +323,15 @@ impl Stopping {
     }
 }
 
-/// Makes `path` a blank (sparse) disk of `bytes` in `dir`, owned like the directory: the
-/// VMM in its jail runs as the directory's owner and opens the disk read-write.
-pub fn blank_disk(dir: &VmmDir, path: &Path, bytes: u64) -> Result<(), String> {
+/// Makes `path` a disk of `bytes` in `dir`: a copy of `template`'s data pages, or blank
+/// (sparse) without one. It is owned like the directory: the VMM in its jail runs as the
+/// directory's owner and opens the disk read-write.
+pub fn new_disk(
+    dir: &VmmDir,
+    path: &Path,
+    bytes: u64,
+    template: Option<&Path>,
+) -> Result<(), String> {
     use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
     let owner = std::fs::metadata(&dir.dir).map_err(|e| format!("{}: {e}", dir.dir.display()))?;
     let made = std::fs::OpenOptions::new()
@@ -333,7 +339,12 @@ pub fn blank_disk(dir: &VmmDir, path: &Path, bytes: u64) -> Result<(), String> {
         .create_new(true)
         .mode(0o600)
         .open(path)
-        .and_then(|file| file.set_len(bytes))
+        .and_then(|file| {
+            if let Some(template) = template {
+                agentvm_snapshot::pages::copy_sparse(&std::fs::File::open(template)?, &file)?;
+            }
+            file.set_len(bytes)
+        })
         .and_then(|()| std::os::unix::fs::chown(path, Some(owner.uid()), Some(owner.gid())));
     made.map_err(|e| format!("making the workspace disk {}: {e}", path.display()))
 }

@@ -1,0 +1,71 @@
+//! The session's workspace disk: found among the virtio disks by its serial and mounted
+//! where the image says, before the harness starts.
+
+use std::path::{Path, PathBuf};
+
+use nix::mount::MsFlags;
+
+use crate::image::{ImageConfig, WORKSPACE_SERIAL, WorkspaceFs};
+
+/// Mounts the workspace if the image has an ext4 one; returns where. A raw workspace is
+/// the harness's to use (it finds it by its serial, as [`device`] does).
+pub fn mount(config: &ImageConfig) -> Result<Option<PathBuf>, String> {
+    if config.vm.workspace_mib == 0 || config.vm.workspace_fs == WorkspaceFs::Raw {
+        return Ok(None);
+    }
+    let device = device(Path::new("/sys/block"))?
+        .ok_or_else(|| format!("no disk with serial {WORKSPACE_SERIAL:?} in /sys/block"))?;
+    let target = &config.vm.workspace_mount;
+    std::fs::create_dir_all(target).map_err(|e| format!("creating {}: {e}", target.display()))?;
+    nix::mount::mount(
+        Some(&device),
+        target,
+        Some("ext4"),
+        MsFlags::MS_NOATIME | MsFlags::MS_NODEV | MsFlags::MS_NOSUID,
+        None::<&str>,
+    )
+    .map_err(|e| {
+        format!(
+            "mounting {} (ext4) at {}: {e}",
+            device.display(),
+            target.display()
+        )
+    })?;
+    Ok(Some(target.clone()))
+}
+
+/// The block device whose serial is the workspace's, among those in `sys_block`.
+pub fn device(sys_block: &Path) -> Result<Option<PathBuf>, String> {
+    let entries =
+        std::fs::read_dir(sys_block).map_err(|e| format!("{}: {e}", sys_block.display()))?;
+    let mut names: Vec<String> = entries
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .collect();
+    names.sort();
+    Ok(names
+        .into_iter()
+        .find(|name| {
+            std::fs::read_to_string(sys_block.join(name).join("serial"))
+                .is_ok_and(|serial| serial.trim_end_matches(['\n', '\0']) == WORKSPACE_SERIAL)
+        })
+        .map(|name| Path::new("/dev").join(name)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_workspace_is_the_disk_with_its_serial() {
+        let sys = tempfile::tempdir().unwrap();
+        for (name, serial) in [("vda", "rootfs\n"), ("vdb", "workspace\n"), ("loop0", "")] {
+            std::fs::create_dir(sys.path().join(name)).unwrap();
+            std::fs::write(sys.path().join(name).join("serial"), serial).unwrap();
+        }
+        std::fs::create_dir(sys.path().join("vdc")).unwrap();
+        assert_eq!(device(sys.path()).unwrap(), Some(PathBuf::from("/dev/vdb")));
+        std::fs::write(sys.path().join("vdb/serial"), "workspace-2\n").unwrap();
+        assert_eq!(device(sys.path()).unwrap(), None);
+        assert!(device(&sys.path().join("missing")).is_err());
+    }
+}
