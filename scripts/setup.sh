@@ -15,6 +15,10 @@ command -v openssl >/dev/null 2>&1 || need+=(openssl)
 # The upstream-compatibility tests run a harness and a client on grpcio (Python).
 command -v python3 >/dev/null 2>&1 || need+=(python3)
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
+# Guest images: a container image's root filesystem is an erofs image (erofs-utils), an
+# ext4 workspace template is made with mke2fs (e2fsprogs).
+command -v mkfs.erofs >/dev/null 2>&1 || need+=(erofs-utils)
+command -v mke2fs >/dev/null 2>&1 || need+=(e2fsprogs)
 # The PostgreSQL journal's tests start servers of their own from Debian's packages.
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
 if [ ${#need[@]} -gt 0 ]; then

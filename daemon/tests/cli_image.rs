@@ -310,3 +310,116 @@ fn an_ext4_workspace_is_formatted_once_at_build_and_reproducibly() {
         "{out:?}"
     );
 }
+
+/// A container image becomes the bundle's root filesystem: its layers (whiteouts applied) in
+/// an erofs image, its Entrypoint, Cmd, Env, WorkingDir and User in the guest's image.toml;
+/// byte-identical from build to build.
+#[test]
+fn a_container_image_becomes_an_erofs_root_and_says_what_runs() {
+    use agentvmd::image::oci_layout::{self, LayerEntry};
+    let img = ImageDir::new();
+    let layout = img.dir.path().join("layout");
+    let bottom = oci_layout::layer(&[
+        LayerEntry::Dir("usr", 0o755),
+        LayerEntry::Dir("usr/bin", 0o755),
+        LayerEntry::File("usr/bin/harness", 0o755, b"\x7fELF pretend harness"),
+        LayerEntry::Dir("etc", 0o755),
+        LayerEntry::File(
+            "etc/passwd",
+            0o644,
+            b"root:x:0:0::/root:/bin/sh\nagent:x:1000:1000::/:/bin/sh\n",
+        ),
+        LayerEntry::File("etc/secret", 0o600, b"removed above"),
+    ])
+    .unwrap();
+    let top = oci_layout::layer(&[LayerEntry::File("etc/.wh.secret", 0o644, b"")]).unwrap();
+    oci_layout::write(
+        &layout,
+        &[oci_layout::gzip(&bottom).unwrap(), top],
+        serde_json::json!({
+            "Entrypoint": ["harness"],
+            "Cmd": ["serve", "--listen", "unix:{socket}"],
+            "Env": ["PATH=/usr/bin", "MODE=oci"],
+            "WorkingDir": "/srv",
+            "User": "agent",
+        }),
+    )
+    .unwrap();
+    std::fs::write(
+        img.dir.path().join("image.toml"),
+        "[harness]\nresumability = \"STATELESS_REPLAY\"\nenv = { MODE = \"toml wins\" }\n\n\
+         [build]\nkernel = \"vmlinux\"\nagent = \"agent\"\n",
+    )
+    .unwrap();
+    let build = |out: &str| {
+        let built = Command::new(env!("CARGO_BIN_EXE_agentvm"))
+            .args(["image", "build", "--config"])
+            .arg(img.dir.path().join("image.toml"))
+            .arg("-o")
+            .arg(img.dir.path().join(out))
+            .arg("--oci")
+            .arg(&layout)
+            .output()
+            .unwrap();
+        assert!(built.status.success(), "{built:?}");
+    };
+    build("a");
+    build("b");
+    assert_eq!(img.read("a", "rootfs.erofs"), img.read("b", "rootfs.erofs"));
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&img.read("a", "manifest.json")).unwrap();
+    assert_eq!(manifest["files"]["rootfs.erofs"]["digest"], "pages");
+    let guest: toml::Value =
+        toml::from_str(&String::from_utf8(img.read("a", "image.toml")).unwrap()).unwrap();
+    assert_eq!(guest["vm"]["rootfs"].as_bool(), Some(true));
+    let command: Vec<&str> = guest["harness"]["command"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert_eq!(
+        command,
+        ["/usr/bin/harness", "serve", "--listen", "unix:{socket}"]
+    );
+    assert_eq!(guest["harness"]["env"]["MODE"].as_str(), Some("toml wins"));
+    assert_eq!(guest["harness"]["env"]["PATH"].as_str(), Some("/usr/bin"));
+    assert_eq!(guest["harness"]["workdir"].as_str(), Some("/srv"));
+    assert_eq!(guest["harness"]["uid"].as_integer(), Some(1000));
+    // What the guest mounts as its root.
+    let tree = img.dir.path().join("tree");
+    let fsck = Command::new("fsck.erofs")
+        .arg(format!("--extract={}", tree.display()))
+        .arg(img.dir.path().join("a/rootfs.erofs"))
+        .output()
+        .unwrap();
+    assert!(fsck.status.success(), "{fsck:?}");
+    assert_eq!(
+        std::fs::read(tree.join("usr/bin/harness")).unwrap(),
+        b"\x7fELF pretend harness"
+    );
+    assert!(tree.join("etc/passwd").exists());
+    assert!(!tree.join("etc/secret").exists() && !tree.join("etc/.wh.secret").exists());
+    // An entrypoint that is not in the image is refused by name.
+    oci_layout::write(
+        &layout,
+        &[bottom],
+        serde_json::json!({"Entrypoint": ["/bin/missing"]}),
+    )
+    .unwrap();
+    let refused = Command::new(env!("CARGO_BIN_EXE_agentvm"))
+        .args(["image", "build", "--config"])
+        .arg(img.dir.path().join("image.toml"))
+        .arg("-o")
+        .arg(img.dir.path().join("c"))
+        .arg("--oci")
+        .arg(&layout)
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(2), "{refused:?}");
+    assert!(
+        String::from_utf8_lossy(&refused.stderr)
+            .contains("/bin/missing is not in the container image"),
+        "{refused:?}"
+    );
+}

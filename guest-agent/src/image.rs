@@ -62,12 +62,18 @@ pub struct BuildConfig {
     pub harness_dir: Option<PathBuf>,
     /// …or one static binary installed as `/opt/harness/<its file name>`.
     pub harness_binary: Option<PathBuf>,
+    /// A container image (an OCI image layout directory or archive, or `docker save`
+    /// output) that becomes the guest's root filesystem; its Entrypoint and Cmd are the
+    /// harness command unless `harness.command` gives one.
+    pub oci: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HarnessConfig {
-    /// Program and arguments; the program is an absolute path inside the guest.
+    /// Program and arguments; the program is an absolute path inside the guest. May be left
+    /// out when `[build] oci` gives a container image: its Entrypoint and Cmd are used.
+    #[serde(default)]
     pub command: Vec<String>,
     #[serde(default)]
     pub env: BTreeMap<String, String>,
@@ -79,6 +85,11 @@ pub struct HarnessConfig {
     /// Restarts allowed before the harness is left down (its error reported to the host).
     #[serde(default = "default_max_restarts")]
     pub max_restarts: u32,
+    /// The user and group the harness runs as (a container image's `User`).
+    #[serde(default)]
+    pub uid: u32,
+    #[serde(default)]
+    pub gid: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -121,6 +132,11 @@ pub struct VmConfig {
     pub workspace_fs: WorkspaceFs,
     #[serde(default = "default_workspace_mount")]
     pub workspace_mount: PathBuf,
+    /// The guest's root is the bundle's `rootfs.erofs` (a container image, read-only and
+    /// shared by every VM of the image), made writable by an overlay in guest memory: the
+    /// agent mounts it and switches into it before the harness starts. Set by the builder.
+    #[serde(default)]
+    pub rootfs: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -133,6 +149,8 @@ pub enum WorkspaceFs {
 
 /// The workspace disk's serial: how the agent (and a harness) finds it among the disks.
 pub const WORKSPACE_SERIAL: &str = "workspace";
+/// The root filesystem disk's serial.
+pub const ROOTFS_SERIAL: &str = "rootfs";
 /// Set in the harness's environment to where the workspace is mounted.
 pub const WORKSPACE_ENV: &str = "AGENTVM_WORKSPACE";
 
@@ -149,6 +167,7 @@ impl Default for VmConfig {
             workspace_mib: 0,
             workspace_fs: WorkspaceFs::default(),
             workspace_mount: default_workspace_mount(),
+            rootfs: false,
         }
     }
 }
@@ -218,14 +237,19 @@ impl ImageConfig {
             field,
             why: why.to_owned(),
         };
-        let Some(program) = self.harness.command.first() else {
-            return Err(invalid("harness.command", "is empty"));
-        };
-        if !program.starts_with('/') {
-            return Err(invalid(
-                "harness.command",
-                "the program must be an absolute path inside the guest",
-            ));
+        // A build-time configuration may leave the command to its container image (the
+        // builder fills it in, and checks the result); the guest's copy must have one.
+        let build_time = self.build.is_some();
+        match self.harness.command.first() {
+            None if build_time => {}
+            None => return Err(invalid("harness.command", "is empty")),
+            Some(program) if !program.starts_with('/') => {
+                return Err(invalid(
+                    "harness.command",
+                    "the program must be an absolute path inside the guest",
+                ));
+            }
+            Some(_) => {}
         }
         if self.harness.command.iter().any(|a| a.contains('\0'))
             || self

@@ -13,6 +13,7 @@ pub mod dirty;
 pub mod image;
 pub mod init;
 pub mod reaper;
+pub mod rootfs;
 pub mod supervisor;
 mod sys;
 pub mod system;

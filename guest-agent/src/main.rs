@@ -112,6 +112,12 @@ fn run(pid1: bool) -> anyhow::Result<()> {
         } else {
             let config = ImageConfig::load(&args.config)?;
             if pid1 {
+                // Into the container image's root first: the workspace mounts inside it.
+                match agentvm_guest::rootfs::switch(&config) {
+                    Ok(true) => tracing::info!("running in the image's root filesystem"),
+                    Ok(false) => {}
+                    Err(e) => anyhow::bail!("the image's root filesystem: {e}"),
+                }
                 match agentvm_guest::workspace::mount(&config) {
                     Ok(Some(at)) => tracing::info!(at = %at.display(), "workspace mounted"),
                     Ok(None) => {}

@@ -160,6 +160,15 @@ fn spawn(config: &ImageConfig, socket: &std::path::Path, reaper: &Reaper) -> std
         .envs(config.env_for(socket))
         .current_dir(&config.harness.workdir)
         .stdin(std::process::Stdio::null());
+    if (config.harness.uid, config.harness.gid) != (0, 0) {
+        use std::os::unix::process::CommandExt;
+        // The container image's User; its socket directory must let it in.
+        cmd.uid(config.harness.uid).gid(config.harness.gid);
+        if let Some(dir) = socket.parent() {
+            let _ =
+                std::os::unix::fs::chown(dir, Some(config.harness.uid), Some(config.harness.gid));
+        }
+    }
     // The harness must not outlive the agent that answers for it.
     sys::signal_child_on_our_death(&mut cmd, Signal::SIGKILL);
     reaper.spawn(&mut cmd)

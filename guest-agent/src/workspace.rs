@@ -8,12 +8,12 @@ use nix::mount::MsFlags;
 use crate::image::{ImageConfig, WORKSPACE_SERIAL, WorkspaceFs};
 
 /// Mounts the workspace if the image has an ext4 one; returns where. A raw workspace is
-/// the harness's to use (it finds it by its serial, as [`device`] does).
+/// the harness's to use (it finds it by its serial, as [`disk_with_serial`] does).
 pub fn mount(config: &ImageConfig) -> Result<Option<PathBuf>, String> {
     if config.vm.workspace_mib == 0 || config.vm.workspace_fs == WorkspaceFs::Raw {
         return Ok(None);
     }
-    let device = device(Path::new("/sys/block"))?
+    let device = disk_with_serial(Path::new("/sys/block"), WORKSPACE_SERIAL)?
         .ok_or_else(|| format!("no disk with serial {WORKSPACE_SERIAL:?} in /sys/block"))?;
     let target = &config.vm.workspace_mount;
     std::fs::create_dir_all(target).map_err(|e| format!("creating {}: {e}", target.display()))?;
@@ -34,8 +34,8 @@ pub fn mount(config: &ImageConfig) -> Result<Option<PathBuf>, String> {
     Ok(Some(target.clone()))
 }
 
-/// The block device whose serial is the workspace's, among those in `sys_block`.
-pub fn device(sys_block: &Path) -> Result<Option<PathBuf>, String> {
+/// The block device whose serial is `serial`, among those in `sys_block`.
+pub fn disk_with_serial(sys_block: &Path, serial: &str) -> Result<Option<PathBuf>, String> {
     let entries =
         std::fs::read_dir(sys_block).map_err(|e| format!("{}: {e}", sys_block.display()))?;
     let mut names: Vec<String> = entries
@@ -46,7 +46,7 @@ pub fn device(sys_block: &Path) -> Result<Option<PathBuf>, String> {
         .into_iter()
         .find(|name| {
             std::fs::read_to_string(sys_block.join(name).join("serial"))
-                .is_ok_and(|serial| serial.trim_end_matches(['\n', '\0']) == WORKSPACE_SERIAL)
+                .is_ok_and(|found| found.trim_end_matches(['\n', '\0']) == serial)
         })
         .map(|name| Path::new("/dev").join(name)))
 }

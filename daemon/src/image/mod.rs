@@ -5,6 +5,8 @@
 
 pub mod cpio;
 pub mod elf;
+pub mod oci;
+pub mod oci_layout;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -21,6 +23,8 @@ pub const KERNEL_FILE: &str = "vmlinux";
 pub const INITRAMFS_FILE: &str = "initramfs.cpio";
 pub const CONFIG_FILE: &str = "image.toml";
 pub const MANIFEST_FILE: &str = "manifest.json";
+/// A container image's root filesystem (erofs, read-only; shared by every VM of the image).
+pub const ROOTFS_FILE: &str = "rootfs.erofs";
 /// The formatted template each session's workspace disk starts as (an image with an ext4
 /// workspace). Sparse; its digest is over its data pages.
 pub const WORKSPACE_FILE: &str = "workspace.img";
@@ -58,6 +62,8 @@ fn invalid(field: &'static str, why: impl Into<String>) -> ImageError {
 pub struct BuildInputs {
     pub kernel: Option<PathBuf>,
     pub agent: Option<PathBuf>,
+    /// A container image to use as the root filesystem (`--oci`), where `[build]` names none.
+    pub oci: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -87,20 +93,207 @@ fn digest(bytes: &[u8]) -> FileDigest {
     }
 }
 
-/// Formats `path` as the workspace template: an ext4 filesystem of `mib` MiB labelled
-/// `workspace`, written by Debian's mke2fs. Its identity (UUID, hash seed) comes from `seed`
-/// and its timestamps are fixed, so the same image.toml gives the same bytes.
-fn format_workspace(path: &Path, mib: u32, seed: &[u8]) -> Result<FileDigest, ImageError> {
-    let hash = Sha256::digest(seed);
-    let h = hex::encode(&hash[..16]);
-    let uuid = format!(
+/// A stable UUID for a filesystem the builder makes, from `seed` (so rebuilding the same
+/// inputs gives the same bytes).
+fn seeded_uuid(seed: &[u8], salt: &str) -> String {
+    let mut hasher = Sha256::new();
+    hasher.update(salt.as_bytes());
+    hasher.update(seed);
+    let h = hex::encode(&hasher.finalize()[..16]);
+    format!(
         "{}-{}-4{}-8{}-{}",
         &h[0..8],
         &h[8..12],
         &h[13..16],
         &h[17..20],
         &h[20..32]
-    );
+    )
+}
+
+/// The container image's tree as an uncompressed erofs image at `path` (erofs-utils'
+/// mkfs.erofs), with fixed timestamps and a UUID from `seed`: the same image gives the same
+/// bytes. Uncompressed, so a cold read is one read, and the host's page cache holds each
+/// block once for every VM of the image.
+fn make_erofs(tree: &Path, path: &Path, seed: &[u8]) -> Result<FileDigest, ImageError> {
+    let _ = std::fs::remove_file(path);
+    let output = std::process::Command::new("mkfs.erofs")
+        .arg("-T0")
+        .arg(format!("-U{}", seeded_uuid(seed, "rootfs")))
+        .arg(path)
+        .arg(tree)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| {
+            invalid(
+                "build.oci",
+                format!("needs mkfs.erofs (Debian: apt-get install erofs-utils): {e}"),
+            )
+        })?;
+    if !output.status.success() {
+        return Err(invalid(
+            "build.oci",
+            format!(
+                "mkfs.erofs {}: {}",
+                path.display(),
+                String::from_utf8_lossy(&output.stderr).trim()
+            ),
+        ));
+    }
+    let file = std::fs::File::open(path).map_err(io_error(path))?;
+    let size = file.metadata().map_err(io_error(path))?.len();
+    let (sha256, _pages) = agentvm_snapshot::pages::file_digest(&file).map_err(io_error(path))?;
+    Ok(FileDigest {
+        sha256,
+        size,
+        digest: Some(PAGES_DIGEST),
+    })
+}
+
+/// Fills what the container image says it runs into `config`, where image.toml leaves it
+/// unsaid: the command (Entrypoint and Cmd), the environment, the working directory and the
+/// user; and marks the image as booting into its root filesystem.
+fn runs_image(
+    config: &mut ImageConfig,
+    run: &oci::RunConfig,
+    tree: &Path,
+) -> Result<(), ImageError> {
+    config.vm.rootfs = true;
+    if config.harness.command.is_empty() {
+        config.harness.command = run.entrypoint.iter().chain(&run.cmd).cloned().collect();
+        if config.harness.command.is_empty() {
+            return Err(invalid(
+                "harness.command",
+                "the container image has no Entrypoint or Cmd: give harness.command",
+            ));
+        }
+    }
+    for pair in &run.env {
+        if let Some((key, value)) = pair.split_once('=') {
+            config
+                .harness
+                .env
+                .entry(key.to_owned())
+                .or_insert_with(|| value.to_owned());
+        }
+    }
+    // A bare program name is looked up on the image's PATH, as a container runtime would.
+    let program = config.harness.command[0].clone();
+    if !program.starts_with('/') {
+        let path = config
+            .harness
+            .env
+            .get("PATH")
+            .cloned()
+            .unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".to_owned());
+        let found = path
+            .split(':')
+            .filter(|dir| dir.starts_with('/'))
+            .map(|dir| format!("{}/{program}", dir.trim_end_matches('/')))
+            .find(|candidate| {
+                tree.join(candidate.trim_start_matches('/'))
+                    .symlink_metadata()
+                    .is_ok()
+            })
+            .ok_or_else(|| {
+                invalid(
+                    "harness.command",
+                    format!("{program:?} is not on the image's PATH ({path})"),
+                )
+            })?;
+        config.harness.command[0] = found;
+    }
+    if config.harness.workdir == Path::new("/") && !run.working_dir.is_empty() {
+        config.harness.workdir = PathBuf::from(&run.working_dir);
+    }
+    if !run.user.is_empty() {
+        let (uid, gid) = image_user(&run.user, tree)?;
+        config.harness.uid = uid;
+        config.harness.gid = gid;
+    }
+    Ok(())
+}
+
+/// A container image's `User` (`name`, `uid`, `name:group` or `uid:gid`) as numbers, names
+/// looked up in the image's own /etc/passwd and /etc/group.
+fn image_user(user: &str, tree: &Path) -> Result<(u32, u32), ImageError> {
+    let lookup = |file: &str, name: &str| -> Option<(u32, u32)> {
+        std::fs::read_to_string(tree.join(file))
+            .ok()?
+            .lines()
+            .map(|line| line.split(':').collect::<Vec<_>>())
+            .find(|fields| fields.first() == Some(&name))
+            .and_then(|fields| {
+                Some((
+                    fields.get(2)?.parse().ok()?,
+                    fields.get(3)?.parse().unwrap_or(0),
+                ))
+            })
+    };
+    let unknown = |what: &str| invalid("oci", format!("the image's User {user:?}: no {what}"));
+    let (name, group) = match user.split_once(':') {
+        Some((name, group)) => (name, Some(group)),
+        None => (user, None),
+    };
+    let (uid, primary) = match name.parse::<u32>() {
+        Ok(uid) => (uid, lookup("etc/passwd", name).map_or(0, |(_, gid)| gid)),
+        Err(_) => lookup("etc/passwd", name).ok_or_else(|| unknown("such user in /etc/passwd"))?,
+    };
+    let gid = match group {
+        None => primary,
+        Some(group) => match group.parse::<u32>() {
+            Ok(gid) => gid,
+            Err(_) => lookup("etc/group", group)
+                .map(|(gid, _)| gid)
+                .ok_or_else(|| unknown("such group in /etc/group"))?,
+        },
+    };
+    Ok((uid, gid))
+}
+
+/// The harness program must be in the container image's tree and executable (following
+/// symlinks inside the tree).
+fn check_program_in_tree(config: &ImageConfig, tree: &Path) -> Result<(), ImageError> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut path = config.harness.command[0].trim_start_matches('/').to_owned();
+    for _ in 0..16 {
+        let at = tree.join(&path);
+        let meta = at.symlink_metadata().map_err(|_| {
+            invalid(
+                "harness.command",
+                format!("/{path} is not in the container image"),
+            )
+        })?;
+        if meta.file_type().is_symlink() {
+            let target = std::fs::read_link(&at).map_err(io_error(&at))?;
+            let target = target.to_string_lossy();
+            path = match target.strip_prefix('/') {
+                Some(abs) => abs.to_owned(),
+                None => {
+                    let parent = Path::new(&path).parent().unwrap_or(Path::new(""));
+                    normalize(&parent.join(target.as_ref()))
+                }
+            };
+            continue;
+        }
+        if meta.is_file() && meta.permissions().mode() & 0o111 != 0 {
+            return Ok(());
+        }
+        return Err(invalid(
+            "harness.command",
+            format!("/{path} in the container image is not an executable file"),
+        ));
+    }
+    Err(invalid(
+        "harness.command",
+        format!("{} is a loop of symlinks", config.harness.command[0]),
+    ))
+}
+
+/// Formats `path` as the workspace template: an ext4 filesystem of `mib` MiB labelled
+/// `workspace`, written by Debian's mke2fs. Its identity (UUID, hash seed) comes from `seed`
+/// and its timestamps are fixed, so the same image.toml gives the same bytes.
+fn format_workspace(path: &Path, mib: u32, seed: &[u8]) -> Result<FileDigest, ImageError> {
+    let uuid = seeded_uuid(seed, "workspace");
     let _ = std::fs::remove_file(path);
     let file = std::fs::File::create(path).map_err(io_error(path))?;
     file.set_len(u64::from(mib) << 20).map_err(io_error(path))?;
@@ -157,7 +350,7 @@ pub fn build(
     output: &Path,
     inputs: &BuildInputs,
 ) -> Result<Manifest, ImageError> {
-    let config = ImageConfig::load(config_path)?;
+    let mut config = ImageConfig::load(config_path)?;
     let base = config_path.parent().unwrap_or(Path::new("."));
     let build = config.build.clone().unwrap_or_default();
     let resolve = |p: &PathBuf| {
@@ -166,6 +359,28 @@ pub fn build(
         } else {
             base.join(p)
         }
+    };
+    let scratch = tempfile::tempdir().map_err(io_error(Path::new("a scratch directory")))?;
+    let rootfs = match build
+        .oci
+        .as_ref()
+        .map(resolve)
+        .or_else(|| inputs.oci.clone())
+    {
+        Some(source) => {
+            let tree = scratch.path().join("rootfs");
+            std::fs::create_dir(&tree).map_err(io_error(&tree))?;
+            let run = oci::unpack(&source, &tree, scratch.path())?;
+            runs_image(&mut config, &run, &tree)?;
+            Some(tree)
+        }
+        None if config.harness.command.is_empty() => {
+            return Err(invalid(
+                "harness.command",
+                "is empty (it may be left out only with a container image: [build] oci or --oci)",
+            ));
+        }
+        None => None,
     };
 
     let kernel_path = build
@@ -220,6 +435,8 @@ pub fn build(
                 "harness_dir and harness_binary are alternatives; give one",
             ));
         }
+        // The container image holds the harness.
+        (None, None) if rootfs.is_some() => {}
         (None, None) => {
             return Err(invalid(
                 "build",
@@ -264,7 +481,10 @@ pub fn build(
         }
     }
     entries.sort_by(|a, b| a.path.cmp(&b.path));
-    check_program(&config, &entries)?;
+    match &rootfs {
+        Some(tree) => check_program_in_tree(&config, tree)?,
+        None => check_program(&config, &entries)?,
+    }
 
     let mut initramfs = Vec::new();
     let mut w = cpio::Writer::new(&mut initramfs);
@@ -283,6 +503,17 @@ pub fn build(
         let path = output.join(name);
         std::fs::write(&path, bytes).map_err(io_error(&path))?;
         files.insert(name.to_owned(), digest(bytes));
+    }
+    let rootfs_image = output.join(ROOTFS_FILE);
+    match &rootfs {
+        Some(tree) => {
+            let made = make_erofs(tree, &rootfs_image, guest_toml.as_bytes())?;
+            files.insert(ROOTFS_FILE.to_owned(), made);
+        }
+        None if rootfs_image.exists() => {
+            std::fs::remove_file(&rootfs_image).map_err(io_error(&rootfs_image))?;
+        }
+        None => {}
     }
     let workspace = output.join(WORKSPACE_FILE);
     if config.vm.workspace_mib > 0 && config.vm.workspace_fs == WorkspaceFs::Ext4 {

@@ -27,22 +27,17 @@ pub fn write_testguest(output: &Path) -> anyhow::Result<()> {
 pub fn build(
     config: &Path,
     output: &Path,
-    kernel: Option<std::path::PathBuf>,
-    agent: Option<std::path::PathBuf>,
+    mut inputs: agentvmd::image::BuildInputs,
     json: bool,
 ) -> anyhow::Result<()> {
-    let agent = agent.or_else(|| {
+    inputs.agent = inputs.agent.or_else(|| {
         let sibling = std::env::current_exe()
             .ok()?
             .with_file_name("agentvm-guest");
         sibling.exists().then_some(sibling)
     });
-    let manifest = agentvmd::image::build(
-        config,
-        output,
-        &agentvmd::image::BuildInputs { kernel, agent },
-    )
-    .with_context(|| format!("building the image of {}", config.display()))?;
+    let manifest = agentvmd::image::build(config, output, &inputs)
+        .with_context(|| format!("building the image of {}", config.display()))?;
     if json {
         println!(
             "{}",

@@ -126,6 +126,11 @@ enum ImageCommand {
         /// binary).
         #[arg(long)]
         agent: Option<PathBuf>,
+        /// A container image to boot as the guest's root filesystem, where [build] names
+        /// none: an OCI image layout (directory or tar) or `docker save` output. Its
+        /// Entrypoint and Cmd are the harness unless image.toml gives harness.command.
+        #[arg(long, value_name = "DIR|ARCHIVE")]
+        oci: Option<PathBuf>,
     },
 }
 
@@ -228,8 +233,14 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
             output,
             kernel,
             agent,
+            oci,
         }) => {
-            image_cmd::build(config, output, kernel.clone(), agent.clone(), cli.json)?;
+            let inputs = agentvmd::image::BuildInputs {
+                kernel: kernel.clone(),
+                agent: agent.clone(),
+                oci: oci.clone(),
+            };
+            image_cmd::build(config, output, inputs, cli.json)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Image(ImageCommand::Testguest { output }) => {

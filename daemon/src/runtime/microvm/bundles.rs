@@ -10,7 +10,8 @@ use sha2::{Digest, Sha256};
 
 use super::GuestImage;
 use crate::image::{
-    CONFIG_FILE, INITRAMFS_FILE, KERNEL_FILE, MANIFEST_FILE, PAGES_DIGEST, WORKSPACE_FILE,
+    CONFIG_FILE, INITRAMFS_FILE, KERNEL_FILE, MANIFEST_FILE, PAGES_DIGEST, ROOTFS_FILE,
+    WORKSPACE_FILE,
 };
 
 /// Why a directory under the image directory is not served.
@@ -100,11 +101,21 @@ fn load_one(dir: &Path, reserved: &[&str]) -> Result<GuestImage, String> {
     let config = ImageConfig::load(&digests[CONFIG_FILE]).map_err(|e| e.to_string())?;
     let workspace_template = match (config.vm.workspace_mib, config.vm.workspace_fs) {
         (0, _) | (_, WorkspaceFs::Raw) => None,
-        (mib, WorkspaceFs::Ext4) => Some(workspace_template(
+        (mib, WorkspaceFs::Ext4) => Some(paged_file(
             dir,
+            WORKSPACE_FILE,
             &manifest["files"][WORKSPACE_FILE],
-            u64::from(mib) << 20,
+            Some(u64::from(mib) << 20),
         )?),
+    };
+    let rootfs = match config.vm.rootfs {
+        true => Some(paged_file(
+            dir,
+            ROOTFS_FILE,
+            &manifest["files"][ROOTFS_FILE],
+            None,
+        )?),
+        false => None,
     };
     Ok(GuestImage {
         harness: name.to_owned(),
@@ -116,18 +127,25 @@ fn load_one(dir: &Path, reserved: &[&str]) -> Result<GuestImage, String> {
         memory_mib: Some(u64::from(config.vm.memory_mib)),
         workspace_mib: u64::from(config.vm.workspace_mib),
         workspace_template,
+        rootfs,
     })
 }
 
-/// The bundle's formatted workspace template, checked against the manifest (its pages'
-/// digest: reading a large sparse image whole would cost the node its size in memory).
-fn workspace_template(dir: &Path, entry: &serde_json::Value, size: u64) -> Result<PathBuf, String> {
-    let path = dir.join(WORKSPACE_FILE);
+/// A disk image of the bundle (a workspace template, a root filesystem), checked against
+/// the manifest by its pages' digest: reading a large sparse image whole would cost the node
+/// its size in memory. `size`, when given, is the size image.toml implies.
+fn paged_file(
+    dir: &Path,
+    name: &str,
+    entry: &serde_json::Value,
+    size: Option<u64>,
+) -> Result<PathBuf, String> {
+    let path = dir.join(name);
     let (Some(want), Some(PAGES_DIGEST)) = (entry["sha256"].as_str(), entry["digest"].as_str())
     else {
         return Err(format!(
-            "the image has an ext4 workspace but its manifest lists no {WORKSPACE_FILE} \
-             page digest (rebuild it with agentvm image build)"
+            "image.toml asks for {name} but the manifest lists no page digest of it (rebuild \
+             the bundle with agentvm image build)"
         ));
     };
     let file = std::fs::File::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -135,9 +153,9 @@ fn workspace_template(dir: &Path, entry: &serde_json::Value, size: u64) -> Resul
         .metadata()
         .map_err(|e| format!("{}: {e}", path.display()))?
         .len();
-    if len != size {
+    if size.is_some_and(|size| size != len) || entry["size"].as_u64() != Some(len) {
         return Err(format!(
-            "{} is {len} bytes; image.toml's workspace_mib says {size}",
+            "{} is {len} bytes, not what the manifest and image.toml say",
             path.display()
         ));
     }

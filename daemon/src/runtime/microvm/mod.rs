@@ -50,6 +50,8 @@ use crate::controller::endpoint::HarnessEndpoint;
 
 /// The workspace disk's device id and the serial its guest sees.
 const WORKSPACE: &str = "workspace";
+/// The same for a container image's root filesystem.
+const ROOTFS: &str = "rootfs";
 
 /// The runtime's name, as sessions and node status name it.
 pub const NAME: &str = "microvm";
@@ -75,6 +77,9 @@ pub struct GuestImage {
     pub workspace_mib: u64,
     /// What a new session's workspace starts as (a formatted filesystem); blank without.
     pub workspace_template: Option<PathBuf>,
+    /// A container image's root filesystem, attached read-only (serial `rootfs`) to every VM
+    /// of the image, which all share it through the host's page cache.
+    pub rootfs: Option<PathBuf>,
 }
 
 /// What the runtime needs from the node.
@@ -336,13 +341,21 @@ impl MicrovmRuntime {
             socket: dir.vsock(),
             id: None,
         });
+        if let Some(rootfs) = &image.rootfs {
+            config.disks.push(DiskConfig {
+                path: rootfs.clone(),
+                readonly: true,
+                id: Some(ROOTFS.into()),
+                serial: Some(ROOTFS.into()),
+            });
+        }
         if image.workspace_mib > 0 {
-            config.disks = vec![DiskConfig {
+            config.disks.push(DiskConfig {
                 path: dir.workspace(),
                 readonly: false,
                 id: Some(WORKSPACE.into()),
                 serial: Some(WORKSPACE.into()),
-            }];
+            });
         }
         config
     }
@@ -861,10 +874,14 @@ impl Runtime for MicrovmRuntime {
             })?
             .to_owned();
         let started = std::time::Instant::now();
-        let files = [Some(image.kernel.clone()), image.initramfs.clone()]
-            .into_iter()
-            .flatten()
-            .collect();
+        let files = [
+            Some(image.kernel.clone()),
+            image.initramfs.clone(),
+            image.rootfs.clone(),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
         let inc = self
             .start(session, files, |dir, confined| {
                 let config = self.vm_config(spec, &image, &dir);
