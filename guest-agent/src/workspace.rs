@@ -63,9 +63,14 @@ mod tests {
             std::fs::write(sys.path().join(name).join("serial"), serial).unwrap();
         }
         std::fs::create_dir(sys.path().join("vdc")).unwrap();
-        assert_eq!(device(sys.path()).unwrap(), Some(PathBuf::from("/dev/vdb")));
+        let find = |dir: &Path| disk_with_serial(dir, WORKSPACE_SERIAL);
+        assert_eq!(find(sys.path()).unwrap(), Some(PathBuf::from("/dev/vdb")));
+        assert_eq!(
+            disk_with_serial(sys.path(), "rootfs").unwrap(),
+            Some(PathBuf::from("/dev/vda"))
+        );
         std::fs::write(sys.path().join("vdb/serial"), "workspace-2\n").unwrap();
-        assert_eq!(device(sys.path()).unwrap(), None);
-        assert!(device(&sys.path().join("missing")).is_err());
+        assert_eq!(find(sys.path()).unwrap(), None);
+        assert!(find(&sys.path().join("missing")).is_err());
     }
 }

@@ -71,7 +71,7 @@ RUSTFLAGS="-C target-feature=+crt-static" \
     -p agentvm-vmm --bin agentvm-vmm \
     -p agentvm-guest --bin agentvm-guest \
     -p agentvm-harnesses --bin agentvm-harness \
-    -p agentvm-linux-lane --bin agentvm-lane --bin agentvm-lane-probe >&2
+    -p agentvm-linux-lane --bin agentvm-lane --bin agentvm-lane-probe --bin agentvm-lane-oci >&2
 
 # ---- guest kernel and images
 kernel=${AGENTVM_KERNEL:-$(scripts/build-kernel.sh)}
@@ -84,6 +84,12 @@ for name in echo counter chat probe; do
     "$bin/agentvm" image build --config "$config" -o "$stage/lane/images/linux-$name" \
         --kernel "$kernel" --agent "$bin/agentvm-guest" >&2
 done
+# The container image: an OCI layout written here (no registry is reachable), booted as an
+# erofs root filesystem.
+"$bin/agentvm-lane-oci" --out "$stage/oci-layout" --harness "$bin/agentvm-harness"
+"$bin/agentvm" image build --config "$lane/oci/image.toml" --oci "$stage/oci-layout" \
+    -o "$stage/lane/images/linux-oci-echo" --kernel "$kernel" --agent "$bin/agentvm-guest" >&2
+rm -rf "$stage/oci-layout"
 cp "$bin"/{agentvmd,agentvm,agentvm-vmm,agentvm-lane} "$stage/lane/bin/"
 if [ -n "${CLOUD_HYPERVISOR:-}" ]; then
     [ -x "$CLOUD_HYPERVISOR" ] || { log "CLOUD_HYPERVISOR=$CLOUD_HYPERVISOR is not an executable"; exit 2; }

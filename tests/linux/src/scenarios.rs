@@ -55,6 +55,7 @@ pub const ALL: &[(&str, Scenario)] = &[
     }),
     ("fork-three-children", |l| Box::pin(fork_three_children(l))),
     ("workspace-disk-fork", |l| Box::pin(workspace_disk_fork(l))),
+    ("oci-harness", |l| Box::pin(oci_harness(l))),
     ("clock-stepped-after-resume", |l| {
         Box::pin(clock_stepped_after_resume(l))
     }),
@@ -325,6 +326,41 @@ async fn workspace_disk_fork(lane: &mut Lane) -> anyhow::Result<String> {
         "a note on the ext4 workspace survived suspend/resume; 2 fork children each kept their own"
             .into(),
     )
+}
+
+/// A container image as the guest's root: the reference harness from an OCI layout (two
+/// layers, a whiteout), booted from an erofs disk under an overlay, run by the image's
+/// Entrypoint/Cmd as its User; turns, suspend and resume (a fresh VM by replay), and a fork.
+async fn oci_harness(lane: &mut Lane) -> anyhow::Result<String> {
+    let s = lane.create("linux-oci-echo").await?;
+    let mut c = lane.c().await?;
+    let t = Instant::now();
+    expect(
+        &session::say(&mut c, &s, "from a container image").await?,
+        "echo:from a container image",
+        "first turn",
+    )?;
+    let first = t.elapsed();
+    session::suspend(&mut c, &s).await?;
+    expect(
+        &session::say(&mut c, &s, "after resume").await?,
+        "echo:after resume",
+        "turn after suspend and resume",
+    )?;
+    let children = session::fork(&mut c, &s, 1).await?;
+    lane.sessions.extend(children.iter().cloned());
+    expect(
+        &session::say(&mut c, &children[0], "in the child").await?,
+        "echo:in the child",
+        "the fork child's turn",
+    )?;
+    for session in children.iter().chain([&s]) {
+        session::verify(&mut c, session).await?;
+    }
+    Ok(format!(
+        "first turn (boot from the erofs root) {}; resumed and forked",
+        secs(first)
+    ))
 }
 
 async fn clock_stepped_after_resume(lane: &mut Lane) -> anyhow::Result<String> {
