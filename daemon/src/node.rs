@@ -374,7 +374,8 @@ impl Node {
                 controller,
                 builtin_runtimes,
             )
-            .with_disk_reserve(disk.clone()),
+            .with_disk_reserve(disk.clone())
+            .with_describe_timeout(cfg.guest_ready_timeout),
         );
         Ok(Node {
             journal,

@@ -31,6 +31,12 @@ pub fn mount(config: &ImageConfig) -> Result<Option<PathBuf>, String> {
             target.display()
         )
     })?;
+    // The harness's own, when it runs as a user of its own (a container image's User).
+    let (uid, gid) = (config.harness.uid, config.harness.gid);
+    if (uid, gid) != (0, 0) {
+        std::os::unix::fs::chown(target, Some(uid), Some(gid))
+            .map_err(|e| format!("giving {} to {uid}:{gid}: {e}", target.display()))?;
+    }
     Ok(Some(target.clone()))
 }
 

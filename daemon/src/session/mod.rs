@@ -94,6 +94,8 @@ pub struct SessionHost {
     draining: std::sync::atomic::AtomicBool,
     /// Free space new work must leave in the node's directories.
     disk: Option<crate::disk::DiskReserve>,
+    /// The bound on a harness's Describe (at least [`DESCRIBE_TIMEOUT`]).
+    describe_timeout: Duration,
 }
 
 /// A session uid: `sess-` and 24 lowercase hex characters.
@@ -149,7 +151,15 @@ impl SessionHost {
             watching: Default::default(),
             draining: Default::default(),
             disk: None,
+            describe_timeout: DESCRIBE_TIMEOUT,
         }
+    }
+
+    /// How long a harness may take to answer its first Describe: a harness that starts with
+    /// its guest (a Python runtime importing grpcio) may need as long as the guest does.
+    pub fn with_describe_timeout(mut self, timeout: Duration) -> Self {
+        self.describe_timeout = timeout.max(DESCRIBE_TIMEOUT);
+        self
     }
 
     pub fn with_disk_reserve(mut self, disk: crate::disk::DiskReserve) -> Self {
@@ -488,7 +498,9 @@ impl SessionHost {
     > {
         let endpoint = self.dial(placement, incarnation).await?;
         // Bounded like every wait on a harness, by the node's idle deadline where it is lower.
-        let bound = DESCRIBE_TIMEOUT.min(self.controller.harness_idle_timeout());
+        let bound = self
+            .describe_timeout
+            .min(self.controller.harness_idle_timeout());
         let descriptor = match tokio::time::timeout(bound, endpoint.describe()).await {
             Ok(Ok(d)) => d,
             Ok(Err(s)) => {

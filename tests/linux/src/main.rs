@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 
 use daemon::{Daemon, DaemonConfig};
-use scenarios::{ALL, Lane};
+use scenarios::{ALL, Lane, NAMED_ONLY};
 
 const USAGE: &str = "usage: agentvm-lane --bin-dir DIR --images DIR --state-dir DIR --out DIR \
                      [--prefix NAME/] [--scenario-timeout-secs N] [--guest-ready-timeout-secs N] \
@@ -78,9 +78,13 @@ fn parse_args() -> anyhow::Result<Args> {
             }
             name if !name.starts_with('-') => {
                 anyhow::ensure!(
-                    ALL.iter().any(|(n, _)| *n == name),
+                    ALL.iter().chain(NAMED_ONLY).any(|(n, _)| *n == name),
                     "no scenario named {name:?}; there are: {}",
-                    ALL.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
+                    ALL.iter()
+                        .chain(NAMED_ONLY)
+                        .map(|(n, _)| *n)
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 );
                 only.push(name.to_owned());
             }
@@ -202,8 +206,10 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         started.elapsed().as_secs_f64()
     );
     let mut all_passed = true;
-    for (name, scenario) in ALL {
-        if !args.only.is_empty() && !args.only.iter().any(|n| n == name) {
+    // A full run takes ALL; the NAMED_ONLY ones run when asked for by name.
+    for (name, scenario) in ALL.iter().chain(NAMED_ONLY) {
+        let named = args.only.iter().any(|n| n == name);
+        if !named && (!args.only.is_empty() || NAMED_ONLY.iter().any(|(n, _)| n == name)) {
             continue;
         }
         let full = format!("{}{name}", args.prefix);

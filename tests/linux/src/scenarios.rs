@@ -71,6 +71,15 @@ pub const ALL: &[(&str, Scenario)] = &[
     }),
 ];
 
+/// Scenarios run only when named (`tests/linux/run.sh NAME`), not in a full run.
+///
+/// `oci-python-harness`: its turns, suspend/resume and first fork child pass, but now and
+/// then the second fork child's grpcio server never answers Describe after the restore
+/// (the Rust harnesses' forks never showed it). Until that is understood it stays out of
+/// CI, whose lane a flake would fail at random.
+pub const NAMED_ONLY: &[(&str, Scenario)] =
+    &[("oci-python-harness", |l| Box::pin(oci_python_harness(l)))];
+
 fn expect(got: &str, want: &str, what: &str) -> anyhow::Result<()> {
     ensure!(got == want, "{what}: answered {got:?}, expected {want:?}");
     Ok(())
@@ -360,6 +369,59 @@ async fn oci_harness(lane: &mut Lane) -> anyhow::Result<String> {
     Ok(format!(
         "first turn (boot from the erofs root) {}; resumed and forked",
         secs(first)
+    ))
+}
+
+/// One answer of the Python reference harness: (count, what it said, lines in its log).
+async fn python_turn(
+    c: &mut Client,
+    session: &str,
+    text: &str,
+) -> anyhow::Result<(u64, String, u64)> {
+    let answer = session::say(c, session, text).await?;
+    let v: serde_json::Value = serde_json::from_str(&answer)
+        .with_context(|| format!("the Python harness answered {answer:?}"))?;
+    Ok((
+        v["count"].as_u64().context("count")?,
+        v["said"].as_str().context("said")?.to_owned(),
+        v["logged"]
+            .as_u64()
+            .with_context(|| format!("no workspace log in {answer}"))?,
+    ))
+}
+
+/// The Python reference harness from a container image (Debian's python3 and grpcio): its
+/// count lives in memory and its log on the workspace disk; both survive suspend and resume,
+/// and each fork child carries on with its own copy of both.
+async fn oci_python_harness(lane: &mut Lane) -> anyhow::Result<String> {
+    let s = lane.create("linux-python").await?;
+    let mut c = lane.c().await?;
+    let t = Instant::now();
+    let first = python_turn(&mut c, &s, "one").await?;
+    let first_turn = t.elapsed();
+    ensure!(first == (1, "one".into(), 1), "first turn: {first:?}");
+    session::suspend(&mut c, &s).await?;
+    let second = python_turn(&mut c, &s, "two").await?;
+    ensure!(second == (2, "two".into(), 2), "after resume: {second:?}");
+    let children = session::fork(&mut c, &s, 2).await?;
+    lane.sessions.extend(children.iter().cloned());
+    for (i, child) in children.iter().enumerate() {
+        let text = format!("child {i}");
+        let got = python_turn(&mut c, child, &text).await?;
+        ensure!(got == (3, text.clone(), 3), "child {i}: {got:?}");
+    }
+    let third = python_turn(&mut c, &s, "three").await?;
+    ensure!(
+        third == (3, "three".into(), 3),
+        "the parent after the fork: {third:?}"
+    );
+    for session in children.iter().chain([&s]) {
+        session::verify(&mut c, session).await?;
+    }
+    Ok(format!(
+        "first turn (boot, python3 and grpcio from the erofs root) {}; count and workspace log \
+         kept through suspend/resume; 2 fork children each went on with their own",
+        secs(first_turn)
     ))
 }
 

@@ -1,0 +1,93 @@
+"""agentvm's Python reference harness: an agentsessions.v1 Harness on grpcio that keeps its
+state in memory (REQUIRES_MEMORY_SNAPSHOT) and its files on the session's workspace disk.
+
+    harness.py --listen unix:PATH
+
+Each turn appends the input text to $AGENTVM_WORKSPACE/turns.log and answers one OUTPUT,
+a JSON object: {"count": turns this process has served, "said": the input text,
+"logged": lines now in turns.log, "python": the interpreter's version}. A memory snapshot
+keeps the count, the workspace keeps the log, and a fork child carries on with both.
+"""
+import argparse
+import concurrent.futures
+import json
+import os
+import platform
+import signal
+import threading
+
+import grpc
+
+import common_pb2
+import harness_pb2
+import harness_pb2_grpc
+
+
+class Reference(harness_pb2_grpc.HarnessServicer):
+    def __init__(self):
+        self.count = 0
+        self.lock = threading.Lock()
+
+    def Describe(self, request, context):
+        return harness_pb2.HarnessDescriptor(
+            id="python-reference",
+            version="1",
+            capabilities=harness_pb2.Capabilities(
+                resumability=harness_pb2.RESUMABILITY_REQUIRES_MEMORY_SNAPSHOT
+            ),
+        )
+
+    def Connect(self, request_iterator, context):
+        first = next(request_iterator)
+        start = first.start
+        text = ""
+        if start.inputs:
+            text = "".join(p.text.text for p in start.inputs[-1].parts)
+        with self.lock:
+            self.count += 1
+            count = self.count
+            logged = None
+            workspace = os.environ.get("AGENTVM_WORKSPACE")
+            if workspace:
+                log = os.path.join(workspace, "turns.log")
+                with open(log, "a", encoding="utf-8") as f:
+                    f.write(text + "\n")
+                with open(log, encoding="utf-8") as f:
+                    logged = sum(1 for _ in f)
+        answer = {
+            "count": count,
+            "said": text,
+            "logged": logged,
+            "python": platform.python_version(),
+        }
+        yield common_pb2.Event(
+            execution_id=first.execution_id,
+            kind=common_pb2.EVENT_OUTPUT,
+            message=common_pb2.Message(
+                role="assistant",
+                parts=[common_pb2.Part(text=common_pb2.TextPart(text=json.dumps(answer)))],
+            ),
+        )
+        yield common_pb2.Event(
+            execution_id=first.execution_id,
+            kind=common_pb2.EVENT_END,
+            end=common_pb2.HarnessEnd(state="COMPLETED"),
+        )
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--listen", required=True, help="unix:PATH")
+    args = parser.parse_args()
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=4))
+    harness_pb2_grpc.add_HarnessServicer_to_server(Reference(), server)
+    server.add_insecure_port(args.listen)
+    server.start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=2)
+
+
+if __name__ == "__main__":
+    main()
