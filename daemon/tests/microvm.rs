@@ -1039,6 +1039,17 @@ async fn scenario_73_and_74_stateless_sessions_on_microvms_replay_suspend_and_re
     }
 }
 
+/// A node with the microvm runtime serving the bundles in `images`.
+async fn bundle_node(images: PathBuf) -> TestNode {
+    let binary = vmm_binary();
+    start_with(move |cfg| {
+        cfg.vmm_binary = Some(binary);
+        cfg.image_dir = Some(images);
+        cfg.ram_dir = std::env::temp_dir();
+    })
+    .await
+}
+
 /// Builds a bundle into `images/<name>` whose "kernel" is the test guest (it ignores the
 /// initramfs and boots into its counter) — the whole bundle path of a Linux image, runnable
 /// on this host.
@@ -1082,13 +1093,7 @@ async fn image_bundles_in_the_image_dir_are_served_as_harnesses() {
         b"not what the manifest says",
     )
     .unwrap();
-    let binary = vmm_binary();
-    let node = start_with(move |cfg| {
-        cfg.vmm_binary = Some(binary);
-        cfg.image_dir = Some(images);
-        cfg.ram_dir = std::env::temp_dir();
-    })
-    .await;
+    let node = bundle_node(images).await;
     let mut c = node.c();
     let s = create_for(&mut c, "tg-bundle").await;
     assert_eq!(turn(&mut c, &s).await, "1");
@@ -1154,13 +1159,7 @@ async fn a_workspace_disk_survives_suspend_and_each_fork_child_writes_its_own_co
         "tg-disk",
         "cmdline = \"testguest.disk=5\"\nworkspace_mib = 1\nworkspace_fs = \"raw\"",
     );
-    let binary = vmm_binary();
-    let node = start_with(move |cfg| {
-        cfg.vmm_binary = Some(binary);
-        cfg.image_dir = Some(images);
-        cfg.ram_dir = std::env::temp_dir();
-    })
-    .await;
+    let node = bundle_node(images).await;
     let mut c = node.c();
     let s = create_for(&mut c, "tg-disk").await;
     assert_eq!(turn(&mut c, &s).await, "1");
@@ -1210,13 +1209,7 @@ async fn an_ext4_workspace_starts_as_the_image_s_template() {
     let dir = tempfile::tempdir().unwrap();
     let images = dir.path().join("images");
     let bundle = testguest_bundle_with(&images, "tg-ext4", "workspace_mib = 8");
-    let binary = vmm_binary();
-    let node = start_with(move |cfg| {
-        cfg.vmm_binary = Some(binary);
-        cfg.image_dir = Some(images);
-        cfg.ram_dir = std::env::temp_dir();
-    })
-    .await;
+    let node = bundle_node(images).await;
     let mut c = node.c();
     let s = create_for(&mut c, "tg-ext4").await;
     assert_eq!(turn(&mut c, &s).await, "1");

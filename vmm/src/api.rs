@@ -299,38 +299,19 @@ fn device_tree(config: &VmConfig) -> BTreeMap<String, DeviceNode> {
             ),
         );
     }
-    if config.vsock.is_some() {
-        let id = config
-            .vsock
-            .as_ref()
-            .and_then(|v| v.id.clone())
-            .unwrap_or_else(|| "_vsock0".to_owned());
-        let (base, size) = layout::virtio_mmio_window(0);
-        tree.insert(
-            id.clone(),
-            node(
-                &id,
-                vec![
-                    serde_json::json!({"MmioAddressRange": {"base": base, "size": size}}),
-                    serde_json::json!({"LegacyIrq": layout::VIRTIO_IRQ_BASE}),
-                ],
-            ),
-        );
+    let mut virtio = |id: String, window: u32| {
+        let (base, size) = layout::virtio_mmio_window(window);
+        let resources = vec![
+            serde_json::json!({"MmioAddressRange": {"base": base, "size": size}}),
+            serde_json::json!({"LegacyIrq": layout::VIRTIO_IRQ_BASE + window}),
+        ];
+        tree.insert(id.clone(), node(&id, resources));
+    };
+    if let Some(vsock) = &config.vsock {
+        virtio(vsock.id.clone().unwrap_or_else(|| "_vsock0".to_owned()), 0);
     }
     for (i, disk) in config.disks.iter().enumerate() {
-        let id = disk_id(disk.id.as_deref(), i);
-        let window = 1 + i as u32;
-        let (base, size) = layout::virtio_mmio_window(window);
-        tree.insert(
-            id.clone(),
-            node(
-                &id,
-                vec![
-                    serde_json::json!({"MmioAddressRange": {"base": base, "size": size}}),
-                    serde_json::json!({"LegacyIrq": layout::VIRTIO_IRQ_BASE + window}),
-                ],
-            ),
-        );
+        virtio(disk_id(disk.id.as_deref(), i), crate::vm::disk_window(i));
     }
     tree
 }

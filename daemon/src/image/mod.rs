@@ -116,29 +116,48 @@ fn seeded_uuid(seed: &[u8], salt: &str) -> String {
 /// block once for every VM of the image.
 fn make_erofs(tree: &Path, path: &Path, seed: &[u8]) -> Result<FileDigest, ImageError> {
     let _ = std::fs::remove_file(path);
-    let output = std::process::Command::new("mkfs.erofs")
-        .arg("-T0")
+    let mut mkfs = std::process::Command::new("mkfs.erofs");
+    mkfs.arg("-T0")
         .arg(format!("-U{}", seeded_uuid(seed, "rootfs")))
         .arg(path)
-        .arg(tree)
+        .arg(tree);
+    run_tool(mkfs, "build.oci", "erofs-utils", path)?;
+    paged_digest(path)
+}
+
+/// Runs a filesystem tool of Debian's (`package`) that writes `path`; its failure is an
+/// error of the image.toml `field` that asked for it, with what the tool said.
+fn run_tool(
+    mut cmd: std::process::Command,
+    field: &'static str,
+    package: &str,
+    path: &Path,
+) -> Result<(), ImageError> {
+    let program = cmd.get_program().to_string_lossy().into_owned();
+    let output = cmd
         .stdin(std::process::Stdio::null())
         .output()
         .map_err(|e| {
             invalid(
-                "build.oci",
-                format!("needs mkfs.erofs (Debian: apt-get install erofs-utils): {e}"),
+                field,
+                format!("needs {program} (Debian: apt-get install {package}): {e}"),
             )
         })?;
-    if !output.status.success() {
-        return Err(invalid(
-            "build.oci",
-            format!(
-                "mkfs.erofs {}: {}",
-                path.display(),
-                String::from_utf8_lossy(&output.stderr).trim()
-            ),
-        ));
+    if output.status.success() {
+        return Ok(());
     }
+    Err(invalid(
+        field,
+        format!(
+            "{program} {}: {}",
+            path.display(),
+            String::from_utf8_lossy(&output.stderr).trim()
+        ),
+    ))
+}
+
+/// A disk image's manifest entry: its size and the digest of its data pages.
+fn paged_digest(path: &Path) -> Result<FileDigest, ImageError> {
     let file = std::fs::File::open(path).map_err(io_error(path))?;
     let size = file.metadata().map_err(io_error(path))?.len();
     let (sha256, _pages) = agentvm_snapshot::pages::file_digest(&file).map_err(io_error(path))?;
@@ -298,7 +317,8 @@ fn format_workspace(path: &Path, mib: u32, seed: &[u8]) -> Result<FileDigest, Im
     let file = std::fs::File::create(path).map_err(io_error(path))?;
     file.set_len(u64::from(mib) << 20).map_err(io_error(path))?;
     drop(file);
-    let output = std::process::Command::new("mke2fs")
+    let mut mke2fs = std::process::Command::new("mke2fs");
+    mke2fs
         .args([
             "-q",
             "-F",
@@ -315,32 +335,9 @@ fn format_workspace(path: &Path, mib: u32, seed: &[u8]) -> Result<FileDigest, Im
         ))
         .arg(path)
         // mke2fs stamps the superblock with this time instead of now.
-        .env("E2FSPROGS_FAKE_TIME", "1")
-        .stdin(std::process::Stdio::null())
-        .output()
-        .map_err(|e| {
-            invalid(
-                "vm.workspace_fs",
-                format!("ext4 needs mke2fs (Debian: apt-get install e2fsprogs): {e}"),
-            )
-        })?;
-    if !output.status.success() {
-        return Err(invalid(
-            "vm.workspace_fs",
-            format!(
-                "mke2fs {}: {}",
-                path.display(),
-                String::from_utf8_lossy(&output.stderr).trim()
-            ),
-        ));
-    }
-    let file = std::fs::File::open(path).map_err(io_error(path))?;
-    let (sha256, _pages) = agentvm_snapshot::pages::file_digest(&file).map_err(io_error(path))?;
-    Ok(FileDigest {
-        sha256,
-        size: u64::from(mib) << 20,
-        digest: Some(PAGES_DIGEST),
-    })
+        .env("E2FSPROGS_FAKE_TIME", "1");
+    run_tool(mke2fs, "vm.workspace_fs", "e2fsprogs", path)?;
+    paged_digest(path)
 }
 
 /// Builds the bundle for `config_path` into `output` (created if needed; the four files are

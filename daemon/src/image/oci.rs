@@ -277,6 +277,11 @@ fn relative(name: &str) -> Option<PathBuf> {
     (!out.as_os_str().is_empty()).then_some(out)
 }
 
+/// Where a layer entry goes inside the tree (`None`: nowhere it may).
+fn entry_path<R: Read>(entry: &tar::Entry<'_, R>) -> std::io::Result<Option<PathBuf>> {
+    Ok(relative(&entry.path()?.to_string_lossy()))
+}
+
 /// Applies one layer over `root`: its whiteouts first (a `.wh.NAME` removes NAME from the
 /// layers below; `.wh..wh..opq` empties its directory of them), then its entries.
 fn apply_layer(path: &Path, root: &Path) -> Result<(), ImageError> {
@@ -285,12 +290,9 @@ fn apply_layer(path: &Path, root: &Path) -> Result<(), ImageError> {
     let mut archive = tar::Archive::new(layer_reader(path)?);
     for entry in archive.entries().map_err(corrupt)? {
         let entry = entry.map_err(corrupt)?;
-        let name = entry
-            .path()
-            .map_err(corrupt)?
-            .to_string_lossy()
-            .into_owned();
-        let Some(rel) = relative(&name) else { continue };
+        let Some(rel) = entry_path(&entry).map_err(corrupt)? else {
+            continue;
+        };
         let Some(file_name) = rel.file_name().and_then(|n| n.to_str()) else {
             continue;
         };
@@ -324,12 +326,9 @@ fn apply_layer(path: &Path, root: &Path) -> Result<(), ImageError> {
     let mut skipped: BTreeMap<&'static str, u64> = BTreeMap::new();
     for entry in archive.entries().map_err(corrupt)? {
         let mut entry = entry.map_err(corrupt)?;
-        let name = entry
-            .path()
-            .map_err(corrupt)?
-            .to_string_lossy()
-            .into_owned();
-        let Some(rel) = relative(&name) else { continue };
+        let Some(rel) = entry_path(&entry).map_err(corrupt)? else {
+            continue;
+        };
         if rel
             .file_name()
             .and_then(|n| n.to_str())

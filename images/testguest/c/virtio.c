@@ -4,38 +4,12 @@
  * is also a buffer index. Everything the device hands back is checked before use.
  */
 #include "virtio.h"
+#include "virtio_mmio.h"
 #include "plat.h"
 #include "vsock.h"
 #include "x86.h"
 
-enum {
-	R_MAGIC = 0x000,
-	R_VERSION = 0x004,
-	R_DEVICE_ID = 0x008,
-	R_DEVICE_FEATURES = 0x010,
-	R_DEVICE_FEATURES_SEL = 0x014,
-	R_DRIVER_FEATURES = 0x020,
-	R_DRIVER_FEATURES_SEL = 0x024,
-	R_QUEUE_SEL = 0x030,
-	R_QUEUE_NUM_MAX = 0x034,
-	R_QUEUE_NUM = 0x038,
-	R_QUEUE_READY = 0x044,
-	R_QUEUE_NOTIFY = 0x050,
-	R_INTERRUPT_STATUS = 0x060,
-	R_INTERRUPT_ACK = 0x064,
-	R_STATUS = 0x070,
-	R_QUEUE_DESC_LOW = 0x080,
-	R_QUEUE_DESC_HIGH = 0x084,
-	R_QUEUE_DRIVER_LOW = 0x090,
-	R_QUEUE_DRIVER_HIGH = 0x094,
-	R_QUEUE_DEVICE_LOW = 0x0a0,
-	R_QUEUE_DEVICE_HIGH = 0x0a4,
-	R_CONFIG_GENERATION = 0x0fc,
-	R_CONFIG = 0x100,
-};
 
-enum { S_ACKNOWLEDGE = 1, S_DRIVER = 2, S_DRIVER_OK = 4, S_FEATURES_OK = 8, S_FAILED = 0x80 };
-enum { DESC_F_WRITE = 2 };
 enum { Q_RX, Q_TX, Q_EVENT, NQ };
 
 #define QMAX 64

@@ -61,7 +61,7 @@ pub struct DiskSpec {
 
 /// virtio-mmio window of the `index`th disk: vsock keeps window 0 whether it is there or not,
 /// so a disk's window (and the guest's view of it) never depends on the vsock device.
-fn disk_window(index: usize) -> u32 {
+pub fn disk_window(index: usize) -> u32 {
     1 + index as u32
 }
 

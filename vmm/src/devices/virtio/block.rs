@@ -235,31 +235,15 @@ impl Block {
 
     fn read(&mut self, sector: u64, writer: &mut virtio_queue::Writer<'_>) -> u8 {
         let len = writer.available_bytes();
-        let Some(mut offset) = self.range(sector, len) else {
+        let Some(offset) = self.range(sector, len) else {
             return status::IOERR;
         };
-        let mut bounce = vec![0u8; BOUNCE.min(len)];
-        let mut left = len;
-        while left > 0 {
-            let step = left.min(bounce.len());
-            if self
-                .file
-                .read_exact_at(&mut bounce[..step], offset)
-                .is_err()
-                || std::io::Write::write_all(writer, &bounce[..step]).is_err()
-            {
-                return status::IOERR;
-            }
-            offset += step as u64;
-            left -= step;
-        }
-        self.stats
-            .reads
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.stats
-            .read_bytes
-            .fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
-        status::OK
+        let file = &self.file;
+        let moved = in_steps(len, offset, |buf, at| {
+            file.read_exact_at(buf, at)?;
+            std::io::Write::write_all(writer, buf)
+        });
+        counted(moved, &self.stats.reads, &self.stats.read_bytes, len)
     }
 
     fn write(&mut self, sector: u64, reader: &mut virtio_queue::Reader<'_>) -> u8 {
@@ -267,28 +251,15 @@ impl Block {
             return status::IOERR;
         }
         let len = reader.available_bytes();
-        let Some(mut offset) = self.range(sector, len) else {
+        let Some(offset) = self.range(sector, len) else {
             return status::IOERR;
         };
-        let mut bounce = vec![0u8; BOUNCE.min(len)];
-        let mut left = len;
-        while left > 0 {
-            let step = left.min(bounce.len());
-            if std::io::Read::read_exact(reader, &mut bounce[..step]).is_err()
-                || self.file.write_all_at(&bounce[..step], offset).is_err()
-            {
-                return status::IOERR;
-            }
-            offset += step as u64;
-            left -= step;
-        }
-        self.stats
-            .writes
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.stats
-            .written_bytes
-            .fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
-        status::OK
+        let file = &self.file;
+        let moved = in_steps(len, offset, |buf, at| {
+            std::io::Read::read_exact(reader, buf)?;
+            file.write_all_at(buf, at)
+        });
+        counted(moved, &self.stats.writes, &self.stats.written_bytes, len)
     }
 
     fn flush(&mut self) -> u8 {
@@ -321,14 +292,7 @@ impl VirtioDevice for Block {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        let config = self.config();
-        for (i, byte) in data.iter_mut().enumerate() {
-            *byte = offset
-                .checked_add(i as u64)
-                .and_then(|at| config.get(usize::try_from(at).ok()?))
-                .copied()
-                .unwrap_or(0);
-        }
+        super::read_config_space(&self.config(), offset, data);
     }
 
     fn write_config(&mut self, _offset: u64, _data: &[u8]) {
@@ -339,6 +303,39 @@ impl VirtioDevice for Block {
     fn activate(&mut self, _acked_features: u64) {}
 
     fn reset(&mut self) {}
+}
+
+/// The status of a transfer of `len` bytes, counted in `ops` and `bytes` when it worked.
+fn counted(
+    moved: std::io::Result<()>,
+    ops: &std::sync::atomic::AtomicU64,
+    bytes: &std::sync::atomic::AtomicU64,
+    len: usize,
+) -> u8 {
+    if moved.is_err() {
+        return status::IOERR;
+    }
+    ops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    bytes.fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
+    status::OK
+}
+
+/// Moves `len` bytes starting at disk offset `offset` through one bounce buffer: `step`
+/// gets each piece of the buffer and the disk offset it belongs at.
+fn in_steps(
+    len: usize,
+    mut offset: u64,
+    mut step: impl FnMut(&mut [u8], u64) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    let mut bounce = vec![0u8; BOUNCE.min(len)];
+    let mut left = len;
+    while left > 0 {
+        let n = left.min(bounce.len());
+        step(&mut bounce[..n], offset)?;
+        offset += n as u64;
+        left -= n;
+    }
+    Ok(())
 }
 
 /// Serves every request the guest has made available on the queue.

@@ -65,6 +65,18 @@ impl Interrupt {
     }
 }
 
+/// Fills `data` from a device's config space `config` at `offset`; bytes past its end (or
+/// at an offset no config space reaches) read as zero.
+pub fn read_config_space(config: &[u8], offset: u64, data: &mut [u8]) {
+    for (i, byte) in data.iter_mut().enumerate() {
+        *byte = offset
+            .checked_add(i as u64)
+            .and_then(|at| config.get(usize::try_from(at).ok()?))
+            .copied()
+            .unwrap_or(0);
+    }
+}
+
 /// What the transport needs from a device.
 pub trait VirtioDevice: Send {
     fn device_type(&self) -> u32;

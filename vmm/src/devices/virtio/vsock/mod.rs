@@ -70,15 +70,8 @@ impl VirtioDevice for Vsock {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        // The config space is the guest CID (le64); anything past it reads as zero.
-        let config = self.cid.to_le_bytes();
-        for (i, byte) in data.iter_mut().enumerate() {
-            *byte = offset
-                .checked_add(i as u64)
-                .and_then(|at| config.get(usize::try_from(at).ok()?))
-                .copied()
-                .unwrap_or(0);
-        }
+        // The config space is the guest CID (le64).
+        super::read_config_space(&self.cid.to_le_bytes(), offset, data);
     }
 
     fn write_config(&mut self, _offset: u64, _data: &[u8]) {
