@@ -28,7 +28,8 @@ bin=$root/target/$target/release
 log() { echo "lane: $*" >&2; }
 
 # ---- packages
-packages=(qemu-system-x86 busybox-static cpio)
+# erofs-utils and e2fsprogs: the images with a container root or an ext4 workspace.
+packages=(qemu-system-x86 busybox-static cpio erofs-utils e2fsprogs)
 if ! dpkg -s "${packages[@]}" >/dev/null 2>&1; then
     log "installing ${packages[*]}"
     apt-get update -qq
