@@ -9,7 +9,10 @@
 //!   first frame on a VMM spawned ahead of time (a warm pool: its KVM VM is prepared);
 //! - k-way fork (k = 1, 16, 64, 128): spawn k VMMs, restore each from the fork, until every
 //!   child has answered a frame;
-//! - host memory per idle child: PSS and private (unshared) memory of its VMM process.
+//! - host memory per idle child: PSS and private (unshared) memory of its VMM process;
+//! - the same guest with a 1 GiB workspace disk holding 64 MiB of data: `vm.snapshot` (the
+//!   disk's data copied into the snapshot too) and `vm.restore` (copied out to the clone's
+//!   own file).
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -40,6 +43,19 @@ async fn dirty_paused_guest() -> Vmm {
     drop(link);
     vmm.client.pause().await.unwrap();
     vmm
+}
+
+/// A 1 GiB disk image in `dir` whose first `data_mib` MiB hold data (the rest a hole).
+fn disk_with_data(dir: &Path, data_mib: usize) -> PathBuf {
+    use std::io::Write;
+    let path = dir.join("workspace.img");
+    let mut file = std::fs::File::create(&path).unwrap();
+    let block: Vec<u8> = (0..1 << 20).map(|i| (i % 251) as u8 + 1).collect();
+    for _ in 0..data_mib {
+        file.write_all(&block).unwrap();
+    }
+    file.set_len(1 << 30).unwrap();
+    path
 }
 
 /// (private, PSS) KiB of a process, from smaps_rollup.
@@ -102,6 +118,51 @@ async fn main() {
         snapshot_ms,
     );
     summary("vm.fork, same guest (RAM linked)", "ms", fork_ms);
+
+    // The same guest with a workspace disk: what its data adds to a snapshot and a restore.
+    let mut disk_snapshot_ms = Vec::new();
+    let mut disk_restore_ms = Vec::new();
+    for run in 0..runs {
+        let scratch = tempfile::tempdir_in(disk.path()).unwrap();
+        let image = disk_with_data(scratch.path(), 64);
+        let vmm = Vmm::spawn().await;
+        let mut config = vmm.config(1, 256, "");
+        config.disks = vec![agentvm_vmm_api::config::DiskConfig {
+            path: image,
+            readonly: false,
+            id: None,
+            serial: Some("workspace".into()),
+        }];
+        vmm.boot(&config).await;
+        vmm.client.pause().await.unwrap();
+        let dir = new_dir(scratch.path(), &format!("disk-snap-{run}"));
+        let start = Instant::now();
+        vmm.client.snapshot(&dir).await.unwrap();
+        disk_snapshot_ms.push(ms(start.elapsed()));
+        vmm.shutdown().await;
+        let clone = Vmm::spawn().await;
+        let request = agentvm_vmm_api::types::RestoreConfig {
+            source_url: format!("file://{}", dir.display()),
+            vsock_socket: Some(clone.vsock_socket()),
+            serial_file: Some(clone.serial_log()),
+            disk_paths: vec![scratch.path().join("clone.img")],
+            ..Default::default()
+        };
+        let start = Instant::now();
+        clone.client.restore(&request).await.unwrap();
+        disk_restore_ms.push(ms(start.elapsed()));
+        clone.shutdown().await;
+    }
+    summary(
+        "vm.snapshot, 256 MiB guest + 1 GiB disk, 64 MiB of disk data",
+        "ms",
+        disk_snapshot_ms,
+    );
+    summary(
+        "vm.restore of it (the disk copied to the clone's file)",
+        "ms",
+        disk_restore_ms,
+    );
 
     // A live fork: with `resume` the VM runs again once its RAM is frozen, and answers while
     // the VMM still takes the fork's digests.

@@ -413,7 +413,10 @@ fn copy_disk(copy: &Path, target: &Path) -> std::io::Result<()> {
         .write(true)
         .create_new(true)
         .open(target)?;
-    let copied = agentvm_snapshot::pages::copy_sparse(&source, &made).and_then(|_| made.sync_all());
+    // Not synced: like the VM's RAM file it is scratch state. After a host crash the session
+    // goes on from its snapshot, whose copy is durable, not from this one.
+    // Extent by extent, unhashed: the restore already checked the snapshot's digests.
+    let copied = agentvm_snapshot::pages::copy_extents(&source, &made);
     if copied.is_err() {
         let _ = std::fs::remove_file(target);
     }
