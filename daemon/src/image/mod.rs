@@ -273,39 +273,60 @@ fn image_user(user: &str, tree: &Path) -> Result<(u32, u32), ImageError> {
 /// symlinks inside the tree).
 fn check_program_in_tree(config: &ImageConfig, tree: &Path) -> Result<(), ImageError> {
     use std::os::unix::fs::PermissionsExt;
-    let mut path = config.harness.command[0].trim_start_matches('/').to_owned();
+    let program = &config.harness.command[0];
+    let (path, found) = resolve_program(program, |path| {
+        let at = tree.join(path);
+        match at.symlink_metadata() {
+            Err(_) => Found::Missing,
+            Ok(meta) if meta.file_type().is_symlink() => std::fs::read_link(&at)
+                .map_or(Found::Missing, |t| {
+                    Found::Link(t.to_string_lossy().into_owned())
+                }),
+            Ok(meta) if meta.is_file() && meta.permissions().mode() & 0o111 != 0 => {
+                Found::Executable
+            }
+            Ok(_) => Found::NotExecutable,
+        }
+    });
+    let why = match found {
+        Found::Executable => return Ok(()),
+        Found::NotExecutable => format!("/{path} in the container image is not an executable file"),
+        Found::Missing => format!("/{path} is not in the container image"),
+        Found::Link(_) => format!("{program} is a loop of symlinks"),
+    };
+    Err(invalid("harness.command", why))
+}
+
+/// What a path of an image holds, as far as finding the harness program goes.
+enum Found {
+    Executable,
+    NotExecutable,
+    /// A symlink, and its target.
+    Link(String),
+    Missing,
+}
+
+/// Follows `program` (absolute in the image) through the image's symlinks, asking `lookup`
+/// what each path (relative to the image's root) is; returns the last path and what it is
+/// (still a `Link` after 16 hops: a loop).
+fn resolve_program(program: &str, lookup: impl Fn(&str) -> Found) -> (String, Found) {
+    let mut path = program.trim_start_matches('/').to_owned();
     for _ in 0..16 {
-        let at = tree.join(&path);
-        let meta = at.symlink_metadata().map_err(|_| {
-            invalid(
-                "harness.command",
-                format!("/{path} is not in the container image"),
-            )
-        })?;
-        if meta.file_type().is_symlink() {
-            let target = std::fs::read_link(&at).map_err(io_error(&at))?;
-            let target = target.to_string_lossy();
-            path = match target.strip_prefix('/') {
-                Some(abs) => abs.to_owned(),
-                None => {
-                    let parent = Path::new(&path).parent().unwrap_or(Path::new(""));
-                    normalize(&parent.join(target.as_ref()))
-                }
-            };
-            continue;
+        match lookup(&path) {
+            Found::Link(target) => {
+                path = match target.strip_prefix('/') {
+                    Some(abs) => abs.to_owned(),
+                    None => {
+                        let parent = Path::new(&path).parent().unwrap_or(Path::new(""));
+                        normalize(&parent.join(&target))
+                    }
+                };
+            }
+            other => return (path, other),
         }
-        if meta.is_file() && meta.permissions().mode() & 0o111 != 0 {
-            return Ok(());
-        }
-        return Err(invalid(
-            "harness.command",
-            format!("/{path} in the container image is not an executable file"),
-        ));
     }
-    Err(invalid(
-        "harness.command",
-        format!("{} is a loop of symlinks", config.harness.command[0]),
-    ))
+    let last = lookup(&path);
+    (path, last)
 }
 
 /// Formats `path` as the workspace template: an ext4 filesystem of `mib` MiB labelled
@@ -616,38 +637,34 @@ fn collect_dir(dir: &Path, at: &str, entries: &mut Vec<Entry>) -> Result<(), Ima
 
 /// The harness program must be in the image and executable.
 fn check_program(config: &ImageConfig, entries: &[Entry]) -> Result<(), ImageError> {
-    let program = config.harness.command[0].trim_start_matches('/');
-    let mut path = program.to_owned();
-    // Follow symlinks inside the image (a runtime's `bin/python3 -> python3.11`).
-    for _ in 0..8 {
+    // Following symlinks inside the image (a runtime's `bin/python3 -> python3.11`).
+    let (path, found) = resolve_program(&config.harness.command[0], |path| {
         match entries.iter().find(|e| e.path == path) {
             Some(Entry {
                 kind: Kind::File(_),
                 mode,
                 ..
-            }) if mode & 0o111 != 0 => return Ok(()),
+            }) if mode & 0o111 != 0 => Found::Executable,
             Some(Entry {
                 kind: Kind::File(_),
                 ..
-            }) => {
-                return Err(invalid(
-                    "harness.command",
-                    format!("/{path} is in the image but not executable"),
-                ));
-            }
+            }) => Found::NotExecutable,
             Some(Entry {
                 kind: Kind::Symlink(target),
                 ..
-            }) => {
-                path = if let Some(abs) = target.strip_prefix('/') {
-                    abs.to_owned()
-                } else {
-                    let parent = Path::new(&path).parent().unwrap_or(Path::new(""));
-                    normalize(&parent.join(target))
-                };
-            }
-            _ => break,
+            }) => Found::Link(target.clone()),
+            _ => Found::Missing,
         }
+    });
+    match found {
+        Found::Executable => return Ok(()),
+        Found::NotExecutable => {
+            return Err(invalid(
+                "harness.command",
+                format!("/{path} is in the image but not executable"),
+            ));
+        }
+        Found::Missing | Found::Link(_) => {}
     }
     let shipped: Vec<String> = entries
         .iter()

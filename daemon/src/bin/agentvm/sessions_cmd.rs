@@ -454,7 +454,8 @@ pub struct Output {
 
 pub async fn run(output: Output, cmd: SessionCommand) -> anyhow::Result<()> {
     let Output { json, full } = output;
-    let mut c = SessionsClient::new(cmd.connection().connect().await?);
+    let channel = cmd.connection().connect().await?;
+    let mut c = SessionsClient::new(channel.clone());
     match cmd {
         SessionCommand::Create {
             harness,
@@ -497,10 +498,9 @@ pub async fn run(output: Output, cmd: SessionCommand) -> anyhow::Result<()> {
         SessionCommand::List {
             all_projects: true,
             page_size,
-            conn,
             ..
         } => {
-            let sessions = every_project(&mut c, &conn, page_size.unwrap_or_default()).await?;
+            let sessions = every_project(&mut c, channel, page_size.unwrap_or_default()).await?;
             if json {
                 return print_json(&ListSessionsResponse {
                     sessions,
@@ -734,10 +734,10 @@ pub async fn run(output: Output, cmd: SessionCommand) -> anyhow::Result<()> {
 /// uid, as ListSessions orders one project).
 async fn every_project(
     c: &mut SessionsClient<AuthedChannel>,
-    conn: &Connection,
+    channel: AuthedChannel,
     page_size: i32,
 ) -> anyhow::Result<Vec<Session>> {
-    let projects = NodeClient::new(conn.connect().await?)
+    let projects = NodeClient::new(channel)
         .list_projects(ListProjectsRequest {})
         .await?
         .into_inner()
