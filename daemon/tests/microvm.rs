@@ -1605,3 +1605,143 @@ async fn suspend_all_covers_fork_children_and_every_session_goes_on() {
         assert_eq!(turn(&mut c, child).await, "3", "child {child}");
     }
 }
+
+/// Why a guest network cannot be plumbed here, if it cannot (it needs root for namespaces
+/// and the tap, /dev/net/tun, and iproute2's `ip`).
+fn network_unavailable() -> Option<String> {
+    if !nix::unistd::geteuid().is_root() {
+        return Some("guest networking needs root".into());
+    }
+    if !std::path::Path::new("/dev/net/tun").exists() {
+        return Some("there is no /dev/net/tun".into());
+    }
+    if !std::path::Path::new("/sbin/ip").exists() {
+        return Some("there is no /sbin/ip (iproute2)".into());
+    }
+    None
+}
+
+/// Asks the resolver on `gateway` (from inside the network namespace of process `pid`) for
+/// `name`'s A record; the response code and the addresses answered.
+fn ask_resolver(
+    pid: i32,
+    gateway: std::net::Ipv4Addr,
+    name: &str,
+) -> (u8, Vec<std::net::Ipv4Addr>) {
+    let namespace = std::fs::File::open(format!("/proc/{pid}/ns/net")).unwrap();
+    let name = name.to_owned();
+    std::thread::spawn(move || {
+        nix::sched::setns(&namespace, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+        let socket = std::net::UdpSocket::bind((std::net::Ipv4Addr::UNSPECIFIED, 0)).unwrap();
+        socket
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let mut query = vec![0xab, 0xcd, 0x01, 0, 0, 1, 0, 0, 0, 0, 0, 0];
+        for label in name.split('.') {
+            query.push(label.len() as u8);
+            query.extend_from_slice(label.as_bytes());
+        }
+        query.extend_from_slice(&[0, 0, 1, 0, 1]);
+        socket.send_to(&query, (gateway, 53)).unwrap();
+        let mut reply = [0u8; 512];
+        let n = socket.recv(&mut reply).expect("the resolver answers");
+        let reply = &reply[..n];
+        assert_eq!(&reply[..2], &[0xab, 0xcd], "the query's id");
+        let answers = u16::from_be_bytes([reply[6], reply[7]]) as usize;
+        let addresses = (0..answers)
+            .map(|i| {
+                let at = query.len() + i * 16 + 12;
+                std::net::Ipv4Addr::new(reply[at], reply[at + 1], reply[at + 2], reply[at + 3])
+            })
+            .collect();
+        (reply[3] & 0x0f, addresses)
+    })
+    .join()
+    .unwrap()
+}
+
+/// A VM of an image with `[network]` gets a tap in its VMM's namespace, an address of its
+/// own and the egress policy on its device; its resolver answers only allowed names; a fork
+/// child gets another address and MAC; and everything goes with the sessions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_networked_vm_gets_its_own_address_policy_and_resolver() {
+    require_kvm!();
+    if let Some(reason) = network_unavailable() {
+        eprintln!("SKIPPED: {reason}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let images = dir.path().join("images");
+    testguest_bundle_with(
+        &images,
+        "tg-net",
+        "\n[network]\nenabled = true\nallow = [\"localhost:8080\", \"192.0.2.0/24:443\"]\n",
+    );
+    let node = bundle_node(images).await;
+    let mut c = node.c();
+    let s = create_for(&mut c, "tg-net").await;
+    assert_eq!(turn(&mut c, &s).await, "1");
+    let net_of = |session: &str| {
+        let api = vm_dir(&node, session).join("api.sock");
+        async move {
+            let info = agentvm_vmm_api::client::VmmClient::new(api)
+                .info()
+                .await
+                .unwrap();
+            info.config.net[0].clone()
+        }
+    };
+    let net = net_of(&s).await;
+    assert_eq!(net.tap, "tap0");
+    let policy = net.egress.clone().expect("an egress policy");
+    assert_eq!(policy.allow.len(), 1, "the address entry: {policy:?}");
+    assert_eq!(policy.allow[0].cidr, "192.0.2.0/24");
+    assert_eq!(policy.allow[0].ports.as_deref(), Some("443"));
+    let pid = vmm_pid(&node, &s);
+    assert_eq!(
+        ask_resolver(pid, policy.gateway_ip, "example.com").0,
+        5,
+        "a name the image does not allow is REFUSED"
+    );
+    let (code, addresses) = ask_resolver(pid, policy.gateway_ip, "localhost");
+    assert_eq!(code, 0);
+    assert_eq!(addresses, [std::net::Ipv4Addr::LOCALHOST]);
+
+    let children = fork(&mut c, &s, 1).await;
+    assert_eq!(turn(&mut c, &children[0]).await, "2");
+    let child = net_of(&children[0]).await;
+    let child_policy = child.egress.clone().unwrap();
+    assert_ne!(
+        child_policy.guest_ip, policy.guest_ip,
+        "a child's own address"
+    );
+    assert_ne!(child.mac, net.mac, "and MAC");
+    assert_eq!(turn(&mut c, &s).await, "2", "the parent runs on");
+
+    // The sessions' namespaces, veths and resolvers go with them. A VM's host veth is
+    // named after its slot, the /29 its address is in.
+    let veth = |guest: std::net::Ipv4Addr| {
+        let slot = (u32::from(guest) - u32::from(std::net::Ipv4Addr::new(10, 77, 0, 0))) / 8;
+        std::path::Path::new("/sys/class/net").join(format!("avn{slot}"))
+    };
+    let ours = [veth(policy.guest_ip), veth(child_policy.guest_ip)];
+    let veths = || ours.iter().filter(|v| v.exists()).count();
+    assert_eq!(veths(), 2, "{ours:?}");
+    for session in children.iter().chain([&s]) {
+        c.delete_session(agentvm_proto::v1::DeleteSessionRequest {
+            uid: session.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while veths() > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "veths left behind: {}",
+            veths()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -139,6 +139,10 @@ impl Agent {
         {
             return Err(invalid("restored.kind: RESTORED or FORKED expected".into()));
         }
+        // Checked before anything is applied: a bad notice changes nothing.
+        if let Some(network) = &notice.network {
+            crate::net::Interface::parse(network).map_err(|e| invalid(format!("restored.{e}")))?;
+        }
         let current = self.restore_generation();
         if notice.generation == current {
             // The host repeating a notice it is not sure arrived: already applied.
@@ -170,6 +174,9 @@ impl Agent {
                     .map_err(failed)?;
             }
             *self.identity.lock().unwrap_or_else(|p| p.into_inner()) = identity;
+        }
+        if let Some(network) = &notice.network {
+            self.system.configure_network(network).map_err(failed)?;
         }
         self.restore_generation
             .store(notice.generation, Ordering::SeqCst);

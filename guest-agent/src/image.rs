@@ -18,6 +18,11 @@
 //! workspace_fs = "ext4"                   # or "raw" (the harness formats it)
 //! workspace_mount = "/workspace"          # where the agent mounts an ext4 workspace
 //!
+//! [network]                               # off (no network device) unless enabled
+//! enabled = true
+//! allow = ["pypi.org:443", "*.githubusercontent.com:443", "10.1.0.0/16"]
+//! rate_limit_mbit = 100                   # per direction; 0: none
+//!
 //! [build]                                 # for `agentvm image build` only
 //! kernel = "vmlinux"
 //! harness_binary = "target/release/agentvm-harness"   # or harness_dir = "dir"
@@ -45,6 +50,8 @@ pub struct ImageConfig {
     pub harness: HarnessConfig,
     #[serde(default)]
     pub vm: VmConfig,
+    #[serde(default)]
+    pub network: NetworkConfig,
     /// Where the image builder takes the image's parts from (host paths, relative to the
     /// configuration file). Not part of the image: the copy inside the guest has none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -153,6 +160,36 @@ pub const WORKSPACE_SERIAL: &str = "workspace";
 pub const ROOTFS_SERIAL: &str = "rootfs";
 /// Set in the harness's environment to where the workspace is mounted.
 pub const WORKSPACE_ENV: &str = "AGENTVM_WORKSPACE";
+
+/// `[network]`: whether the VM has a network interface, and what it may reach through it.
+/// Off by default: a VM without it has no network device at all.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkConfig {
+    #[serde(default)]
+    pub enabled: bool,
+    /// `TARGET[:PORT[-PORT]]` entries (see [`crate::egress`]); nothing else is reachable,
+    /// not even the host or other VMs. Names resolve through the host, which answers only
+    /// for the names allowed here.
+    #[serde(default)]
+    pub allow: Vec<String>,
+    /// Each direction's bandwidth cap in megabits per second; 0: none.
+    #[serde(default)]
+    pub rate_limit_mbit: u32,
+}
+
+impl NetworkConfig {
+    /// The allow entries, parsed.
+    pub fn entries(&self) -> Result<Vec<crate::egress::AllowEntry>, String> {
+        self.allow
+            .iter()
+            .enumerate()
+            .map(|(i, e)| {
+                crate::egress::AllowEntry::parse(e).map_err(|why| format!("allow[{i}]: {why}"))
+            })
+            .collect()
+    }
+}
 
 fn default_workspace_mount() -> PathBuf {
     PathBuf::from("/workspace")
@@ -290,6 +327,19 @@ impl ImageConfig {
             return Err(invalid(
                 "vm.workspace_mount",
                 "must be an absolute path other than /",
+            ));
+        }
+        if let Err(why) = self.network.entries() {
+            return Err(ImageConfigError::Invalid {
+                path: origin.to_owned(),
+                field: "network",
+                why,
+            });
+        }
+        if !self.network.enabled && !self.network.allow.is_empty() {
+            return Err(invalid(
+                "network.allow",
+                "needs network.enabled = true (a VM without a network reaches nothing)",
             ));
         }
         if self.vm.workspace_mib > 0

@@ -94,6 +94,8 @@ pub fn raise_limits() {
 pub struct BootParams {
     pub identity: Identity,
     pub boot_generation: u64,
+    /// `agentvm.net=ADDRESS/PREFIX,GATEWAY,MAC`: the VM has a network interface to set up.
+    pub network: Option<agentvm_proto::guest::v1::Network>,
 }
 
 pub fn boot_params(cmdline: &str) -> BootParams {
@@ -110,6 +112,7 @@ pub fn boot_params(cmdline: &str) -> BootParams {
             "agentvm.hostname" => p.identity.hostname = value.to_owned(),
             "agentvm.vm_id" => p.identity.vm_id = value.to_owned(),
             "agentvm.cid" => p.identity.vsock_cid = value.parse().unwrap_or(0),
+            "agentvm.net" => p.network = crate::net::Interface::from_cmdline(value),
             "agentvm.boot_generation" => p.boot_generation = value.parse().unwrap_or(1),
             _ => {}
         }

@@ -10,8 +10,10 @@
 pub mod agent;
 pub mod bridge;
 pub mod dirty;
+pub mod egress;
 pub mod image;
 pub mod init;
+pub mod net;
 pub mod reaper;
 pub mod rootfs;
 pub mod supervisor;

@@ -124,6 +124,13 @@ fn run(pid1: bool) -> anyhow::Result<()> {
                     // The harness still starts: its turns will say what they cannot find.
                     Err(e) => tracing::error!(error = %e, "the workspace is not mounted"),
                 }
+                // In the image's root, whose /etc gets the name server.
+                if let Some(network) = &boot.network {
+                    match system.configure_network(network) {
+                        Ok(()) => tracing::info!(address = %network.address, "network up"),
+                        Err(e) => tracing::error!(error = %e, "the network is not set up"),
+                    }
+                }
             }
             if let Some(dir) = args.harness_socket.parent() {
                 std::fs::create_dir_all(dir)
@@ -181,6 +188,13 @@ impl System for LoggingSystem {
     fn set_hostname(&self, name: &str) -> Result<(), agentvm_guest::system::SystemError> {
         tracing::info!(name, "would set the hostname");
         self.0.set_hostname(name)
+    }
+    fn configure_network(
+        &self,
+        network: &agentvm_proto::guest::v1::Network,
+    ) -> Result<(), agentvm_guest::system::SystemError> {
+        tracing::info!(address = %network.address, "would set up the network");
+        self.0.configure_network(network)
     }
     fn power_off(&self) -> agentvm_guest::system::SystemError {
         tracing::info!("would power off");

@@ -102,6 +102,101 @@ pub fn reap_any_child() -> Option<(i32, Exit)> {
     Some((pid, exit))
 }
 
+/// A zeroed `ifreq` naming interface `name` (shorter than IFNAMSIZ).
+fn ifreq(name: &str) -> Result<libc::ifreq, Errno> {
+    if name.is_empty() || name.len() >= libc::IFNAMSIZ {
+        return Err(Errno::EINVAL);
+    }
+    // SAFETY: ifreq is plain data; all zeroes is a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in req.ifr_name.iter_mut().zip(name.bytes()) {
+        *dst = src as libc::c_char;
+    }
+    Ok(req)
+}
+
+fn sockaddr_in(address: std::net::Ipv4Addr) -> libc::sockaddr_in {
+    libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: 0,
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(address).to_be(),
+        },
+        sin_zero: [0; 8],
+    }
+}
+
+fn ifreq_ioctl(sock: &OwnedFd, request: libc::Ioctl, req: &mut libc::ifreq) -> Result<(), Errno> {
+    // SAFETY: every request passed here reads or writes one ifreq, which lives for the call.
+    let rc = unsafe { libc::ioctl(sock.as_raw_fd(), request, std::ptr::from_mut(req)) };
+    Errno::result(rc).map(drop)
+}
+
+/// Sets or clears IFF_UP on interface `name`.
+pub fn set_interface_up(sock: &OwnedFd, name: &str, up: bool) -> Result<(), Errno> {
+    let mut req = ifreq(name)?;
+    ifreq_ioctl(sock, libc::SIOCGIFFLAGS, &mut req)?;
+    // SAFETY: SIOCGIFFLAGS filled the flags member of the union.
+    let flags = unsafe { req.ifr_ifru.ifru_flags };
+    let bit = libc::IFF_UP as libc::c_short;
+    req.ifr_ifru.ifru_flags = if up { flags | bit } else { flags & !bit };
+    ifreq_ioctl(sock, libc::SIOCSIFFLAGS, &mut req)
+}
+
+/// Gives interface `name` the Ethernet address `mac`.
+pub fn set_interface_hwaddr(sock: &OwnedFd, name: &str, mac: [u8; 6]) -> Result<(), Errno> {
+    let mut req = ifreq(name)?;
+    let mut hwaddr = libc::sockaddr {
+        sa_family: libc::ARPHRD_ETHER,
+        sa_data: [0; 14],
+    };
+    for (dst, src) in hwaddr.sa_data.iter_mut().zip(mac) {
+        *dst = src as libc::c_char;
+    }
+    req.ifr_ifru.ifru_hwaddr = hwaddr;
+    ifreq_ioctl(sock, libc::SIOCSIFHWADDR, &mut req)
+}
+
+/// Sets an IPv4 attribute of interface `name`: its address (SIOCSIFADDR) or netmask
+/// (SIOCSIFNETMASK).
+pub fn set_interface_ipv4(
+    sock: &OwnedFd,
+    name: &str,
+    request: libc::Ioctl,
+    address: std::net::Ipv4Addr,
+) -> Result<(), Errno> {
+    let mut req = ifreq(name)?;
+    // SAFETY: a sockaddr_in is no larger than the sockaddr member it is written over; the
+    // write makes no alignment assumption.
+    unsafe {
+        std::ptr::write_unaligned(
+            (&raw mut req.ifr_ifru.ifru_addr).cast::<libc::sockaddr_in>(),
+            sockaddr_in(address),
+        );
+    }
+    ifreq_ioctl(sock, request, &mut req)
+}
+
+/// Adds the IPv4 default route through `gateway`.
+pub fn add_default_route(sock: &OwnedFd, gateway: std::net::Ipv4Addr) -> Result<(), Errno> {
+    // SAFETY: rtentry is plain data; all zeroes is a valid value.
+    let mut route: libc::rtentry = unsafe { std::mem::zeroed() };
+    let any = sockaddr_in(std::net::Ipv4Addr::UNSPECIFIED);
+    // SAFETY: each sockaddr_in is written over a sockaddr of at least its size, unaligned.
+    unsafe {
+        std::ptr::write_unaligned((&raw mut route.rt_dst).cast::<libc::sockaddr_in>(), any);
+        std::ptr::write_unaligned((&raw mut route.rt_genmask).cast::<libc::sockaddr_in>(), any);
+        std::ptr::write_unaligned(
+            (&raw mut route.rt_gateway).cast::<libc::sockaddr_in>(),
+            sockaddr_in(gateway),
+        );
+    }
+    route.rt_flags = (libc::RTF_UP | libc::RTF_GATEWAY) as libc::c_ushort;
+    // SAFETY: SIOCADDRT reads one rtentry, which lives for the call.
+    let rc = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCADDRT, &raw mut route) };
+    Errno::result(rc).map(drop)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,6 +8,8 @@ use nix::sys::reboot::{RebootMode, reboot};
 use nix::sys::time::TimeSpec;
 use nix::time::{ClockId, clock_settime};
 
+use agentvm_proto::guest::v1::Network;
+
 use crate::sys;
 
 #[derive(Debug, thiserror::Error)]
@@ -35,6 +37,9 @@ pub trait System: Send + Sync {
     /// Steps CLOCK_REALTIME to the host's time.
     fn set_wall_clock(&self, unix_nanos: i64) -> Result<(), SystemError>;
     fn set_hostname(&self, name: &str) -> Result<(), SystemError>;
+    /// Gives the network interface the identity `network` describes (MAC, address, route,
+    /// name server), dropping whatever it had.
+    fn configure_network(&self, network: &Network) -> Result<(), SystemError>;
     /// Flushes and powers the VM off. Returns only on failure.
     fn power_off(&self) -> SystemError;
 }
@@ -84,6 +89,10 @@ impl System for LinuxSystem {
         nix::unistd::sethostname(name).map_err(|e| syscall_failed("sethostname", e))
     }
 
+    fn configure_network(&self, network: &Network) -> Result<(), SystemError> {
+        crate::net::configure(&crate::net::Interface::parse(network)?)
+    }
+
     fn power_off(&self) -> SystemError {
         nix::unistd::sync();
         let Err(errno) = reboot(RebootMode::RB_POWER_OFF);
@@ -97,6 +106,7 @@ pub enum SystemCall {
     Entropy(Vec<u8>),
     WallClock(i64),
     Hostname(String),
+    Network(Network),
     PowerOff,
 }
 
@@ -129,6 +139,11 @@ impl System for RecordingSystem {
     }
     fn set_hostname(&self, name: &str) -> Result<(), SystemError> {
         self.record(SystemCall::Hostname(name.to_owned()));
+        Ok(())
+    }
+    fn configure_network(&self, network: &Network) -> Result<(), SystemError> {
+        crate::net::Interface::parse(network)?;
+        self.record(SystemCall::Network(network.clone()));
         Ok(())
     }
     fn power_off(&self) -> SystemError {

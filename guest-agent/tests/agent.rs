@@ -11,7 +11,9 @@ use agentvm_guest::bridge::GrpcLink;
 use agentvm_guest::system::{RecordingSystem, SystemCall};
 use agentvm_proto::guest::v1::envelope::Body;
 use agentvm_proto::guest::v1::restored::Kind as RestoredKind;
-use agentvm_proto::guest::v1::{DescribeHarness, HealthCheck, Hello, Identity, Restored, Shutdown};
+use agentvm_proto::guest::v1::{
+    DescribeHarness, HealthCheck, Hello, Identity, Network, Restored, Shutdown,
+};
 use agentvm_proto::v1::EventKind;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -95,6 +97,12 @@ async fn restored_notice_reseeds_steps_the_clock_and_takes_the_identity() {
             vm_id: "vm-child".into(),
         }),
         generation: 1,
+        network: Some(Network {
+            address: "10.77.0.10".into(),
+            prefix_len: 30,
+            gateway: "10.77.0.9".into(),
+            mac: "06:00:0a:4d:00:0a".into(),
+        }),
     };
     match host.call(Body::Restored(notice.clone())).await {
         Body::RestoredAck(ack) => assert_eq!(ack.generation, 1),
@@ -106,6 +114,7 @@ async fn restored_notice_reseeds_steps_the_clock_and_takes_the_identity() {
             SystemCall::Entropy(vec![7; 32]),
             SystemCall::WallClock(1_796_000_000_123_456_789),
             SystemCall::Hostname("child-1".into()),
+            SystemCall::Network(notice.network.clone().unwrap()),
         ]
     );
     // A new connection sees the new identity and generation.
@@ -117,7 +126,7 @@ async fn restored_notice_reseeds_steps_the_clock_and_takes_the_identity() {
         Body::RestoredAck(ack) => assert_eq!(ack.generation, 1),
         other => panic!("{other:?}"),
     }
-    assert_eq!(system.calls().len(), 3);
+    assert_eq!(system.calls().len(), 4);
     // Bad notices are refused, naming the field, and change nothing.
     for (change, field) in [
         (
@@ -130,6 +139,14 @@ async fn restored_notice_reseeds_steps_the_clock_and_takes_the_identity() {
             "entropy",
         ),
         (Box::new(|n: &mut Restored| n.kind = 0), "kind"),
+        (
+            Box::new(|n: &mut Restored| {
+                if let Some(net) = n.network.as_mut() {
+                    net.mac = "ff:ff:ff:ff:ff:ff".into();
+                }
+            }),
+            "network.mac",
+        ),
     ] {
         let mut bad = notice.clone();
         bad.generation = 2;
@@ -139,7 +156,7 @@ async fn restored_notice_reseeds_steps_the_clock_and_takes_the_identity() {
             other => panic!("{field}: {other:?}"),
         }
     }
-    assert_eq!(system.calls().len(), 3);
+    assert_eq!(system.calls().len(), 4);
     assert_eq!(agent.restore_generation(), 1);
     // The connection is still good.
     assert!(matches!(

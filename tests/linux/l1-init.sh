@@ -12,7 +12,7 @@ if [ "$1" != stage2 ]; then
     /bin/busybox --install -s /bin
     mount -t proc proc /proc
     mount -t tmpfs -o mode=0755 root /newroot
-    for entry in /bin /sbin /usr /lane /lib /init; do
+    for entry in /bin /sbin /usr /lane /lib /lib64 /init; do
         cp -a "$entry" /newroot/
     done
     umount /proc

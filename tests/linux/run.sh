@@ -29,7 +29,7 @@ log() { echo "lane: $*" >&2; }
 
 # ---- packages
 # erofs-utils and e2fsprogs: the images with a container root or an ext4 workspace.
-packages=(qemu-system-x86 busybox-static cpio erofs-utils e2fsprogs)
+packages=(qemu-system-x86 busybox-static cpio erofs-utils e2fsprogs iproute2)
 if ! dpkg -s "${packages[@]}" >/dev/null 2>&1; then
     log "installing ${packages[*]}"
     apt-get update -qq
@@ -85,6 +85,8 @@ for name in echo counter chat probe; do
     "$bin/agentvm" image build --config "$config" -o "$stage/lane/images/linux-$name" \
         --kernel "$kernel" --agent "$bin/agentvm-guest" >&2
 done
+"$bin/agentvm" image build --config "$lane/probe/network.toml" -o "$stage/lane/images/linux-probe-net" \
+    --kernel "$kernel" --agent "$bin/agentvm-guest" >&2
 # The container image: an OCI layout written here (no registry is reachable), booted as an
 # erofs root filesystem.
 "$bin/agentvm-lane-oci" --out "$stage/oci-layout" --harness "$bin/agentvm-harness"
@@ -112,6 +114,14 @@ fi
 
 # ---- L1 root: busybox, the KVM and 9p modules in dependency order, our binaries and images
 cp /bin/busybox "$stage/bin/busybox"
+# agentvmd plumbs guest networks with iproute2's ip (busybox's has no -batch or tuntap):
+# the binary and the shared libraries it loads.
+mkdir -p "$stage/sbin"
+cp /usr/sbin/ip "$stage/sbin/ip"
+for library in $(ldd /usr/sbin/ip | grep -o '/[^ ]*'); do
+    mkdir -p "$stage$(dirname "$library")"
+    cp -L "$library" "$stage$library"
+done
 cp "$lane/l1-init.sh" "$stage/init"
 # modules.dep lists each module's dependencies; load them depth-first, each once.
 declare -A loaded=()
@@ -126,7 +136,7 @@ add_module() {
     order+=("$rel")
 }
 for m in virt/lib/irqbypass drivers/crypto/ccp/ccp arch/x86/kvm/kvm arch/x86/kvm/kvm-amd \
-    drivers/virtio/virtio_pci net/9p/9pnet_virtio fs/9p/9p; do
+    drivers/virtio/virtio_pci net/9p/9pnet_virtio fs/9p/9p drivers/net/tun drivers/net/veth; do
     add_module "kernel/$m.ko"
 done
 : >"$stage/lane/modules.order"

@@ -942,6 +942,7 @@ fn restored_is_acked_remembered_and_reported() {
                 wall_clock_unix_nanos: -5,
                 identity,
                 generation,
+                network: None,
             }),
         )
     };

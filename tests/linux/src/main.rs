@@ -11,6 +11,7 @@ mod daemon;
 mod guest_logs;
 mod scenarios;
 mod session;
+mod test_hosts;
 
 use std::io::Write;
 use std::path::PathBuf;

@@ -56,6 +56,7 @@ pub const ALL: &[(&str, Scenario)] = &[
     ("fork-three-children", |l| Box::pin(fork_three_children(l))),
     ("workspace-disk-fork", |l| Box::pin(workspace_disk_fork(l))),
     ("oci-harness", |l| Box::pin(oci_harness(l))),
+    ("egress-policy", |l| Box::pin(egress_policy(l))),
     ("clock-stepped-after-resume", |l| {
         Box::pin(clock_stepped_after_resume(l))
     }),
@@ -335,6 +336,112 @@ async fn workspace_disk_fork(lane: &mut Lane) -> anyhow::Result<String> {
         "a note on the ext4 workspace survived suspend/resume; 2 fork children each kept their own"
             .into(),
     )
+}
+
+/// What the probe's `connect` saw: the guest's own address and the server's line, or why not.
+async fn probe_connect(
+    c: &mut Client,
+    session: &str,
+    target: &str,
+) -> anyhow::Result<Result<(String, String), String>> {
+    let text = session::say(c, session, &format!("connect {target}")).await?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("probe answered {text:?}"))?;
+    let connect = &v["connect"];
+    if let Some(error) = connect["error"].as_str() {
+        return Ok(Err(error.to_owned()));
+    }
+    match (connect["source"].as_str(), connect["line"].as_str()) {
+        (Some(source), Some(line)) => Ok(Ok((source.to_owned(), line.to_owned()))),
+        _ => bail!("probe answered {text:?} to connect {target}"),
+    }
+}
+
+/// Guest networking and its egress policy, against two test hosts in the L1: a VM of an
+/// image without `[network]` reaches nothing; one whose image allows `allowed.test:8080`
+/// reaches that host by name, and not the other host (by name: the resolver refuses it; by
+/// address: the device drops it), nor the allowed host on another port, nor its gateway. A
+/// fork child and a resumed VM get addresses of their own and still reach the allowed host.
+async fn egress_policy(lane: &mut Lane) -> anyhow::Result<String> {
+    crate::test_hosts::start()?;
+    let mut c = lane.c().await?;
+    let offline = lane.create("linux-probe").await?;
+    let refused = |r: &Result<(String, String), String>, what: &str| -> anyhow::Result<()> {
+        ensure!(r.is_err(), "{what} got through: {r:?}");
+        Ok(())
+    };
+    refused(
+        &probe_connect(&mut c, &offline, "10.78.1.2:8080").await?,
+        "a VM without a network",
+    )?;
+    let s = lane.create("linux-probe-net").await?;
+    let allowed = |r: Result<(String, String), String>, what: &str| -> anyhow::Result<String> {
+        match r {
+            Ok((source, line)) if line == "allowed.test" => Ok(source),
+            other => bail!("{what}: {other:?}"),
+        }
+    };
+    let t = Instant::now();
+    let parent_address = allowed(
+        probe_connect(&mut c, &s, "allowed.test:8080").await?,
+        "the allowed host by name",
+    )?;
+    let first = t.elapsed();
+    let by_name = probe_connect(&mut c, &s, "refused.test:8080").await?;
+    ensure!(
+        matches!(&by_name, Err(e) if e.contains("refused refused.test")),
+        "the refused host by name: {by_name:?}"
+    );
+    refused(
+        &probe_connect(&mut c, &s, "10.78.2.2:8080").await?,
+        "the refused host by address",
+    )?;
+    refused(
+        &probe_connect(&mut c, &s, "10.78.1.2:22").await?,
+        "the allowed host on another port",
+    )?;
+    let gateway = {
+        let mut octets: std::net::Ipv4Addr = parent_address.parse()?;
+        let o = octets.octets();
+        octets = std::net::Ipv4Addr::new(o[0], o[1], o[2], o[3] - 1);
+        octets
+    };
+    refused(
+        &probe_connect(&mut c, &s, &format!("{gateway}:22")).await?,
+        "the gateway (a host service)",
+    )?;
+    let children = session::fork(&mut c, &s, 1).await?;
+    lane.sessions.extend(children.iter().cloned());
+    let child_address = allowed(
+        probe_connect(&mut c, &children[0], "allowed.test:8080").await?,
+        "the fork child to the allowed host",
+    )?;
+    ensure!(
+        child_address != parent_address,
+        "the fork child kept its parent's address {parent_address}"
+    );
+    allowed(
+        probe_connect(&mut c, &s, "allowed.test:8080").await?,
+        "the parent after its fork",
+    )?;
+    session::suspend(&mut c, &s).await?;
+    let resumed_address = allowed(
+        probe_connect(&mut c, &s, "allowed.test:8080").await?,
+        "the parent after suspend and resume",
+    )?;
+    refused(
+        &probe_connect(&mut c, &s, "10.78.2.2:8080").await?,
+        "the refused host after resume",
+    )?;
+    for s in children.iter().chain([&s]) {
+        session::verify(&mut c, s).await?;
+    }
+    Ok(format!(
+        "offline VM reached nothing; allowed.test reached in {} ({parent_address}), refused.test \
+         refused by name and address, other port and gateway dropped; fork child at \
+         {child_address}, resumed at {resumed_address}",
+        secs(first)
+    ))
 }
 
 /// A container image as the guest's root: the reference harness from an OCI layout (two

@@ -128,7 +128,21 @@ fn load_one(dir: &Path, reserved: &[&str]) -> Result<GuestImage, String> {
         workspace_mib: u64::from(config.vm.workspace_mib),
         workspace_template,
         rootfs,
+        network: image_network(&config.network)?,
     })
+}
+
+/// The image's `[network]`, checked (again: a bundle is read from disk).
+fn image_network(
+    network: &agentvm_guest::image::NetworkConfig,
+) -> Result<Option<super::network::ImageNetwork>, String> {
+    if !network.enabled {
+        return Ok(None);
+    }
+    Ok(Some(super::network::ImageNetwork {
+        allow: network.entries().map_err(|e| format!("[network] {e}"))?,
+        rate_limit_mbit: network.rate_limit_mbit,
+    }))
 }
 
 /// A disk image of the bundle (a workspace template, a root filesystem), checked against

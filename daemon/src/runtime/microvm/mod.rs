@@ -18,6 +18,7 @@ mod fast_moves;
 pub mod flavour;
 pub mod guest;
 pub mod jail;
+pub mod network;
 pub mod remote;
 pub mod vmm_process;
 
@@ -80,6 +81,8 @@ pub struct GuestImage {
     /// A container image's root filesystem, attached read-only (serial `rootfs`) to every VM
     /// of the image, which all share it through the host's page cache.
     pub rootfs: Option<PathBuf>,
+    /// `[network] enabled`: each VM gets a network device and what the image allows.
+    pub network: Option<network::ImageNetwork>,
 }
 
 /// What the runtime needs from the node.
@@ -140,6 +143,7 @@ pub struct MicrovmRuntime {
     /// Held while a snapshot is fetched from the fleet's store: the children of one fork
     /// restore the same snapshot at once, and it is fetched once.
     fetching: tokio::sync::Mutex<()>,
+    networks: network::Networks,
 }
 
 /// The limits every VMM of this runtime runs under.
@@ -228,6 +232,7 @@ impl MicrovmRuntime {
             ready_conns: Default::default(),
             retiring: Default::default(),
             fetching: Default::default(),
+            networks: Default::default(),
         })
     }
 
@@ -310,7 +315,13 @@ impl MicrovmRuntime {
         }
     }
 
-    fn vm_config(&self, spec: &SessionSpec, image: &GuestImage, dir: &VmmDir) -> VmConfig {
+    fn vm_config(
+        &self,
+        spec: &SessionSpec,
+        image: &GuestImage,
+        dir: &VmmDir,
+        slot: Option<&network::Slot>,
+    ) -> VmConfig {
         let mut config = VmConfig::with_kernel(image.kernel.clone());
         config.payload.initramfs = image.initramfs.clone();
         let vcpus = image.vcpus.unwrap_or(self.config.vcpus);
@@ -326,6 +337,10 @@ impl MicrovmRuntime {
             "console=ttyS0 reboot=k panic=1 agentvm.session={}",
             spec.session_uid
         );
+        if let Some(slot) = slot {
+            cmdline.push(' ');
+            cmdline.push_str(&slot.cmdline());
+        }
         if !image.cmdline.is_empty() {
             cmdline.push(' ');
             cmdline.push_str(&image.cmdline);
@@ -357,7 +372,33 @@ impl MicrovmRuntime {
                 serial: Some(WORKSPACE.into()),
             });
         }
+        if let (Some(network), Some(slot)) = (&image.network, slot) {
+            config.net.push(network.device(slot));
+        }
         config
+    }
+
+    /// Gives the just-spawned VMM in `dir` its network, if `image` has one.
+    async fn attach_network(
+        &self,
+        session: &str,
+        dir: &VmmDir,
+        image: Option<&network::ImageNetwork>,
+    ) -> std::result::Result<Option<network::Slot>, String> {
+        let Some(image) = image else {
+            return Ok(None);
+        };
+        if !self.config.flavour.boots_mmio_guests() {
+            return Err(format!(
+                "guest networking needs the agentvm VMM (the {} flavour has no egress policy)",
+                self.config.flavour.name()
+            ));
+        }
+        let pid = vmm_process::pid_of(dir).ok_or("the VMM wrote no pid file")?;
+        self.networks
+            .attach(session, pid, &dir.api(), image)
+            .await
+            .map(Some)
     }
 
     /// A VMM already running this session (after a daemon restart, or a repeated create).
@@ -390,6 +431,9 @@ impl MicrovmRuntime {
             _ => return None,
         }
         if let Some(pid) = vmm_process::pid_of(&dir) {
+            if let Err(e) = self.networks.reattach(session, pid, &dir.api()).await {
+                tracing::warn!(session, error = %e, "the guest's resolver is not served");
+            }
             self.exits.watch(dir, pid);
         }
         Some(self.incarnation(session))
@@ -518,9 +562,11 @@ impl MicrovmRuntime {
     async fn restore_as(
         &self,
         snapshot: &SnapshotRef,
-        session: &str,
+        spec: &SessionSpec,
         kind: RestoredKind,
     ) -> Result<Incarnation> {
+        let session = spec.session_uid.as_str();
+        let network = self.image(&spec.harness).and_then(|i| i.network.clone());
         let source = self
             .local_snapshot(snapshot)
             .await
@@ -548,6 +594,10 @@ impl MicrovmRuntime {
                     workspace: &dir.workspace(),
                 };
                 let mut request = dir.flavour.restore_request(&source, &target, memory)?;
+                let slot = self.attach_network(session, &dir, network.as_ref()).await?;
+                if let (Some(network), Some(slot)) = (&network, &slot) {
+                    request.net_overrides.push(network.restore_override(slot));
+                }
                 // Restored paused while the VMM's cgroup move finishes; run once it has.
                 request.resume = false;
                 let client = dir.client();
@@ -566,7 +616,9 @@ impl MicrovmRuntime {
                         .await
                         .map_err(|e| format!("the restored guest did not answer: {e}"))?;
                 let t_ready = t0.elapsed();
-                conn.restored(restored_notice(session, kind, ready.restore_generation + 1))
+                let mut notice = restored_notice(session, kind, ready.restore_generation + 1);
+                notice.network = slot.map(|s| s.guest_network());
+                conn.restored(notice)
                     .await
                     .map_err(|e| format!("the restored guest did not take its notice: {e}"))?;
                 tracing::debug!(
@@ -615,6 +667,7 @@ impl MicrovmRuntime {
     async fn stop_vmm(&self, session: &str, dir: &VmmDir) {
         self.retired(session).await;
         self.take_ready_conn(session);
+        self.networks.detach(session);
         vmm_process::stop(dir, &self.exits).await;
         self.confinement.remove_cgroups_settled(session).await;
     }
@@ -628,6 +681,7 @@ impl MicrovmRuntime {
     async fn retire_vmm(&self, session: &str, dir: &VmmDir) {
         self.retired(session).await;
         self.take_ready_conn(session);
+        self.networks.detach(session);
         let stopping = vmm_process::ask_stop(dir, &self.exits).await;
         let (stopping, name) = match self.move_aside(session, dir, stopping.pid()) {
             Some((name, moved)) => (stopping.moved_to(moved), name),
@@ -695,6 +749,7 @@ impl MicrovmRuntime {
 
     /// Removes what a VMM that never started, or died unwatched, left: its files and cgroups.
     fn discard(&self, session: &str, dir: &VmmDir) {
+        self.networks.detach(session);
         vmm_process::remove_files(dir);
         self.confinement.remove_cgroups(session);
     }
@@ -834,6 +889,7 @@ fn restored_notice(session: &str, kind: RestoredKind, generation: u64) -> Restor
             vm_id: session.to_owned(),
         }),
         generation,
+        network: None,
     }
 }
 
@@ -883,35 +939,34 @@ impl Runtime for MicrovmRuntime {
         .flatten()
         .collect();
         let inc = self
-            .start(session, files, |dir, confined| {
-                let config = self.vm_config(spec, &image, &dir);
-                async move {
-                    if image.workspace_mib > 0 {
-                        vmm_process::new_disk(
-                            &dir,
-                            &dir.workspace(),
-                            image.workspace_mib << 20,
-                            image.workspace_template.as_deref(),
-                        )?;
-                    }
-                    let client = dir.client();
-                    client
-                        .create(&config)
-                        .await
-                        .map_err(|e| format!("vm.create: {e}"))?;
-                    std::fs::write(dir.harness_file(), &spec.harness)
-                        .map_err(|e| format!("{}: {e}", dir.harness_file().display()))?;
-                    confined.wait().await?;
-                    client.boot().await.map_err(|e| format!("vm.boot: {e}"))?;
-                    let (conn, _) =
-                        GuestConn::ready(&dir.vsock(), self.config.ready_timeout, &|| {
-                            dir.vmm_alive()
-                        })
+            .start(session, files, |dir, confined| async move {
+                let slot = self
+                    .attach_network(session, &dir, image.network.as_ref())
+                    .await?;
+                let config = self.vm_config(spec, &image, &dir, slot.as_ref());
+                if image.workspace_mib > 0 {
+                    vmm_process::new_disk(
+                        &dir,
+                        &dir.workspace(),
+                        image.workspace_mib << 20,
+                        image.workspace_template.as_deref(),
+                    )?;
+                }
+                let client = dir.client();
+                client
+                    .create(&config)
+                    .await
+                    .map_err(|e| format!("vm.create: {e}"))?;
+                std::fs::write(dir.harness_file(), &spec.harness)
+                    .map_err(|e| format!("{}: {e}", dir.harness_file().display()))?;
+                confined.wait().await?;
+                client.boot().await.map_err(|e| format!("vm.boot: {e}"))?;
+                let (conn, _) =
+                    GuestConn::ready(&dir.vsock(), self.config.ready_timeout, &|| dir.vmm_alive())
                         .await
                         .map_err(|e| format!("the guest never became ready: {e}"))?;
-                    self.keep_ready_conn(session, conn);
-                    Ok(())
-                }
+                self.keep_ready_conn(session, conn);
+                Ok(())
             })
             .await?;
         crate::metrics::global().vmm_boot.observe(started.elapsed());
@@ -1061,7 +1116,7 @@ impl Runtime for MicrovmRuntime {
     }
 
     async fn restore(&self, snapshot: &SnapshotRef, spec: &SessionSpec) -> Result<Incarnation> {
-        self.restore_as(snapshot, &spec.session_uid, RestoredKind::Restored)
+        self.restore_as(snapshot, spec, RestoredKind::Restored)
             .await
     }
 
@@ -1070,7 +1125,7 @@ impl Runtime for MicrovmRuntime {
             // A replay fork: the child's first turn boots its own VM and is replayed into.
             return Ok(None);
         }
-        self.restore_as(snapshot, &opts.child_session_uid, RestoredKind::Forked)
+        self.restore_as(snapshot, &opts.spec, RestoredKind::Forked)
             .await
             .map(Some)
     }

@@ -41,13 +41,16 @@ pub struct Jail {
     pub userfaultfd: bool,
 }
 
-/// Device nodes every jail has: (name, mode). /dev/kvm is the VM user's alone.
-const DEVICES: [(&str, u32); 5] = [
+/// Device nodes every jail has: (name, mode). /dev/kvm is the VM user's alone, and so is
+/// /dev/net/tun: with it the VMM attaches to the tap agentvmd made its own, and creates none
+/// (that needs CAP_NET_ADMIN, which it does not have).
+const DEVICES: [(&str, u32); 6] = [
     ("null", 0o666),
     ("zero", 0o666),
     ("urandom", 0o666),
     ("random", 0o666),
     ("kvm", 0o600),
+    ("net/tun", 0o600),
 ];
 /// The VM user's alone as well, in a jail that is given it.
 const USERFAULTFD: (&str, u32) = ("userfaultfd", 0o600);
@@ -153,7 +156,7 @@ fn jail_steps(jail: &Jail) -> Result<Vec<Step>, String> {
             data: None,
         });
     }
-    mkdir_p(&mut steps, Path::new("/dev"))?;
+    mkdir_p(&mut steps, Path::new("/dev/net"))?;
     let userfaultfd = jail.userfaultfd.then_some(USERFAULTFD);
     for (name, mode) in DEVICES.into_iter().chain(userfaultfd) {
         let host = Path::new("/dev").join(name);

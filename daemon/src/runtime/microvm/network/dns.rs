@@ -1,0 +1,373 @@
+//! The resolver a networked guest asks (on its gateway, port 53): it answers A queries for
+//! the names the image allows with the addresses the host resolves them to, after telling
+//! the VM's network device to let those addresses through on the allowed ports; every other
+//! name is REFUSED, so a guest learns nothing through it and cannot tunnel out over it.
+//! Queries are served one at a time per VM: a flood costs the host one lookup at a time.
+
+use std::collections::HashSet;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use agentvm_guest::egress::AllowEntry;
+use agentvm_vmm_api::VmmClient;
+use agentvm_vmm_api::config::EgressRule;
+use agentvm_vmm_api::types::VmEgressAllow;
+
+use super::DEVICE_ID;
+
+/// A DNS message over UDP without EDNS is at most 512 bytes.
+const MAX_MESSAGE: usize = 512;
+const HEADER: usize = 12;
+const TYPE_A: u16 = 1;
+const CLASS_IN: u16 = 1;
+/// How long a guest may cache an answer: short, since the address is let through for good.
+const TTL_SECONDS: u32 = 30;
+const LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
+/// The most addresses one VM's resolver lets through (the device holds 4096 rules).
+const MAX_LEARNED: usize = 2048;
+
+mod rcode {
+    pub const NOERROR: u8 = 0;
+    pub const FORMERR: u8 = 1;
+    pub const SERVFAIL: u8 = 2;
+    pub const NXDOMAIN: u8 = 3;
+    pub const NOTIMP: u8 = 4;
+    pub const REFUSED: u8 = 5;
+}
+
+pub struct Resolver {
+    socket: tokio::net::UdpSocket,
+    allow: Vec<AllowEntry>,
+    vmm: VmmClient,
+    /// (address, ports) already let through.
+    learned: HashSet<(Ipv4Addr, Option<String>)>,
+}
+
+/// One parsed question.
+#[derive(Debug, PartialEq, Eq)]
+struct Question {
+    id: u16,
+    /// The RD bit, echoed back.
+    recursion_desired: bool,
+    name: String,
+    qtype: u16,
+    qclass: u16,
+    /// The question section's bytes, echoed back.
+    section: std::ops::Range<usize>,
+}
+
+impl Resolver {
+    pub fn new(
+        socket: std::net::UdpSocket,
+        allow: Vec<AllowEntry>,
+        vmm: VmmClient,
+    ) -> std::io::Result<Self> {
+        Ok(Self {
+            socket: tokio::net::UdpSocket::from_std(socket)?,
+            allow,
+            vmm,
+            learned: HashSet::new(),
+        })
+    }
+
+    pub async fn serve(mut self) {
+        let mut buf = [0u8; MAX_MESSAGE];
+        loop {
+            let (n, from) = match self.socket.recv_from(&mut buf).await {
+                Ok(got) => got,
+                Err(e) => {
+                    tracing::warn!(error = %e, "guest resolver stopped");
+                    return;
+                }
+            };
+            if let Some(reply) = self.answer(&buf[..n]).await {
+                let _ = self.socket.send_to(&reply, from).await;
+            }
+        }
+    }
+
+    async fn answer(&mut self, query: &[u8]) -> Option<Vec<u8>> {
+        let question = match parse_question(query) {
+            Ok(q) => q,
+            Err(Some(id)) => return Some(error_reply(id, rcode::FORMERR)),
+            Err(None) => return None,
+        };
+        if question.qclass != CLASS_IN {
+            return Some(reply(query, &question, rcode::NOTIMP, &[]));
+        }
+        let entries: Vec<&AllowEntry> = self
+            .allow
+            .iter()
+            .filter(|e| e.allows_name(&question.name))
+            .collect();
+        if entries.is_empty() {
+            tracing::debug!(name = %question.name, "guest resolver refused a name");
+            return Some(reply(query, &question, rcode::REFUSED, &[]));
+        }
+        let ports: Vec<Option<String>> = entries.iter().map(|e| e.ports_text()).collect();
+        let addresses = match lookup(&question.name).await {
+            Ok(a) => a,
+            Err(code) => return Some(reply(query, &question, code, &[])),
+        };
+        if question.qtype != TYPE_A {
+            // The name exists, but the guest network is IPv4 only: no records of this type.
+            return Some(reply(query, &question, rcode::NOERROR, &[]));
+        }
+        if let Err(e) = self.let_through(&addresses, &ports).await {
+            tracing::warn!(name = %question.name, error = %e, "guest resolver could not open the device");
+            return Some(reply(query, &question, rcode::SERVFAIL, &[]));
+        }
+        Some(reply(query, &question, rcode::NOERROR, &addresses))
+    }
+
+    /// Adds rules for the addresses not let through yet.
+    async fn let_through(
+        &mut self,
+        addresses: &[Ipv4Addr],
+        ports: &[Option<String>],
+    ) -> Result<(), String> {
+        let mut rules = Vec::new();
+        for address in addresses {
+            for p in ports {
+                if self.learned.contains(&(*address, p.clone())) {
+                    continue;
+                }
+                if self.learned.len() >= MAX_LEARNED {
+                    return Err(format!("{MAX_LEARNED} addresses already let through"));
+                }
+                self.learned.insert((*address, p.clone()));
+                rules.push(EgressRule {
+                    cidr: format!("{address}/32"),
+                    ports: p.clone(),
+                    protocol: None,
+                });
+            }
+        }
+        if rules.is_empty() {
+            return Ok(());
+        }
+        let body = VmEgressAllow {
+            id: Some(DEVICE_ID.into()),
+            rules,
+        };
+        self.vmm
+            .put_json(agentvm_vmm_api::endpoint::VM_EGRESS_ALLOW, &body)
+            .await
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// The host's IPv4 addresses for `name`, or the response code that says why there are none.
+/// The host's /etc/hosts first, read here: a statically linked agentvmd may have no NSS
+/// modules to read it through.
+async fn lookup(name: &str) -> Result<Vec<Ipv4Addr>, u8> {
+    let listed = std::fs::read_to_string(HOSTS_FILE)
+        .map(|text| hosts_file_addresses(&text, name))
+        .unwrap_or_default();
+    if !listed.is_empty() {
+        return Ok(listed);
+    }
+    let found = tokio::time::timeout(LOOKUP_TIMEOUT, tokio::net::lookup_host((name, 0)))
+        .await
+        .map_err(|_| rcode::SERVFAIL)?
+        .map_err(|_| rcode::NXDOMAIN)?;
+    let mut addresses: Vec<Ipv4Addr> = found
+        .filter_map(|a| match a {
+            SocketAddr::V4(v4) => Some(*v4.ip()),
+            SocketAddr::V6(_) => None,
+        })
+        .collect();
+    addresses.sort();
+    addresses.dedup();
+    addresses.truncate(16);
+    Ok(addresses)
+}
+
+const HOSTS_FILE: &str = "/etc/hosts";
+
+/// The IPv4 addresses `hosts` (the text of an /etc/hosts) gives `name`.
+fn hosts_file_addresses(hosts: &str, name: &str) -> Vec<Ipv4Addr> {
+    hosts
+        .lines()
+        .map(|l| l.split('#').next().unwrap_or_default())
+        .filter_map(|l| {
+            let mut words = l.split_whitespace();
+            let address: Ipv4Addr = words.next()?.parse().ok()?;
+            words
+                .any(|w| w.eq_ignore_ascii_case(name))
+                .then_some(address)
+        })
+        .collect()
+}
+
+/// The question of a standard query, or the id to answer FORMERR to (`None`: too short to
+/// answer at all, or itself a response).
+fn parse_question(message: &[u8]) -> Result<Question, Option<u16>> {
+    if message.len() < HEADER {
+        return Err(None);
+    }
+    let id = u16::from_be_bytes([message[0], message[1]]);
+    let flags = message[2];
+    if flags & 0x80 != 0 {
+        // A response: never answered (no reflection between resolvers).
+        return Err(None);
+    }
+    let opcode = (flags >> 3) & 0x0f;
+    let questions = u16::from_be_bytes([message[4], message[5]]);
+    if opcode != 0 || questions != 1 {
+        return Err(Some(id));
+    }
+    let mut at = HEADER;
+    let mut labels: Vec<String> = Vec::new();
+    loop {
+        let len = usize::from(*message.get(at).ok_or(Some(id))?);
+        at += 1;
+        if len == 0 {
+            break;
+        }
+        // No compression pointers in a question; labels are at most 63 bytes.
+        if len > 63 {
+            return Err(Some(id));
+        }
+        let label = message.get(at..at + len).ok_or(Some(id))?;
+        if !label
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || *b == b'-' || *b == b'_')
+        {
+            return Err(Some(id));
+        }
+        labels.push(String::from_utf8_lossy(label).to_ascii_lowercase());
+        at += len;
+    }
+    let fixed = message.get(at..at + 4).ok_or(Some(id))?;
+    let name = labels.join(".");
+    if name.is_empty() || name.len() > 253 {
+        return Err(Some(id));
+    }
+    Ok(Question {
+        id,
+        recursion_desired: flags & 0x01 != 0,
+        name,
+        qtype: u16::from_be_bytes([fixed[0], fixed[1]]),
+        qclass: u16::from_be_bytes([fixed[2], fixed[3]]),
+        section: HEADER..at + 4,
+    })
+}
+
+fn header(id: u16, recursion_desired: bool, code: u8, questions: u16, answers: u16) -> Vec<u8> {
+    let mut out = Vec::with_capacity(MAX_MESSAGE);
+    out.extend_from_slice(&id.to_be_bytes());
+    // QR, RD as asked; RA; the response code.
+    out.push(0x80 | u8::from(recursion_desired));
+    out.push(0x80 | code);
+    out.extend_from_slice(&questions.to_be_bytes());
+    out.extend_from_slice(&answers.to_be_bytes());
+    out.extend_from_slice(&[0, 0, 0, 0]);
+    out
+}
+
+fn error_reply(id: u16, code: u8) -> Vec<u8> {
+    header(id, false, code, 0, 0)
+}
+
+fn reply(query: &[u8], question: &Question, code: u8, addresses: &[Ipv4Addr]) -> Vec<u8> {
+    let mut out = header(
+        question.id,
+        question.recursion_desired,
+        code,
+        1,
+        addresses.len() as u16,
+    );
+    out.extend_from_slice(&query[question.section.clone()]);
+    for address in addresses {
+        // The name is the question's (a pointer to offset 12).
+        out.extend_from_slice(&[0xc0, 0x0c]);
+        out.extend_from_slice(&TYPE_A.to_be_bytes());
+        out.extend_from_slice(&CLASS_IN.to_be_bytes());
+        out.extend_from_slice(&TTL_SECONDS.to_be_bytes());
+        out.extend_from_slice(&4u16.to_be_bytes());
+        out.extend_from_slice(&address.octets());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn query(id: u16, name: &str, qtype: u16) -> Vec<u8> {
+        let mut q = vec![0u8; HEADER];
+        q[0..2].copy_from_slice(&id.to_be_bytes());
+        q[2] = 0x01;
+        q[5] = 1;
+        for label in name.split('.') {
+            q.push(label.len() as u8);
+            q.extend_from_slice(label.as_bytes());
+        }
+        q.push(0);
+        q.extend_from_slice(&qtype.to_be_bytes());
+        q.extend_from_slice(&CLASS_IN.to_be_bytes());
+        q
+    }
+
+    #[test]
+    fn a_question_is_parsed_and_answered_with_its_addresses() {
+        let q = query(0x1234, "Allowed.Test", TYPE_A);
+        let question = parse_question(&q).unwrap();
+        assert_eq!(question.name, "allowed.test");
+        assert_eq!((question.qtype, question.qclass), (TYPE_A, CLASS_IN));
+        let addresses = [Ipv4Addr::new(10, 78, 1, 2), Ipv4Addr::new(10, 78, 1, 3)];
+        let r = reply(&q, &question, rcode::NOERROR, &addresses);
+        assert_eq!(&r[0..2], &[0x12, 0x34]);
+        assert_eq!(r[2], 0x81, "a response, recursion desired echoed");
+        assert_eq!(r[3] & 0x0f, rcode::NOERROR);
+        assert_eq!(u16::from_be_bytes([r[6], r[7]]), 2);
+        let answers = &r[q.len()..];
+        assert_eq!(answers.len(), 2 * 16);
+        assert_eq!(&answers[12..16], &[10, 78, 1, 2]);
+        assert_eq!(&answers[16 + 12..32], &[10, 78, 1, 3]);
+    }
+
+    #[test]
+    fn the_hosts_file_names_addresses() {
+        let hosts = "127.0.0.1 localhost\n10.78.1.2 allowed.test a # comment\n\
+                     ::1 allowed.test\n# 10.9.9.9 allowed.test\n10.78.1.3 ALLOWED.test\n";
+        assert_eq!(
+            hosts_file_addresses(hosts, "allowed.test"),
+            [Ipv4Addr::new(10, 78, 1, 2), Ipv4Addr::new(10, 78, 1, 3)]
+        );
+        assert!(hosts_file_addresses(hosts, "comment").is_empty());
+    }
+
+    #[test]
+    fn malformed_queries_get_formerr_or_nothing_and_never_panic() {
+        assert_eq!(parse_question(&[0; 5]), Err(None));
+        let mut response = query(7, "a.test", TYPE_A);
+        response[2] |= 0x80;
+        assert_eq!(parse_question(&response), Err(None));
+        let mut two = query(7, "a.test", TYPE_A);
+        two[5] = 2;
+        assert_eq!(parse_question(&two), Err(Some(7)));
+        let truncated = query(7, "a.test", TYPE_A);
+        assert_eq!(
+            parse_question(&truncated[..truncated.len() - 2]),
+            Err(Some(7))
+        );
+        let mut pointer = query(7, "a.test", TYPE_A);
+        pointer[HEADER] = 0xc0;
+        assert_eq!(parse_question(&pointer), Err(Some(7)));
+        let mut seed = 0x2545_f491_u64;
+        for _ in 0..5000 {
+            let len = (seed % 64) as usize;
+            let bytes: Vec<u8> = (0..len)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    seed as u8
+                })
+                .collect();
+            let _ = parse_question(&bytes);
+        }
+    }
+}

@@ -1,0 +1,372 @@
+//! Guest networking, for images with `[network] enabled`: each VM gets a tap in its VMM's
+//! own network namespace, joined to the host by a veth pair and routed (no bridge, so no
+//! VM sees another's frames). The VMM's network device enforces the egress policy on every
+//! frame; names resolve through a resolver the node runs on the tap's address, which answers
+//! only for allowed names and lets the addresses it answered with through the device.
+//!
+//! Addresses: the pool is cut into /29 slots, one per running VM. In slot `s` at `B`:
+//! `B+1` the tap (the guest's gateway and name server), `B+2` the guest, `B+5` the host's
+//! end of the veth (`avnS`), `B+6` the namespace's end. A fork child or a resumed VM takes
+//! a new slot, so it never has its parent's address or MAC.
+
+mod dns;
+mod netns;
+
+use std::collections::{HashMap, HashSet};
+use std::net::Ipv4Addr;
+use std::path::Path;
+use std::sync::Mutex;
+
+use agentvm_guest::egress::{AllowEntry, Target};
+use agentvm_proto::guest::v1::Network;
+use agentvm_vmm_api::config::{
+    EgressPolicy, EgressRule, NetConfig, RateLimiterConfig, TokenBucket,
+};
+use agentvm_vmm_api::types::NetOverride;
+
+/// The address block guest networks come from (a /16: 8192 slots of 8 addresses).
+pub const DEFAULT_POOL: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 0);
+const SLOTS: u32 = 1 << 13;
+/// The tap inside every VMM's namespace (each namespace has its own, so one name serves).
+pub const TAP: &str = "tap0";
+/// The VMM's network device id.
+pub const DEVICE_ID: &str = "net0";
+/// How often a rate limit's bucket refills, in milliseconds.
+const REFILL_MS: u64 = 100;
+
+/// An image's network: what its VMs may reach.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageNetwork {
+    pub allow: Vec<AllowEntry>,
+    pub rate_limit_mbit: u32,
+}
+
+/// One VM's place in the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Slot {
+    pub index: u32,
+    base: u32,
+}
+
+impl Slot {
+    fn new(pool: Ipv4Addr, index: u32) -> Self {
+        Self {
+            index,
+            base: u32::from(pool) + index * 8,
+        }
+    }
+    pub fn gateway(&self) -> Ipv4Addr {
+        Ipv4Addr::from(self.base + 1)
+    }
+    pub fn guest(&self) -> Ipv4Addr {
+        Ipv4Addr::from(self.base + 2)
+    }
+    pub fn guest_block(&self) -> Ipv4Addr {
+        Ipv4Addr::from(self.base)
+    }
+    pub fn host_end(&self) -> Ipv4Addr {
+        Ipv4Addr::from(self.base + 5)
+    }
+    pub fn namespace_end(&self) -> Ipv4Addr {
+        Ipv4Addr::from(self.base + 6)
+    }
+    pub fn host_veth(&self) -> String {
+        format!("avn{}", self.index)
+    }
+    /// Locally administered and unicast, unique in the pool (it spells the guest address).
+    pub fn mac(&self) -> String {
+        let [a, b, c, d] = self.guest().octets();
+        format!("06:00:{a:02x}:{b:02x}:{c:02x}:{d:02x}")
+    }
+
+    /// What the guest sets up, on the command line at boot or in a Restored notice.
+    pub fn guest_network(&self) -> Network {
+        Network {
+            address: self.guest().to_string(),
+            prefix_len: 30,
+            gateway: self.gateway().to_string(),
+            mac: self.mac(),
+        }
+    }
+
+    pub fn cmdline(&self) -> String {
+        format!(
+            "agentvm.net={}/30,{},{}",
+            self.guest(),
+            self.gateway(),
+            self.mac()
+        )
+    }
+}
+
+impl ImageNetwork {
+    /// The image's address rules, as the device enforces them; names are the resolver's.
+    fn address_rules(&self) -> Vec<EgressRule> {
+        self.allow
+            .iter()
+            .filter_map(|entry| match entry.target {
+                Target::Block(net, prefix) => Some(EgressRule {
+                    cidr: format!("{net}/{prefix}"),
+                    ports: entry.ports_text(),
+                    protocol: None,
+                }),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn policy(&self, slot: &Slot) -> EgressPolicy {
+        EgressPolicy {
+            guest_ip: slot.guest(),
+            gateway_ip: slot.gateway(),
+            allow: self.address_rules(),
+        }
+    }
+
+    fn rate_limiter(&self) -> Option<RateLimiterConfig> {
+        (self.rate_limit_mbit > 0).then(|| RateLimiterConfig {
+            bandwidth: Some(TokenBucket {
+                // Bytes per refill period: Mbit/s × 10^6 / 8 × period.
+                size: u64::from(self.rate_limit_mbit) * 125 * REFILL_MS,
+                one_time_burst: None,
+                refill_time: REFILL_MS,
+            }),
+            ops: None,
+        })
+    }
+
+    /// The network device of a VM in `slot`.
+    pub fn device(&self, slot: &Slot) -> NetConfig {
+        NetConfig {
+            tap: TAP.into(),
+            mac: Some(slot.mac()),
+            id: Some(DEVICE_ID.into()),
+            mtu: None,
+            rate_limiter_config: self.rate_limiter(),
+            egress: Some(self.policy(slot)),
+        }
+    }
+
+    /// What a restored VM's device changes to in `slot`.
+    pub fn restore_override(&self, slot: &Slot) -> NetOverride {
+        NetOverride {
+            id: DEVICE_ID.into(),
+            tap: Some(TAP.into()),
+            mac: Some(slot.mac()),
+            egress: Some(self.policy(slot)),
+        }
+    }
+}
+
+/// What a VM's network was given, kept beside its VMM for a daemon that restarts.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Attached {
+    slot: u32,
+    allow: Vec<String>,
+}
+
+fn attached_file(api: &Path) -> std::path::PathBuf {
+    api.with_file_name("network.json")
+}
+
+/// The node's guest networks: which slots are taken and each VM's resolver.
+pub struct Networks {
+    pool: Ipv4Addr,
+    /// Slots being set up: their veth does not exist yet.
+    claimed: Mutex<HashSet<u32>>,
+    /// Each networked session's resolver; dropping it releases the VM's namespace.
+    resolvers: Mutex<HashMap<String, tokio::task::AbortHandle>>,
+}
+
+impl Default for Networks {
+    fn default() -> Self {
+        Self::new(DEFAULT_POOL)
+    }
+}
+
+impl Networks {
+    pub fn new(pool: Ipv4Addr) -> Self {
+        Self {
+            pool,
+            claimed: Mutex::default(),
+            resolvers: Mutex::default(),
+        }
+    }
+
+    /// A free slot: not being set up, and no VM's veth holds it (a VM outliving an earlier
+    /// daemon keeps its slot that way too).
+    fn claim(&self) -> Result<Slot, String> {
+        let mut claimed = self.claimed.lock().unwrap_or_else(|p| p.into_inner());
+        for index in 0..SLOTS {
+            let slot = Slot::new(self.pool, index);
+            if claimed.contains(&index)
+                || Path::new("/sys/class/net").join(slot.host_veth()).exists()
+            {
+                continue;
+            }
+            claimed.insert(index);
+            return Ok(slot);
+        }
+        Err(format!("all {SLOTS} guest network slots are in use"))
+    }
+
+    fn unclaim(&self, slot: &Slot) {
+        self.claimed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&slot.index);
+    }
+
+    /// Gives the VMM `pid` (in its own network namespace) its tap, veth and routes, and
+    /// starts the session's resolver, which tells the VMM at `api` what it let through.
+    pub async fn attach(
+        &self,
+        session: &str,
+        pid: u32,
+        api: &Path,
+        image: &ImageNetwork,
+    ) -> Result<Slot, String> {
+        let slot = self.claim()?;
+        let set_up = {
+            let slot = slot;
+            tokio::task::spawn_blocking(move || netns::set_up(pid, &slot))
+                .await
+                .map_err(|e| format!("setting up the guest network: {e}"))
+                .and_then(|r| r)
+        };
+        self.unclaim(&slot);
+        let socket = set_up?;
+        let record = Attached {
+            slot: slot.index,
+            allow: image.allow.iter().map(|e| e.text.clone()).collect(),
+        };
+        let path = attached_file(api);
+        std::fs::write(&path, serde_json::to_vec(&record).unwrap_or_default())
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        self.serve_resolver(session, socket, image.allow.clone(), api)?;
+        tracing::debug!(session, address = %slot.guest(), "guest network attached");
+        Ok(slot)
+    }
+
+    /// Serves the resolver of a VMM that outlived the daemon that attached its network (its
+    /// record sits beside the VMM's API socket); nothing for a VMM without a network.
+    pub async fn reattach(&self, session: &str, pid: u32, api: &Path) -> Result<(), String> {
+        let path = attached_file(api);
+        let Ok(bytes) = std::fs::read(&path) else {
+            return Ok(());
+        };
+        if self
+            .resolvers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(session)
+        {
+            return Ok(());
+        }
+        let record: Attached =
+            serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+        let allow = record
+            .allow
+            .iter()
+            .map(|e| AllowEntry::parse(e))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        let slot = Slot::new(self.pool, record.slot);
+        let socket = tokio::task::spawn_blocking(move || netns::rebind_resolver(pid, &slot))
+            .await
+            .map_err(|e| format!("the guest's resolver: {e}"))??;
+        self.serve_resolver(session, socket, allow, api)
+    }
+
+    fn serve_resolver(
+        &self,
+        session: &str,
+        socket: std::net::UdpSocket,
+        allow: Vec<AllowEntry>,
+        api: &Path,
+    ) -> Result<(), String> {
+        let resolver = dns::Resolver::new(socket, allow, agentvm_vmm_api::VmmClient::new(api))
+            .map_err(|e| format!("the guest's resolver: {e}"))?;
+        let task = tokio::spawn(tracing::Instrument::in_current_span(resolver.serve()));
+        if let Some(old) = self
+            .resolvers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(session.to_owned(), task.abort_handle())
+        {
+            old.abort();
+        }
+        Ok(())
+    }
+
+    /// Stops the session's resolver (its VM is stopping): the namespace, and with it the
+    /// veth and the slot, go with the VMM.
+    pub fn detach(&self, session: &str) {
+        if let Some(task) = self
+            .resolvers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(session)
+        {
+            task.abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_lay_out_addresses_and_names_without_overlap() {
+        let slot = Slot::new(DEFAULT_POOL, 3);
+        assert_eq!(slot.guest_block(), Ipv4Addr::new(10, 77, 0, 24));
+        assert_eq!(slot.gateway(), Ipv4Addr::new(10, 77, 0, 25));
+        assert_eq!(slot.guest(), Ipv4Addr::new(10, 77, 0, 26));
+        assert_eq!(slot.host_end(), Ipv4Addr::new(10, 77, 0, 29));
+        assert_eq!(slot.namespace_end(), Ipv4Addr::new(10, 77, 0, 30));
+        assert_eq!(slot.host_veth(), "avn3");
+        assert_eq!(slot.mac(), "06:00:0a:4d:00:1a");
+        assert_eq!(
+            slot.cmdline(),
+            "agentvm.net=10.77.0.26/30,10.77.0.25,06:00:0a:4d:00:1a"
+        );
+        let last = Slot::new(DEFAULT_POOL, SLOTS - 1);
+        assert_eq!(last.namespace_end(), Ipv4Addr::new(10, 77, 255, 254));
+        assert!(
+            last.host_veth().len() < 16,
+            "interface names are at most 15 bytes"
+        );
+    }
+
+    #[test]
+    fn address_entries_become_device_rules_and_names_stay_with_the_resolver() {
+        let image = ImageNetwork {
+            allow: ["10.0.0.0/8:443", "192.0.2.7", "pypi.org:443"]
+                .iter()
+                .map(|e| AllowEntry::parse(e).unwrap())
+                .collect(),
+            rate_limit_mbit: 8,
+        };
+        let slot = Slot::new(DEFAULT_POOL, 0);
+        let device = image.device(&slot);
+        let egress = device.egress.unwrap();
+        assert_eq!(egress.guest_ip, slot.guest());
+        assert_eq!(egress.gateway_ip, slot.gateway());
+        let rules: Vec<(String, Option<String>)> = egress
+            .allow
+            .into_iter()
+            .map(|r| (r.cidr, r.ports))
+            .collect();
+        assert_eq!(
+            rules,
+            [
+                ("10.0.0.0/8".to_owned(), Some("443".to_owned())),
+                ("192.0.2.7/32".to_owned(), None)
+            ]
+        );
+        // 8 Mbit/s is 1 MB/s: 100 kB per 100 ms.
+        let bucket = device.rate_limiter_config.unwrap().bandwidth.unwrap();
+        assert_eq!((bucket.size, bucket.refill_time), (100_000, 100));
+    }
+}
