@@ -416,6 +416,20 @@ mod tests {
     }
 
     #[test]
+    fn a_network_is_off_unless_enabled_and_its_entries_parse() {
+        let c = ImageConfig::parse(GOOD, "image.toml").unwrap();
+        assert!(!c.network.enabled);
+        let text = format!(
+            "{GOOD}\n[network]\nenabled = true\nallow = [\"*.example.com:443\", \"10.0.0.0/8\"]\nrate_limit_mbit = 50"
+        );
+        let c = ImageConfig::parse(&text, "image.toml").unwrap();
+        assert_eq!(c.network.rate_limit_mbit, 50);
+        let entries = c.network.entries().unwrap();
+        assert_eq!(entries.len(), 2);
+        assert!(entries[0].allows_name("api.example.com"));
+    }
+
+    #[test]
     fn the_reference_images_are_valid() {
         let images = Path::new(env!("CARGO_MANIFEST_DIR")).join("../images");
         let mut seen = 0;
@@ -477,6 +491,18 @@ mod tests {
             (
                 "[harness]\ncommand = [\"/e\"]\nresumability = \"STATELESS_REPLAY\"\n[vm]\nmemory_mib = 4",
                 "vm.memory_mib",
+            ),
+            (
+                "[harness]\ncommand = [\"/e\"]\nresumability = \"STATELESS_REPLAY\"\n[network]\nallow = [\"a.test\"]",
+                "network.allow: needs network.enabled",
+            ),
+            (
+                "[harness]\ncommand = [\"/e\"]\nresumability = \"STATELESS_REPLAY\"\n[network]\nenabled = true\nallow = [\"a.test\", \"10.0.0.1/8\"]",
+                "network: allow[1]: 10.0.0.1/8: host bits",
+            ),
+            (
+                "[harness]\ncommand = [\"/e\"]\nresumability = \"STATELESS_REPLAY\"\n[network]\nenable = true",
+                "network.enable",
             ),
             ("not toml at all [", "image.toml"),
         ] {
