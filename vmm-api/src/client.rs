@@ -252,6 +252,20 @@ impl VmmClient {
         self.put_json(endpoint::VM_FORK, &body).await
     }
 
+    /// `PUT vm.egress-allow` (extension): append `rules` to the egress policy of the net
+    /// device `id` (the VM's first when `None`).
+    pub async fn egress_allow(
+        &self,
+        id: Option<&str>,
+        rules: &[crate::config::EgressRule],
+    ) -> Result<(), ClientError> {
+        let body = crate::types::VmEgressAllow {
+            id: id.map(str::to_owned),
+            rules: rules.to_vec(),
+        };
+        self.put_json(endpoint::VM_EGRESS_ALLOW, &body).await
+    }
+
     /// `vm.pause`, where "already paused" counts as success: on a wrong-state answer (500, or
     /// 409 from Cloud Hypervisor v53 on) it reads the VM's state and returns Ok if the VM is
     /// `Paused`, else the original error.

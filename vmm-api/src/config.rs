@@ -1,7 +1,7 @@
 //! The `VmConfig` subset agentvm-vmm supports, in Cloud Hypervisor's JSON shape.
 //!
 //! Field names and defaults are CH's (`vmm/src/vm_config.rs`), with two differences:
-//! every struct denies unknown fields (a CH field we do not implement, such as `net`, `rng`,
+//! every struct denies unknown fields (a CH field we do not implement, such as `rng`,
 //! `cpus.topology` or a disk's `vhost_user`, is a 400 naming it rather than silently ignored), and the console
 //! defaults to `Off` (CH: `Tty`) because agentvm-vmm has no virtio-console.
 //!
@@ -12,6 +12,10 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::json::{self, JsonError, at_path};
+
+mod net;
+
+pub use self::net::*;
 
 /// Most vCPUs a VM may have.
 pub const MAX_VCPUS: u8 = 32;
@@ -46,6 +50,26 @@ impl ConfigError {
             path: path.to_owned(),
             reason: reason.into(),
         }
+    }
+
+    /// The same error with its path put under `prefix` (`tap` under `net[0]` is
+    /// `net[0].tap`, `[2].ports` under `allow` is `allow[2].ports`).
+    #[must_use]
+    pub fn within(mut self, prefix: &str) -> Self {
+        self.path = if matches!(self.path.as_str(), "" | "." | "?") {
+            prefix.to_owned()
+        } else if self.path.starts_with('[') {
+            format!("{prefix}{}", self.path)
+        } else {
+            format!("{prefix}.{}", self.path)
+        };
+        self
+    }
+
+    /// The same error under element `index` of a list (`cidr` becomes `[3].cidr`).
+    #[must_use]
+    pub fn within_index(self, index: usize) -> Self {
+        self.within(&format!("[{index}]"))
     }
 }
 
@@ -82,6 +106,9 @@ pub struct VmConfig {
     /// virtio-blk disks, in the order the guest sees them (`vda`, `vdb`, …); none by default.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub disks: Vec<DiskConfig>,
+    /// virtio-net devices on taps (at most [`MAX_NETS`]); none by default.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub net: Vec<NetConfig>,
 }
 
 impl VmConfig {
@@ -98,6 +125,7 @@ impl VmConfig {
             console: ConsoleConfig::default(),
             vsock: None,
             disks: Vec::new(),
+            net: Vec::new(),
         }
     }
 
@@ -136,6 +164,43 @@ impl VmConfig {
                     format!("{:?} is the id of another device", id.unwrap_or_default()),
                 ));
             }
+        }
+        self.validate_net()
+    }
+
+    fn validate_net(&self) -> Result<(), ConfigError> {
+        if self.net.len() > MAX_NETS {
+            return Err(ConfigError::new(
+                "net",
+                format!("at most {MAX_NETS} network devices, got {}", self.net.len()),
+            ));
+        }
+        // Ids key vm.info's device tree and vm.counters: a net device's must not be any
+        // other device's (their defaults included) or a counter group's.
+        let mut taken: Vec<String> = vec!["_serial".to_owned(), "vcpus".to_owned()];
+        if let Some(vsock) = &self.vsock {
+            taken.push(vsock.id.clone().unwrap_or_else(|| "_vsock0".to_owned()));
+        }
+        for (i, disk) in self.disks.iter().enumerate() {
+            taken.push(disk.id.clone().unwrap_or_else(|| format!("_disk{i}")));
+        }
+        for (i, net) in self.net.iter().enumerate() {
+            let at = format!("net[{i}]");
+            net.validate().map_err(|e| e.within(&at))?;
+            let id = net.device_id(i);
+            if taken.contains(&id) {
+                return Err(ConfigError::new(
+                    &format!("{at}.id"),
+                    format!("{id:?} is the id of another device"),
+                ));
+            }
+            if let Some(other) = self.net[..i].iter().position(|n| n.tap == net.tap) {
+                return Err(ConfigError::new(
+                    &format!("{at}.tap"),
+                    format!("{:?} is net[{other}]'s tap too", net.tap),
+                ));
+            }
+            taken.push(id);
         }
         Ok(())
     }

@@ -200,10 +200,122 @@ pub struct RestoreConfig {
     /// `disks` (a clone's own copies of them); empty keeps the paths its config names.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub disk_paths: Vec<std::path::PathBuf>,
-    /// Cloud Hypervisor's tap FDs; agentvm-vmm has no network devices, so only empty is
-    /// accepted.
+    /// agentvm extension: per network device (by id), a new tap, MAC and egress policy for
+    /// the restored VM (a fork child or resumed VM gets a new MAC, a new address and its
+    /// policy); a device without an entry keeps the snapshot's config.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub net_overrides: Vec<NetOverride>,
+    /// Cloud Hypervisor's tap FDs; agentvm-vmm opens taps by name (`net[].tap`,
+    /// `net_overrides`), so only empty is accepted.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub net_fds: Vec<serde_json::Value>,
+}
+
+impl RestoreConfig {
+    /// Checks `net_overrides` on their own (that their ids name devices of the snapshot's VM
+    /// is the VMM's to check); errors name the field (`net_overrides[0].mac`).
+    pub fn validate_net_overrides(&self) -> Result<(), crate::ConfigError> {
+        for (i, entry) in self.net_overrides.iter().enumerate() {
+            let at = format!("net_overrides[{i}]");
+            entry.validate().map_err(|e| e.within(&at))?;
+            if self.net_overrides[..i].iter().any(|o| o.id == entry.id) {
+                return Err(crate::ConfigError {
+                    path: format!("{at}.id"),
+                    reason: format!("{:?} is overridden twice", entry.id),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One entry of RestoreConfig.net_overrides.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetOverride {
+    /// The device's id in the snapshot's config (`_net0` unless it named one).
+    pub id: String,
+    /// Attach to this tap instead.
+    #[serde(default)]
+    pub tap: Option<String>,
+    /// The guest's new MAC ("xx:xx:xx:xx:xx:xx", unicast), in the device's config space.
+    #[serde(default)]
+    pub mac: Option<String>,
+    /// Replaces the policy (the flow table never survives a restore either way).
+    #[serde(default)]
+    pub egress: Option<crate::config::EgressPolicy>,
+}
+
+impl NetOverride {
+    /// Checks each field given; errors name it (`tap`, `egress.allow[1].cidr`).
+    pub fn validate(&self) -> Result<(), crate::ConfigError> {
+        let err = |path: &str, reason: String| crate::ConfigError {
+            path: path.to_owned(),
+            reason,
+        };
+        if self.id.is_empty() {
+            return Err(err("id", "must not be empty".to_owned()));
+        }
+        if let Some(tap) = &self.tap {
+            crate::config::check_tap_name(tap).map_err(|r| err("tap", r))?;
+        }
+        if let Some(mac) = &self.mac {
+            crate::config::parse_mac(mac).map_err(|r| err("mac", r))?;
+        }
+        if let Some(egress) = &self.egress {
+            egress.validate().map_err(|e| e.within("egress"))?;
+        }
+        Ok(())
+    }
+
+    /// Applies the override to `net`.
+    pub fn apply(&self, net: &mut crate::config::NetConfig) {
+        if let Some(tap) = &self.tap {
+            net.tap = tap.clone();
+        }
+        if let Some(mac) = &self.mac {
+            net.mac = Some(mac.clone());
+        }
+        if let Some(egress) = &self.egress {
+            net.egress = Some(egress.clone());
+        }
+    }
+}
+
+/// `PUT /api/v1/vm.egress-allow` body (agentvm extension): rules appended to a running VM's
+/// egress policy (the daemon's DNS resolver adds the addresses of names it allowed).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmEgressAllow {
+    /// The net device's id; absent means the VM's first (`_net0` by default).
+    #[serde(default)]
+    pub id: Option<String>,
+    pub rules: Vec<crate::config::EgressRule>,
+}
+
+impl VmEgressAllow {
+    /// The rules parsed; errors name the rule (`rules[3].cidr`). More than
+    /// [`MAX_EGRESS_RULES`](crate::config::MAX_EGRESS_RULES) in one body is refused here;
+    /// the device's total is the VMM's to check.
+    pub fn parse(&self) -> Result<Vec<crate::config::ParsedRule>, crate::ConfigError> {
+        if self.id.as_deref() == Some("") {
+            return Err(crate::ConfigError {
+                path: "id".to_owned(),
+                reason: "must not be empty".to_owned(),
+            });
+        }
+        if self.rules.len() > crate::config::MAX_EGRESS_RULES {
+            return Err(crate::ConfigError {
+                path: "rules".to_owned(),
+                reason: format!(
+                    "at most {} rules per device, got {}",
+                    crate::config::MAX_EGRESS_RULES,
+                    self.rules.len()
+                ),
+            });
+        }
+        crate::config::parse_rules(&self.rules).map_err(|e| e.within("rules"))
+    }
 }
 
 /// The absolute directory a `file://` URL names.

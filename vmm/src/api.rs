@@ -13,15 +13,19 @@ use std::path::PathBuf;
 
 use agentvm_vmm_api::config::{ConsoleOutputMode, VmConfig};
 use agentvm_vmm_api::types::{
-    DeviceNode, MemoryRestoreMode, RestoreConfig, VmForkConfig, VmSnapshotConfig, dir_from_url,
+    DeviceNode, MemoryRestoreMode, RestoreConfig, VmEgressAllow, VmForkConfig, VmSnapshotConfig,
+    dir_from_url,
 };
 use agentvm_vmm_api::{ApiError, VmCounters, VmInfo, VmState, VmmBackend, VmmPingResponse};
 
 use crate::boot::layout;
+use crate::devices::virtio::net::NetParams;
 use crate::exit::{ExitReason, ExitSignal};
 use crate::kvm::Flavour;
 use crate::kvm::vm::{KvmVm, VmError};
-use crate::vm::{DiskSpec, RamSpec, RestoreSpec, SaveKind, SerialSpec, Vm, VmSpec, VsockSpec};
+use crate::vm::{
+    DiskSpec, NetSpec, RamSpec, RestoreSpec, SaveKind, SerialSpec, Vm, VmSpec, VsockSpec,
+};
 
 enum Slot {
     Empty,
@@ -275,7 +279,34 @@ pub fn spec_from_config(config: &VmConfig) -> Result<VmSpec, ApiError> {
                     .unwrap_or_else(|| disk_id(d.id.as_deref(), i)),
             })
             .collect(),
+        nets: config
+            .net
+            .iter()
+            .enumerate()
+            .map(|(i, net)| net_spec(i, net))
+            .collect::<Result<_, _>>()?,
         ram_dir: None,
+    })
+}
+
+/// What the VMM builds network device `index` from; the config was validated, so a failure
+/// here is still answered as the 400 it would have been.
+fn net_spec(index: usize, net: &agentvm_vmm_api::config::NetConfig) -> Result<NetSpec, ApiError> {
+    let at = format!("net[{index}]");
+    let bad = |e: agentvm_vmm_api::ConfigError| ApiError::bad_request(e.within(&at).to_string());
+    Ok(NetSpec {
+        id: net.device_id(index),
+        tap: net.tap.clone(),
+        params: NetParams {
+            mac: net.mac_bytes().map_err(bad)?,
+            mtu: net.mtu(),
+            rate_limiter: net.rate_limiter_config.clone(),
+            egress: net
+                .egress
+                .as_ref()
+                .map(|p| p.parse().map_err(|e| bad(e.within("egress"))))
+                .transpose()?,
+        },
     })
 }
 
@@ -313,6 +344,9 @@ fn device_tree(config: &VmConfig) -> BTreeMap<String, DeviceNode> {
     for (i, disk) in config.disks.iter().enumerate() {
         virtio(disk_id(disk.id.as_deref(), i), crate::vm::disk_window(i));
     }
+    for (i, net) in config.net.iter().enumerate() {
+        virtio(net.device_id(i), crate::vm::net_window(i));
+    }
     tree
 }
 
@@ -332,6 +366,7 @@ impl VmmBackend for Vmm {
                 format!("kvm_{}", self.flavour.name().to_lowercase()),
                 "hybrid_vsock".to_owned(),
                 "pvh".to_owned(),
+                "virtio_net".to_owned(),
             ],
         }
     }
@@ -505,6 +540,9 @@ impl VmmBackend for Vmm {
             ));
         }
         let mut restored_config = None;
+        // A request naming a device the snapshot's VM lacks is the caller's mistake (400),
+        // though only the snapshot can tell.
+        let mut bad_request = None;
         let prefault = request.prefault || request.memory_restore_mode == MemoryRestoreMode::Copy;
         let spec = RestoreSpec::open(
             &dir,
@@ -538,13 +576,23 @@ impl VmmBackend for Vmm {
                     }
                     config.validate().map_err(|e| e.to_string())?;
                 }
+                if !request.net_overrides.is_empty() {
+                    if let Err(e) = apply_net_overrides(&request, &mut config) {
+                        bad_request = Some(e.clone());
+                        return Err(e);
+                    }
+                    config.validate().map_err(|e| e.to_string())?;
+                }
                 let spec = spec_from_config(&config).map_err(|e| e.to_string())?;
                 restored_config = Some(config);
                 Ok(spec)
             },
             prefault,
         )
-        .map_err(|e| ApiError::from_error(500, &e).context("the snapshot cannot be restored"))?;
+        .map_err(|e| match bad_request.take() {
+            Some(message) => ApiError::bad_request(message),
+            None => ApiError::from_error(500, &e).context("the snapshot cannot be restored"),
+        })?;
         let config = restored_config.ok_or_else(|| ApiError::internal("no config was read"))?;
         let restored = Vm::restore(spec, || inner.take_prepared_vm(), request.resume);
         if restored.is_err() {
@@ -566,6 +614,63 @@ impl VmmBackend for Vmm {
         Ok(())
     }
 
+    fn egress_allow(&self, request: VmEgressAllow) -> Result<(), ApiError> {
+        let parsed = request
+            .parse()
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        let mut inner = lock(&self.inner);
+        let (config, booted) = match &mut inner.slot {
+            Slot::Running(config, booted) | Slot::Paused(config, booted) => (config, booted),
+            _ => {
+                return Err(ApiError::not_found(
+                    "no VM is booted (vm.boot or vm.restore first)",
+                ));
+            }
+        };
+        let index = match &request.id {
+            None if !config.net.is_empty() => 0,
+            None => return Err(ApiError::not_found("the VM has no network device")),
+            Some(id) => (0..config.net.len())
+                .find(|&i| config.net[i].device_id(i) == *id)
+                .ok_or_else(|| {
+                    ApiError::not_found(format!("id: the VM has no network device {id:?}"))
+                })?,
+        };
+        let id = config.net[index].device_id(index);
+        let Some(policy) = config.net[index].egress.as_mut() else {
+            return Err(ApiError::bad_request(format!(
+                "network device {id:?} has no egress policy: all traffic crosses it already"
+            )));
+        };
+        // Rules it holds already are not added again (a resolver re-allows the addresses
+        // of every answer), so repeats never use up the policy's room.
+        let mut held = agentvm_vmm_api::config::parse_rules(&policy.allow)
+            .map_err(|e| ApiError::internal(format!("the policy in force: {e}")))?;
+        let mut added = Vec::new();
+        for (rule, parsed) in request.rules.iter().zip(parsed) {
+            if !held.contains(&parsed) {
+                held.push(parsed);
+                added.push((rule.clone(), parsed));
+            }
+        }
+        if held.len() > agentvm_vmm_api::config::MAX_EGRESS_RULES {
+            return Err(ApiError::bad_request(format!(
+                "rules: network device {id:?} would hold {} rules, at most {} are allowed",
+                held.len(),
+                agentvm_vmm_api::config::MAX_EGRESS_RULES
+            )));
+        }
+        let new: Vec<_> = added.iter().map(|(_, parsed)| *parsed).collect();
+        booted
+            .vm
+            .egress_allow(index, &new)
+            .map_err(|e| ApiError::from_error(500, &e))?;
+        // vm.info shows the policy in force, and a snapshot carries it.
+        policy.allow.extend(added.into_iter().map(|(rule, _)| rule));
+        tracing::debug!(device = %id, added = new.len(), "egress rules added");
+        Ok(())
+    }
+
     fn shutdown_vmm(&self) -> Result<(), ApiError> {
         let mut inner = lock(&self.inner);
         if let Slot::Running(_, booted) | Slot::Paused(_, booted) =
@@ -578,4 +683,21 @@ impl VmmBackend for Vmm {
         }
         Ok(())
     }
+}
+
+/// Applies `request.net_overrides` to the snapshot's `config`; an id it does not have is an
+/// error naming the entry.
+fn apply_net_overrides(request: &RestoreConfig, config: &mut VmConfig) -> Result<(), String> {
+    for (i, entry) in request.net_overrides.iter().enumerate() {
+        let index = (0..config.net.len())
+            .find(|&j| config.net[j].device_id(j) == entry.id)
+            .ok_or_else(|| {
+                format!(
+                    "net_overrides[{i}].id: the snapshot's VM has no network device {:?}",
+                    entry.id
+                )
+            })?;
+        entry.apply(&mut config.net[index]);
+    }
+    Ok(())
 }

@@ -9,7 +9,8 @@
 //! calls that can do very different things depending on an argument are narrowed by it
 //! ([`rules`]): sockets are unix sockets only, `clone` makes threads only (never a process),
 //! no memory becomes executable, `ioctl` is KVM's (plus the few descriptor-flag requests
-//! the runtime makes), `fcntl`, `prctl` and `tgkill` only what the VMM uses them for.
+//! the runtime makes, and TUNSETIFF where a network device is built), `fcntl`, `prctl` and
+//! `tgkill` only what the VMM uses them for.
 
 use std::io;
 
@@ -215,7 +216,10 @@ pub fn rules(role: Role, pid: u32) -> Vec<Rule> {
     match role {
         Role::Api => {
             let tty = [libc::TCGETS, libc::TIOCGWINSZ];
-            let api_ioctls: Vec<u64> = FD_IOCTLS.iter().chain(&tty).copied().collect();
+            // Attaching a network device's tap while the VM is built (open of /dev/net/tun
+            // is an `openat`, already allowed). Its frames move with read and write.
+            let tap = [libc::TUNSETIFF];
+            let api_ioctls: Vec<u64> = FD_IOCTLS.iter().chain(&tty).chain(&tap).copied().collect();
             rules.extend([
                 kill_unless(libc::SYS_socket, 0, unix_only()),
                 kill_unless(libc::SYS_socketpair, 0, unix_only()),
@@ -509,6 +513,13 @@ mod tests {
         assert_eq!(call(&vcpu, libc::SYS_ioctl, 5, libc::FIONBIO, 0), kill);
         assert_eq!(call(&api, libc::SYS_ioctl, 5, libc::FIONBIO, 0), allow);
         assert_eq!(call(&api, libc::SYS_ioctl, 5, libc::TIOCSTI, 0), kill);
+        // Taps are attached while building, never from a device or vCPU thread.
+        assert_eq!(call(&api, libc::SYS_ioctl, 5, libc::TUNSETIFF, 0), allow);
+        let devices = program(Role::Devices, 42);
+        assert_eq!(call(&devices, libc::SYS_ioctl, 5, libc::TUNSETIFF, 0), kill);
+        assert_eq!(call(&vcpu, libc::SYS_ioctl, 5, libc::TUNSETIFF, 0), kill);
+        assert_eq!(call(&devices, libc::SYS_read, 5, 0, 0), allow);
+        assert_eq!(call(&devices, libc::SYS_write, 5, 0, 0), allow);
         // Plain calls still pass or die by number alone.
         assert_eq!(call(&vcpu, libc::SYS_futex, 0, 0, 0), allow);
         assert_eq!(call(&vcpu, libc::SYS_socket, unix, 0, 0), kill);

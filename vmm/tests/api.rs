@@ -55,10 +55,15 @@ async fn lifecycle_without_booting() {
         .request(
             Method::PUT,
             "vm.create",
-            Some(r#"{"payload":{"kernel":"/k"},"net":[]}"#.into()),
+            Some(r#"{"payload":{"kernel":"/k"},"net":[{"tap":"t","num_queues":2}]}"#.into()),
         )
         .await;
-    assert!(messages(unknown.map(|r| r.status)).contains("net"));
+    assert!(messages(unknown.map(|r| r.status)).contains("num_queues"));
+    // vm.egress-allow needs a booted VM.
+    let rules = [agentvm_vmm_api::config::EgressRule::host(
+        [1, 1, 1, 1].into(),
+    )];
+    assert_eq!(status(vmm.client.egress_allow(None, &rules).await), 404);
 
     let config = vmm.config(1, 64, "");
     vmm.client.create(&config).await.unwrap();

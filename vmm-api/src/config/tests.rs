@@ -111,7 +111,14 @@ fn cloud_hypervisor_fields_we_lack_are_refused_by_name() {
     assert!(err.path.starts_with("memory"), "{err:?}");
 
     for (body, field) in [
-        (json!({"net": []}), "net"),
+        (
+            json!({"net": [{"tap": "tap0", "vhost_user": true}]}),
+            "vhost_user",
+        ),
+        (
+            json!({"net": [{"tap": "tap0", "rate_limiter_config": {"bandwidth": {"size": 1, "refill_time": 1, "x": 1}}}]}),
+            "x",
+        ),
         (json!({"rng": {"src": "/dev/urandom"}}), "rng"),
         (
             json!({"cpus": {"boot_vcpus": 1, "max_vcpus": 1, "topology": {}}}),

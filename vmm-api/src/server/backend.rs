@@ -3,7 +3,8 @@
 use crate::config::VmConfig;
 use crate::error::ApiError;
 use crate::types::{
-    RestoreConfig, VmCounters, VmForkConfig, VmInfo, VmSnapshotConfig, VmmPingResponse,
+    RestoreConfig, VmCounters, VmEgressAllow, VmForkConfig, VmInfo, VmSnapshotConfig,
+    VmmPingResponse,
 };
 
 /// The VMM behind the API.
@@ -50,6 +51,16 @@ pub trait VmmBackend: Send + Sync + 'static {
 
     /// `PUT vm.fork` (extension): the VM must be `Paused`; it stays paused.
     fn fork(&self, config: VmForkConfig) -> Result<(), ApiError>;
+
+    /// `PUT vm.egress-allow` (extension): append `request.rules` (already parsed and checked
+    /// by the server) to the policy of a booted VM's net device. No VM booted or no such
+    /// device → 404; a device without a policy, or past
+    /// [`MAX_EGRESS_RULES`](crate::config::MAX_EGRESS_RULES) in all → 400. A backend
+    /// without network devices need not implement it.
+    fn egress_allow(&self, request: VmEgressAllow) -> Result<(), ApiError> {
+        let _ = request;
+        Err(ApiError::not_found("this VMM has no network devices"))
+    }
 
     /// `PUT vmm.shutdown`: called before the 200 is sent; the server then stops serving and
     /// `serve` returns. No backend call runs after this one succeeds.

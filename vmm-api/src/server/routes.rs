@@ -112,6 +112,12 @@ static ROUTES: &[Route] = &[
     ),
     route(endpoint::VM_RESTORE, Verb::Put, BodyRule::Required, restore),
     route(endpoint::VM_FORK, Verb::Put, BodyRule::Required, fork),
+    route(
+        endpoint::VM_EGRESS_ALLOW,
+        Verb::Put,
+        BodyRule::Required,
+        egress_allow,
+    ),
     Route {
         stops_server: true,
         ..route(
@@ -205,9 +211,12 @@ fn restore(body: &[u8]) -> Result<Call, ApiError> {
     url_field("source_url", &config.source_url)?;
     if !config.net_fds.is_empty() {
         return Err(ApiError::bad_request(
-            "net_fds: agentvm-vmm has no network devices; no FDs are accepted",
+            "net_fds: agentvm-vmm opens taps by name (net_overrides); no FDs are accepted",
         ));
     }
+    config
+        .validate_net_overrides()
+        .map_err(|e| ApiError::bad_request("invalid restore config").caused_by(e.to_string()))?;
     if let Some(socket) = &config.vsock_socket
         && (socket.as_os_str().is_empty() || socket.as_os_str().as_encoded_bytes().contains(&0))
     {
@@ -222,6 +231,14 @@ fn fork(body: &[u8]) -> Result<Call, ApiError> {
     let config: crate::types::VmForkConfig = decode(body, "fork config")?;
     url_field("destination_url", &config.destination_url)?;
     call(move |b| no_content(b.fork(config)))
+}
+
+fn egress_allow(body: &[u8]) -> Result<Call, ApiError> {
+    let request: crate::types::VmEgressAllow = decode(body, "egress rules")?;
+    request
+        .parse()
+        .map_err(|e| ApiError::bad_request("invalid egress rules").caused_by(e.to_string()))?;
+    call(move |b| no_content(b.egress_allow(request)))
 }
 
 fn shutdown_vmm(_: &[u8]) -> Result<Call, ApiError> {

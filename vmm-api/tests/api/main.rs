@@ -3,6 +3,7 @@
 
 mod client;
 mod endpoints;
+mod net;
 mod requests;
 mod robustness;
 mod socket;

@@ -180,7 +180,10 @@ async fn unknown_fields_are_400_naming_the_field() {
             json!({"payload": {"kernel": "/k"}, "disks": [{"path": "/d", "direct": true}]}),
             "direct",
         ),
-        (json!({"payload": {"kernel": "/k"}, "net": []}), "net"),
+        (
+            json!({"payload": {"kernel": "/k"}, "net": [{"tap": "t", "num_queues": 2}]}),
+            "num_queues",
+        ),
         (
             json!({"payload": {"kernel": "/k"}, "rng": {"src": "/dev/urandom"}}),
             "rng",

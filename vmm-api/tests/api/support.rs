@@ -8,7 +8,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use agentvm_vmm_api::types::{DeviceNode, RestoreConfig, VmForkConfig, VmSnapshotConfig};
+use agentvm_vmm_api::types::{
+    DeviceNode, RestoreConfig, VmEgressAllow, VmForkConfig, VmSnapshotConfig,
+};
 use agentvm_vmm_api::{
     ApiError, ServerConfig, VmConfig, VmCounters, VmInfo, VmState, VmmBackend, VmmClient,
     VmmPingResponse, bind_api_socket, serve_with,
@@ -38,6 +40,10 @@ pub struct FakeBackend {
     pub calls: Mutex<Vec<&'static str>>,
     /// Each call sleeps this long (ms) while "in" the backend.
     pub delay_ms: AtomicU64,
+    /// Rules `vm.egress-allow` added, per device id.
+    pub egress_rules: Mutex<BTreeMap<String, usize>>,
+    /// The last restore request.
+    pub restored: Mutex<Option<RestoreConfig>>,
     /// The next `counters` call panics.
     pub panic_on_counters: AtomicBool,
     pub vmm_shut_down: AtomicBool,
@@ -194,13 +200,41 @@ impl VmmBackend for FakeBackend {
         }
     }
 
-    fn restore(&self, _: RestoreConfig) -> Result<(), ApiError> {
+    fn restore(&self, config: RestoreConfig) -> Result<(), ApiError> {
         let _g = self.enter("restore");
         let mut vm = self.vm();
         if vm.state.is_some() {
             return Err(ApiError::internal("VmAlreadyCreated"));
         }
         vm.state = Some(VmState::Paused);
+        *self.restored.lock().expect("restored") = Some(config);
+        Ok(())
+    }
+
+    /// 404 unless a booted VM has the device, 400 without a policy; counts what it adds.
+    fn egress_allow(&self, request: VmEgressAllow) -> Result<(), ApiError> {
+        let _g = self.enter("egress_allow");
+        let vm = self.vm();
+        let (Some(config), Some(VmState::Running | VmState::Paused)) = (&vm.config, vm.state)
+        else {
+            return Err(ApiError::not_found("no VM is booted"));
+        };
+        let index = match &request.id {
+            None if !config.net.is_empty() => 0,
+            None => return Err(ApiError::not_found("the VM has no net device")),
+            Some(id) => (0..config.net.len())
+                .find(|&i| config.net[i].device_id(i) == *id)
+                .ok_or_else(|| ApiError::not_found(format!("no net device {id:?}")))?,
+        };
+        if config.net[index].egress.is_none() {
+            return Err(ApiError::bad_request("the device has no egress policy"));
+        }
+        *self
+            .egress_rules
+            .lock()
+            .expect("rules")
+            .entry(config.net[index].device_id(index))
+            .or_default() += request.rules.len();
         Ok(())
     }
 

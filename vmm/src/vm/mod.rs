@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use agentvm_vmm_api::config::MAX_DISKS;
 use kvm_ioctls::{IoEventAddress, VcpuFd};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -24,6 +25,8 @@ use crate::devices::i8042::{self, I8042};
 use crate::devices::serial::{Destination, RateLimit, SerialDevice, SerialOutput, SerialStats};
 use crate::devices::virtio::block::{Block, BlockError, BlockHandler, BlockStats};
 use crate::devices::virtio::mmio::{self, MmioError, VirtioMmio};
+use crate::devices::virtio::net::tap::TapError;
+use crate::devices::virtio::net::{self as virtio_net, Net, NetHandler, NetParams, NetStats};
 use crate::devices::virtio::vsock::muxer::Muxer;
 use crate::devices::virtio::vsock::{Vsock, VsockHandler, VsockStats};
 use crate::devices::virtio::{Interrupt, VirtioDevice};
@@ -47,6 +50,8 @@ pub struct VmSpec {
     pub vsock: Option<VsockSpec>,
     /// virtio-blk disks, in the order the guest finds them.
     pub disks: Vec<DiskSpec>,
+    /// virtio-net devices, in config order.
+    pub nets: Vec<NetSpec>,
     /// Where guest RAM files live (a tmpfs); `None` for a memfd.
     pub ram_dir: Option<PathBuf>,
 }
@@ -63,6 +68,21 @@ pub struct DiskSpec {
 /// so a disk's window (and the guest's view of it) never depends on the vsock device.
 pub fn disk_window(index: usize) -> u32 {
     1 + index as u32
+}
+
+/// A network device: the tap it attaches to and what the guest sees of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NetSpec {
+    /// Device id (`_net0` unless the config names one): the key of its counters.
+    pub id: String,
+    pub tap: String,
+    pub params: NetParams,
+}
+
+/// virtio-mmio window of the `index`th network device: after every disk window, used or
+/// not, so neither a disk's nor a NIC's address depends on how many of the other there are.
+pub fn net_window(index: usize) -> u32 {
+    1 + MAX_DISKS as u32 + index as u32
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -128,6 +148,12 @@ pub enum BuildError {
     },
     #[error(transparent)]
     Disk(#[from] BlockError),
+    #[error("net[{index}].tap {tap:?}: {source}")]
+    Tap {
+        index: usize,
+        tap: String,
+        source: TapError,
+    },
     #[error("restoring device state: {0}")]
     State(String),
     #[error(transparent)]
@@ -153,6 +179,7 @@ pub struct Vm {
     serial: Option<Arc<Mutex<SerialDevice>>>,
     vsock: Option<AttachedVsock>,
     disks: Vec<AttachedDisk>,
+    nets: Vec<AttachedNet>,
     exit: Arc<ExitSignal>,
     serial_stats: Arc<SerialStats>,
     vcpu_stats: Arc<VcpuStats>,
@@ -168,6 +195,7 @@ struct Parts {
     ram: GuestRam,
     vsock: Option<AttachedVsock>,
     disks: Vec<AttachedDisk>,
+    nets: Vec<AttachedNet>,
     serial: Option<SerialParts>,
     serial_stats: Arc<SerialStats>,
 }
@@ -210,6 +238,15 @@ impl Vm {
                 create_disk(&ram, disk, None)
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let nets = spec
+            .nets
+            .iter()
+            .enumerate()
+            .map(|(i, net)| {
+                append_device(&mut cmdline, net_window(i));
+                create_net(&ram, i, net, None)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let entry = load_guest(&ram, spec, &cmdline)?;
         let stats = Arc::new(SerialStats::default());
         let serial = serial_device(spec, stats.clone(), None)?;
@@ -217,6 +254,7 @@ impl Vm {
             ram,
             vsock,
             disks,
+            nets,
             serial,
             serial_stats: stats,
         };
@@ -242,6 +280,7 @@ impl Vm {
             ram,
             vsock,
             disks,
+            nets,
             serial,
             serial_stats,
         } = parts;
@@ -275,6 +314,19 @@ impl Vm {
             subscribers.push(Box::new(
                 BlockHandler::new(disk.device.clone())
                     .map_err(io("cloning a disk's queue eventfd"))?,
+            ));
+        }
+        for (i, net) in nets.iter().enumerate() {
+            connect_virtio(
+                &kvm,
+                &net.device,
+                net_window(i),
+                &mut mmio,
+                ["KVM_IRQFD (net)", "KVM_IOEVENTFD (net)"],
+            )?;
+            subscribers.push(Box::new(
+                NetHandler::new(net.device.clone())
+                    .map_err(io("cloning a network device's queue eventfds"))?,
             ));
         }
         let serial = match serial {
@@ -319,6 +371,7 @@ impl Vm {
             serial,
             vsock,
             disks,
+            nets,
             exit,
             serial_stats,
             vcpu_stats,
@@ -407,7 +460,24 @@ impl Vm {
         for (i, disk) in self.disks.iter().enumerate() {
             all.insert(format!("_disk{i}"), disk_counters(&disk.stats));
         }
+        for net in &self.nets {
+            all.insert(net.id.clone(), collect(&net.stats.counters()));
+        }
         all
+    }
+
+    /// Appends `rules` to the egress policy of network device `index`; the next frame is
+    /// judged by them.
+    pub fn egress_allow(
+        &self,
+        index: usize,
+        rules: &[agentvm_vmm_api::config::ParsedRule],
+    ) -> Result<(), EgressAllowError> {
+        let net = self.nets.get(index).ok_or(EgressAllowError::NoDevice)?;
+        virtio_net::lock(&net.device)
+            .device_mut()
+            .allow_egress(rules)
+            .map_err(EgressAllowError::Device)
     }
 
     fn drain_serial(&self) {
@@ -415,6 +485,14 @@ impl Vm {
             serial.lock().unwrap_or_else(|p| p.into_inner()).drain();
         }
     }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EgressAllowError {
+    #[error("the VM has no such network device")]
+    NoDevice,
+    #[error(transparent)]
+    Device(virtio_net::EgressAllowError),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -549,6 +627,42 @@ fn create_disk(
         None => VirtioMmio::new(block, ram.shared_memory(), interrupt)?,
     };
     Ok(AttachedDisk {
+        device: Arc::new(Mutex::new(transport)),
+        stats,
+    })
+}
+
+struct AttachedNet {
+    id: String,
+    device: Arc<Mutex<VirtioMmio<Net>>>,
+    stats: Arc<NetStats>,
+}
+
+/// Network device `index`: its tap attached, the device model behind a virtio-mmio
+/// transport (fresh, or continuing from a snapshot's transport state). A restored device
+/// starts with no flow remembered: nothing its VM had open before the snapshot is let in.
+fn create_net(
+    ram: &GuestRam,
+    index: usize,
+    spec: &NetSpec,
+    saved: Option<&agentvm_snapshot::state::VirtioMmioState>,
+) -> Result<AttachedNet, BuildError> {
+    let backend = virtio_net::tap::open(&spec.tap).map_err(|source| BuildError::Tap {
+        index,
+        tap: spec.tap.clone(),
+        source,
+    })?;
+    let net = Net::new(backend, &spec.params);
+    let stats = net.stats();
+    let irqfd = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)
+        .map_err(io("creating a network device's irqfd"))?;
+    let interrupt = Interrupt::new(irqfd);
+    let transport = match saved {
+        Some(state) => VirtioMmio::restore(net, ram.shared_memory(), interrupt, state)?,
+        None => VirtioMmio::new(net, ram.shared_memory(), interrupt)?,
+    };
+    Ok(AttachedNet {
+        id: spec.id.clone(),
         device: Arc::new(Mutex::new(transport)),
         stats,
     })

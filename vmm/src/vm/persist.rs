@@ -18,7 +18,7 @@ use agentvm_snapshot::dir::SnapshotWriter;
 use agentvm_snapshot::manifest::{
     CONFIG_FILE, DigestKind, HostIdentity, MEMORY_FILE, MemoryLayout, STATE_FILE,
 };
-use agentvm_snapshot::state::{Raw, VmState};
+use agentvm_snapshot::state::{Raw, VirtioMmioState, VmState};
 
 /// The snapshot's copy of writable disk `index`.
 pub fn disk_file(index: usize) -> String {
@@ -28,14 +28,19 @@ use agentvm_snapshot::{Snapshot, SnapshotError};
 use kvm_ioctls::VcpuFd;
 
 use super::{
-    BuildError, Parts, RamSpec, SerialStats, Vm, VmError, VmSpec, create_disk, create_vsock,
-    serial_device,
+    BuildError, Parts, RamSpec, SerialStats, Vm, VmError, VmSpec, create_disk, create_net,
+    create_vsock, serial_device,
 };
 use crate::devices::virtio::vsock;
 use crate::kvm::Flavour;
 use crate::kvm::memory::{Backing, GuestRam, MemoryError, RamOptions};
 use crate::kvm::state::{self as kvm_state, StateError, VmKvmState};
 use crate::kvm::vm::KvmVm;
+
+/// The network devices' transports (a JSON array, in config order), beside `state.json`
+/// whose schema belongs to the snapshot crate. Present only when the VM has a NIC; its
+/// flows are not in it: a restored VM starts with none.
+pub const NET_STATE_FILE: &str = "net-state.json";
 
 #[derive(Debug, thiserror::Error)]
 pub enum PersistError {
@@ -83,6 +88,8 @@ pub struct RestoreSpec {
     /// The snapshot's copies of the VM's writable disks (index, file): each is copied to the
     /// disk's path in `spec` before the VM opens it.
     pub disk_copies: Vec<(usize, PathBuf)>,
+    /// The network devices' transports, one per entry of `spec.nets`.
+    pub nets: Vec<VirtioMmioState>,
     /// Memory files, base first.
     pub chain: Vec<PathBuf>,
     /// The snapshot the VM will run on (the top of the chain).
@@ -149,10 +156,24 @@ impl RestoreSpec {
                 disk_copies.push((index, snapshot.path(&name)));
             }
         }
+        let nets: Vec<VirtioMmioState> = if snapshot.manifest.files.contains_key(NET_STATE_FILE) {
+            serde_json::from_slice(&snapshot.read(NET_STATE_FILE)?)
+                .map_err(|e| PersistError::Mismatch(format!("{NET_STATE_FILE}: {e}")))?
+        } else {
+            Vec::new()
+        };
+        if nets.len() != spec.nets.len() {
+            return Err(PersistError::Mismatch(format!(
+                "{} network devices saved, config.json has {}",
+                nets.len(),
+                spec.nets.len()
+            )));
+        }
         Ok(Self {
             spec,
             state,
             disk_copies,
+            nets,
             chain: chain.iter().map(|s| s.path(MEMORY_FILE)).collect(),
             top: snapshot.dir,
             prefault,
@@ -177,6 +198,9 @@ impl Vm {
         let state = self.save_state()?;
         writer.write_file(STATE_FILE, &state.to_json()?)?;
         writer.write_file(CONFIG_FILE, config_json)?;
+        if !self.nets.is_empty() {
+            writer.write_file(NET_STATE_FILE, &self.save_net_states()?)?;
+        }
         // Before the memory: a fork resumes the VM once its RAM is frozen, and the disks must
         // be captured at the same instant as the memory that knows what it wrote to them.
         self.copy_disks(&mut writer)?;
@@ -265,6 +289,22 @@ impl Vm {
         Ok(())
     }
 
+    /// The network devices' transports and config spaces, as [`NET_STATE_FILE`] holds them.
+    fn save_net_states(&self) -> Result<Vec<u8>, PersistError> {
+        let states: Vec<VirtioMmioState> = self
+            .nets
+            .iter()
+            .map(|n| {
+                let transport = crate::devices::virtio::net::lock(&n.device);
+                let config = transport.device().config_space().to_vec();
+                transport.save(config)
+            })
+            .collect();
+        serde_json::to_vec(&states).map_err(|e| {
+            PersistError::Snapshot(agentvm_snapshot::SnapshotError::State(e.to_string()))
+        })
+    }
+
     /// Every host stream ends at a snapshot; the guest is told through its event queue.
     fn reset_vsock_streams(&self) {
         if let Some(attached) = &self.vsock {
@@ -334,6 +374,7 @@ impl Vm {
             spec,
             state,
             disk_copies,
+            nets: net_states,
             chain,
             top,
             prefault,
@@ -387,12 +428,21 @@ impl Vm {
                 Ok(attached)
             })
             .collect::<Result<Vec<_>, _>>()?;
+        // Each from the config as restored (a new tap, MAC and policy when overridden).
+        let nets = spec
+            .nets
+            .iter()
+            .zip(&net_states)
+            .enumerate()
+            .map(|(i, (net, saved))| create_net(&ram, i, net, Some(saved)))
+            .collect::<Result<Vec<_>, _>>()?;
         let stats = Arc::new(SerialStats::default());
         let serial = serial_device(&spec, stats.clone(), state.serial.as_ref())?;
         let parts = Parts {
             ram,
             vsock,
             disks,
+            nets,
             serial,
             serial_stats: stats,
         };

@@ -59,9 +59,23 @@ pub struct Vmm {
 
 impl Vmm {
     pub async fn spawn() -> Self {
+        Self::spawn_wrapped(&[]).await
+    }
+
+    /// A VMM started through `wrapper` (a command that runs the rest of its arguments, such
+    /// as `nsenter --net=…`).
+    pub async fn spawn_wrapped(wrapper: &[&std::ffi::OsStr]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let api = dir.path().join("api.sock");
-        let child = Command::new(vmm_bin())
+        let mut command = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut command = Command::new(program);
+                command.args(args).arg(vmm_bin());
+                command
+            }
+            None => Command::new(vmm_bin()),
+        };
+        let child = command
             .arg("--api-socket")
             .arg(&api)
             .stdin(Stdio::null())
@@ -277,6 +291,7 @@ impl GuestLink {
                 vm_id: identity.into(),
             }),
             generation,
+            network: None,
         }));
         match self.recv().expect("RestoredAck").body {
             Some(Body::RestoredAck(ack)) => ack.generation,

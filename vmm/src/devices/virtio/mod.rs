@@ -3,6 +3,7 @@
 
 pub mod block;
 pub mod mmio;
+pub mod net;
 #[cfg(test)]
 mod test_driver;
 pub mod vsock;

@@ -93,6 +93,12 @@ impl GuestQueue {
             .unwrap();
     }
 
+    /// Chains made available that the device has not returned yet (as far as `take_used`
+    /// has seen).
+    pub fn outstanding(&self) -> u16 {
+        self.avail_idx.wrapping_sub(self.used_seen)
+    }
+
     /// Used entries (id, len) the device returned since the last call.
     pub fn take_used(&mut self, mem: &GuestMemoryMmap) -> Vec<(u32, u32)> {
         let idx: u16 = mem.read_obj(GuestAddress(self.used + 2)).unwrap();

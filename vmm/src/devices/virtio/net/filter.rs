@@ -1,0 +1,426 @@
+//! The egress policy as a frame filter: pure functions of the frame and the policy (and the
+//! flows the guest opened), no I/O.
+//!
+//! Guest → host, a frame passes when its Ethernet source is the guest's MAC and it is ARP
+//! spoken as the guest, or IPv4 from the guest's address that is DNS to the gateway or that
+//! some rule allows. Host → guest, a frame passes when it is addressed to the guest and is
+//! ARP about the guest's address, or IPv4 that answers something the guest sent: a DNS reply
+//! from the gateway, a packet of a flow the guest opened, an echo reply to its ping, or an
+//! ICMP error from a network the policy lets it reach. Everything else is dropped.
+//!
+//! Every header is read defensively (lengths checked against the frame before a byte is
+//! read), so any sequence of bytes gets a verdict and none gets a panic.
+
+use std::collections::{BTreeMap, HashMap};
+
+use agentvm_vmm_api::config::{IpProtocol, MAX_EGRESS_RULES, ParsedPolicy, ParsedRule};
+
+/// Flows remembered per device; past this the oldest is forgotten (its replies are dropped
+/// until the guest sends on it again).
+pub const FLOW_CAPACITY: usize = 8192;
+
+const ETH_HEADER_LEN: usize = 14;
+const ETHERTYPE_IPV4: u16 = 0x0800;
+const ETHERTYPE_ARP: u16 = 0x0806;
+const ARP_LEN: usize = 28;
+const IPV4_MIN_HEADER: usize = 20;
+const PROTO_ICMP: u8 = 1;
+const PROTO_TCP: u8 = 6;
+const PROTO_UDP: u8 = 17;
+const ICMP_ECHO_REPLY: u8 = 0;
+const ICMP_UNREACHABLE: u8 = 3;
+const ICMP_ECHO_REQUEST: u8 = 8;
+const ICMP_TIME_EXCEEDED: u8 = 11;
+const DNS_PORT: u16 = 53;
+const BROADCAST_MAC: [u8; 6] = [0xff; 6];
+
+/// What the filter decided, with why a frame was dropped (for traces and tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Pass,
+    Drop(&'static str),
+}
+
+/// More rules than a policy may hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the policy would hold {would} rules, at most {MAX_EGRESS_RULES} are allowed")]
+pub struct TooManyRules {
+    pub would: usize,
+}
+
+/// One device's policy and the flows its guest opened.
+#[derive(Debug)]
+pub struct EgressFilter {
+    mac: [u8; 6],
+    guest_ip: u32,
+    gateway_ip: u32,
+    rules: Vec<ParsedRule>,
+    flows: FlowTable,
+}
+
+impl EgressFilter {
+    /// A filter for the guest with `mac` under `policy`, remembering no flow yet.
+    pub fn new(mac: [u8; 6], policy: &ParsedPolicy) -> Self {
+        Self {
+            mac,
+            guest_ip: u32::from(policy.guest_ip),
+            gateway_ip: u32::from(policy.gateway_ip),
+            rules: policy.rules.clone(),
+            flows: FlowTable::default(),
+        }
+    }
+
+    pub fn rules(&self) -> &[ParsedRule] {
+        &self.rules
+    }
+
+    /// Appends `rules`; none is added when the policy would then hold more than
+    /// [`MAX_EGRESS_RULES`].
+    pub fn allow(&mut self, rules: &[ParsedRule]) -> Result<(), TooManyRules> {
+        let would = self.rules.len() + rules.len();
+        if would > MAX_EGRESS_RULES {
+            return Err(TooManyRules { would });
+        }
+        self.rules.extend_from_slice(rules);
+        Ok(())
+    }
+
+    /// How many flows are remembered.
+    pub fn flow_count(&self) -> usize {
+        self.flows.len()
+    }
+
+    /// A frame the guest sent. Allowed TCP, UDP and echo traffic is remembered as a flow, so
+    /// its replies pass [`Self::inbound`].
+    pub fn outbound(&mut self, frame: &[u8]) -> Verdict {
+        let Some(eth) = Ethernet::parse(frame) else {
+            return Verdict::Drop("shorter than an Ethernet header");
+        };
+        if eth.src != self.mac {
+            return Verdict::Drop("Ethernet source is not the guest's MAC");
+        }
+        match eth.ethertype {
+            ETHERTYPE_ARP => match Arp::parse(eth.payload) {
+                Some(arp) if arp.sender_mac == self.mac && arp.sender_ip == self.guest_ip => {
+                    Verdict::Pass
+                }
+                Some(_) => Verdict::Drop("ARP sender is not the guest"),
+                None => Verdict::Drop("malformed ARP"),
+            },
+            ETHERTYPE_IPV4 => match Ipv4::parse(eth.payload) {
+                Some(ip) if ip.src != self.guest_ip => {
+                    Verdict::Drop("IPv4 source is not the guest's address")
+                }
+                Some(ip) => self.outbound_ipv4(&ip),
+                None => Verdict::Drop("malformed IPv4"),
+            },
+            _ => Verdict::Drop("neither ARP nor IPv4"),
+        }
+    }
+
+    fn outbound_ipv4(&mut self, ip: &Ipv4<'_>) -> Verdict {
+        if !ip.first_fragment {
+            // No ports to check: only a rule that allows every port may let it through.
+            return match self.any_port_allowed(ip.dst, ip.protocol) {
+                true => Verdict::Pass,
+                false => Verdict::Drop("fragment to a destination no portless rule covers"),
+            };
+        }
+        match ip.protocol {
+            PROTO_TCP | PROTO_UDP => {
+                let Some((src_port, dst_port)) = ports(ip.payload) else {
+                    return Verdict::Drop("TCP/UDP header truncated");
+                };
+                let tcp = ip.protocol == PROTO_TCP;
+                let dns = ip.dst == self.gateway_ip && dst_port == DNS_PORT;
+                if !dns && !self.rules.iter().any(|r| r.allows(ip.dst, tcp, dst_port)) {
+                    return Verdict::Drop("no rule allows the destination");
+                }
+                self.flows.record(Flow {
+                    protocol: ip.protocol,
+                    remote: ip.dst,
+                    remote_port: dst_port,
+                    local_port: src_port,
+                });
+                Verdict::Pass
+            }
+            PROTO_ICMP => {
+                let Some(icmp) = Icmp::parse(ip.payload) else {
+                    return Verdict::Drop("ICMP header truncated");
+                };
+                if icmp.kind != ICMP_ECHO_REQUEST {
+                    return Verdict::Drop("ICMP other than echo request");
+                }
+                if !self.any_port_allowed(ip.dst, PROTO_ICMP) {
+                    return Verdict::Drop("no portless rule allows echo to the destination");
+                }
+                self.flows.record(Flow {
+                    protocol: PROTO_ICMP,
+                    remote: ip.dst,
+                    remote_port: icmp.id,
+                    local_port: 0,
+                });
+                Verdict::Pass
+            }
+            _ => Verdict::Drop("IP protocol other than TCP, UDP or ICMP"),
+        }
+    }
+
+    /// A frame for the guest.
+    pub fn inbound(&self, frame: &[u8]) -> Verdict {
+        let Some(eth) = Ethernet::parse(frame) else {
+            return Verdict::Drop("shorter than an Ethernet header");
+        };
+        let broadcast = eth.dst == BROADCAST_MAC;
+        if eth.dst != self.mac && !(broadcast && eth.ethertype == ETHERTYPE_ARP) {
+            return Verdict::Drop("not addressed to the guest's MAC");
+        }
+        match eth.ethertype {
+            ETHERTYPE_ARP => match Arp::parse(eth.payload) {
+                Some(arp) if arp.target_ip == self.guest_ip => Verdict::Pass,
+                Some(_) => Verdict::Drop("ARP about another address"),
+                None => Verdict::Drop("malformed ARP"),
+            },
+            ETHERTYPE_IPV4 => match Ipv4::parse(eth.payload) {
+                Some(ip) if ip.dst != self.guest_ip => {
+                    Verdict::Drop("IPv4 destination is not the guest's address")
+                }
+                Some(ip) => self.inbound_ipv4(&ip),
+                None => Verdict::Drop("malformed IPv4"),
+            },
+            _ => Verdict::Drop("neither ARP nor IPv4"),
+        }
+    }
+
+    fn inbound_ipv4(&self, ip: &Ipv4<'_>) -> Verdict {
+        if !ip.first_fragment {
+            // The gateway's DNS answers may come in fragments too.
+            return match ip.src == self.gateway_ip || self.any_port_allowed(ip.src, ip.protocol) {
+                true => Verdict::Pass,
+                false => Verdict::Drop("fragment from a source no portless rule covers"),
+            };
+        }
+        match ip.protocol {
+            PROTO_TCP | PROTO_UDP => {
+                let Some((src_port, dst_port)) = ports(ip.payload) else {
+                    return Verdict::Drop("TCP/UDP header truncated");
+                };
+                if ip.src == self.gateway_ip && src_port == DNS_PORT {
+                    return Verdict::Pass;
+                }
+                let reply_to = Flow {
+                    protocol: ip.protocol,
+                    remote: ip.src,
+                    remote_port: src_port,
+                    local_port: dst_port,
+                };
+                match self.flows.contains(&reply_to) {
+                    true => Verdict::Pass,
+                    false => Verdict::Drop("not a reply to a flow the guest opened"),
+                }
+            }
+            PROTO_ICMP => {
+                let Some(icmp) = Icmp::parse(ip.payload) else {
+                    return Verdict::Drop("ICMP header truncated");
+                };
+                match icmp.kind {
+                    ICMP_ECHO_REPLY => {
+                        let reply_to = Flow {
+                            protocol: PROTO_ICMP,
+                            remote: ip.src,
+                            remote_port: icmp.id,
+                            local_port: 0,
+                        };
+                        match self.flows.contains(&reply_to) {
+                            true => Verdict::Pass,
+                            false => Verdict::Drop("echo reply to no echo the guest sent"),
+                        }
+                    }
+                    // Unreachable and time exceeded tell the guest why its own traffic
+                    // failed (path MTU discovery needs them); they may come from the gateway
+                    // (the first router) or from anywhere the policy lets the guest reach.
+                    ICMP_UNREACHABLE | ICMP_TIME_EXCEEDED => {
+                        match ip.src == self.gateway_ip
+                            || self.rules.iter().any(|r| r.covers(ip.src))
+                        {
+                            true => Verdict::Pass,
+                            false => Verdict::Drop("ICMP error from an address no rule covers"),
+                        }
+                    }
+                    _ => Verdict::Drop("ICMP other than echo reply or an error"),
+                }
+            }
+            _ => Verdict::Drop("IP protocol other than TCP, UDP or ICMP"),
+        }
+    }
+
+    fn any_port_allowed(&self, addr: u32, protocol: u8) -> bool {
+        let class = match protocol {
+            PROTO_TCP => IpProtocol::Tcp,
+            PROTO_UDP => IpProtocol::Udp,
+            _ => IpProtocol::Other,
+        };
+        self.rules.iter().any(|r| r.allows_any_port(addr, class))
+    }
+}
+
+/// A conversation the guest started, keyed as the guest sees it: its protocol, the remote
+/// address and port (the echo id for ICMP) and its own port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Flow {
+    protocol: u8,
+    remote: u32,
+    remote_port: u16,
+    local_port: u16,
+}
+
+/// Flows by recency of the guest's last packet on them, at most [`FLOW_CAPACITY`].
+#[derive(Debug, Default)]
+struct FlowTable {
+    /// Flow → the tick of its last packet.
+    last_seen: HashMap<Flow, u64>,
+    /// Tick → flow, oldest first.
+    by_age: BTreeMap<u64, Flow>,
+    tick: u64,
+}
+
+impl FlowTable {
+    fn record(&mut self, flow: Flow) {
+        self.tick += 1;
+        if let Some(previous) = self.last_seen.insert(flow, self.tick) {
+            self.by_age.remove(&previous);
+        }
+        self.by_age.insert(self.tick, flow);
+        if self.last_seen.len() > FLOW_CAPACITY
+            && let Some((_, oldest)) = self.by_age.pop_first()
+        {
+            self.last_seen.remove(&oldest);
+        }
+    }
+
+    fn contains(&self, flow: &Flow) -> bool {
+        self.last_seen.contains_key(flow)
+    }
+
+    fn len(&self) -> usize {
+        self.last_seen.len()
+    }
+}
+
+fn be16(bytes: &[u8], at: usize) -> Option<u16> {
+    Some(u16::from_be_bytes(bytes.get(at..at + 2)?.try_into().ok()?))
+}
+
+fn be32(bytes: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_be_bytes(bytes.get(at..at + 4)?.try_into().ok()?))
+}
+
+fn mac_at(bytes: &[u8], at: usize) -> Option<[u8; 6]> {
+    bytes.get(at..at + 6)?.try_into().ok()
+}
+
+struct Ethernet<'a> {
+    dst: [u8; 6],
+    src: [u8; 6],
+    ethertype: u16,
+    payload: &'a [u8],
+}
+
+impl<'a> Ethernet<'a> {
+    fn parse(frame: &'a [u8]) -> Option<Self> {
+        Some(Self {
+            dst: mac_at(frame, 0)?,
+            src: mac_at(frame, 6)?,
+            ethertype: be16(frame, 12)?,
+            payload: frame.get(ETH_HEADER_LEN..)?,
+        })
+    }
+}
+
+/// An Ethernet/IPv4 ARP request or reply.
+struct Arp {
+    sender_mac: [u8; 6],
+    sender_ip: u32,
+    target_ip: u32,
+}
+
+impl Arp {
+    fn parse(payload: &[u8]) -> Option<Self> {
+        if payload.len() < ARP_LEN {
+            return None;
+        }
+        let ethernet_ipv4 = be16(payload, 0)? == 1
+            && be16(payload, 2)? == ETHERTYPE_IPV4
+            && payload[4] == 6
+            && payload[5] == 4;
+        let operation = be16(payload, 6)?;
+        if !ethernet_ipv4 || !(operation == 1 || operation == 2) {
+            return None;
+        }
+        Some(Self {
+            sender_mac: mac_at(payload, 8)?,
+            sender_ip: be32(payload, 14)?,
+            target_ip: be32(payload, 24)?,
+        })
+    }
+}
+
+struct Ipv4<'a> {
+    src: u32,
+    dst: u32,
+    protocol: u8,
+    /// Fragment offset 0: the packet starts with its transport header.
+    first_fragment: bool,
+    /// The transport bytes, within the header's total length.
+    payload: &'a [u8],
+}
+
+impl<'a> Ipv4<'a> {
+    fn parse(packet: &'a [u8]) -> Option<Self> {
+        let first = *packet.first()?;
+        let header_len = usize::from(first & 0x0f) * 4;
+        if first >> 4 != 4 || header_len < IPV4_MIN_HEADER || packet.len() < header_len {
+            return None;
+        }
+        let total_len = usize::from(be16(packet, 2)?);
+        // Shorter than its header, or longer than the frame: malformed. Shorter than the
+        // frame is fine (Ethernet pads small frames).
+        if total_len < header_len || total_len > packet.len() {
+            return None;
+        }
+        let fragment_offset = be16(packet, 6)? & 0x1fff;
+        Some(Self {
+            src: be32(packet, 12)?,
+            dst: be32(packet, 16)?,
+            protocol: packet[9],
+            first_fragment: fragment_offset == 0,
+            payload: packet.get(header_len..total_len)?,
+        })
+    }
+}
+
+/// (source port, destination port) of a TCP or UDP header.
+fn ports(transport: &[u8]) -> Option<(u16, u16)> {
+    Some((be16(transport, 0)?, be16(transport, 2)?))
+}
+
+struct Icmp {
+    kind: u8,
+    /// The identifier of an echo request or reply.
+    id: u16,
+}
+
+impl Icmp {
+    fn parse(transport: &[u8]) -> Option<Self> {
+        if transport.len() < 8 {
+            return None;
+        }
+        Some(Self {
+            kind: transport[0],
+            id: be16(transport, 4)?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;
