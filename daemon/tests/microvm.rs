@@ -1730,7 +1730,6 @@ async fn a_networked_vm_gets_its_own_address_policy_and_resolver() {
     for session in children.iter().chain([&s]) {
         c.delete_session(agentvm_proto::v1::DeleteSessionRequest {
             uid: session.clone(),
-            ..Default::default()
         })
         .await
         .unwrap();

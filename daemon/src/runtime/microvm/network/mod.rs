@@ -227,13 +227,10 @@ impl Networks {
         image: &ImageNetwork,
     ) -> Result<Slot, String> {
         let slot = self.claim()?;
-        let set_up = {
-            let slot = slot;
-            tokio::task::spawn_blocking(move || netns::set_up(pid, &slot))
-                .await
-                .map_err(|e| format!("setting up the guest network: {e}"))
-                .and_then(|r| r)
-        };
+        let set_up = tokio::task::spawn_blocking(move || netns::set_up(pid, &slot))
+            .await
+            .map_err(|e| format!("setting up the guest network: {e}"))
+            .and_then(|r| r);
         self.unclaim(&slot);
         let socket = set_up?;
         let record = Attached {
