@@ -1426,10 +1426,19 @@ async fn vmms_run_confined() {
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .collect();
     assert!(
-        dev.iter()
-            .all(|d| ["kvm", "null", "zero", "urandom", "random", "shm"].contains(&d.as_str())),
+        dev.iter().all(
+            |d| ["kvm", "net", "null", "zero", "urandom", "random", "shm"].contains(&d.as_str())
+        ),
         "{dev:?}"
     );
+    // /dev/net holds the tun device alone, the VM user's: it attaches to its own tap only.
+    let tun = root.join("dev/net/tun");
+    if std::path::Path::new("/dev/net/tun").exists() {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(&tun).unwrap();
+        assert_eq!(meta.mode() & 0o777, 0o600, "{}", tun.display());
+        assert_ne!(meta.uid(), 0, "/dev/net/tun is the VM user's");
+    }
     // Seccomp: every thread filtered; vCPU and device threads under a second, narrower one.
     let field = |status: &str, name: &str| {
         status
