@@ -33,10 +33,15 @@ pub trait HarnessLink: Send + Sync {
 /// The harness's gRPC server on a unix socket, optionally started and watched by a
 /// [`Supervisor`].
 pub struct GrpcLink {
-    channel: Channel,
+    socket: PathBuf,
+    /// One HTTP/2 connection to the harness, shared by every call; replaced when a Describe
+    /// goes unanswered on it.
+    channel: std::sync::Mutex<Channel>,
     supervisor: Option<Arc<Supervisor>>,
     /// How long a call waits for a harness that is starting (or restarting).
     ready_timeout: Duration,
+    /// How long the first attempt of a Describe waits on one connection.
+    first_attempt: Duration,
     /// The harness incarnation (its restart count) last seen answering; `u32::MAX` = none.
     reached: AtomicU32,
 }
@@ -47,21 +52,33 @@ impl GrpcLink {
         supervisor: Option<Arc<Supervisor>>,
         ready_timeout: Duration,
     ) -> Self {
-        let channel = Endpoint::from_static("http://harness.invalid").connect_with_connector_lazy(
-            tower::service_fn(move |_: Uri| {
-                let socket = socket.clone();
-                async move {
-                    let stream = tokio::net::UnixStream::connect(socket).await?;
-                    Ok::<_, std::io::Error>(TokioIo::new(stream))
-                }
-            }),
-        );
         Self {
-            channel,
+            channel: std::sync::Mutex::new(lazy_channel(socket.clone())),
+            socket,
             supervisor,
             ready_timeout,
+            first_attempt: FIRST_ATTEMPT,
             reached: AtomicU32::new(u32::MAX),
         }
+    }
+
+    /// The same link, whose Describe gives up on a connection after `wait` (then twice that,
+    /// and so on) rather than [`FIRST_ATTEMPT`].
+    pub fn with_first_attempt(mut self, wait: Duration) -> Self {
+        self.first_attempt = wait;
+        self
+    }
+
+    fn channel(&self) -> Channel {
+        self.channel
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Drops the shared connection: the next call opens a new one.
+    fn reconnect(&self) {
+        *self.channel.lock().unwrap_or_else(|p| p.into_inner()) = lazy_channel(self.socket.clone());
     }
 
     fn incarnation(&self) -> u32 {
@@ -84,12 +101,33 @@ impl GrpcLink {
     {
         let deadline = tokio::time::Instant::now() + self.ready_timeout;
         let mut pause = Duration::from_millis(2);
+        let mut patience = self.first_attempt;
         loop {
             if let Some(down) = self.down() {
                 return Err(down);
             }
             let incarnation = self.incarnation();
-            match call(HarnessClient::new(self.channel.clone())).await {
+            let attempt = call(HarnessClient::new(self.channel()));
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let Ok(answer) = tokio::time::timeout(patience.min(left), attempt).await else {
+                // Unanswered on this connection: say what the harness is doing, and try a
+                // new connection (a stuck one is the agent's to replace) while time is left.
+                tracing::warn!(
+                    waited_ms = patience.min(left).as_millis() as u64,
+                    harness = %self.harness_threads(),
+                    "the harness did not answer; trying a new connection"
+                );
+                if tokio::time::Instant::now() >= deadline {
+                    return Err(Status::unavailable(format!(
+                        "the harness did not answer within {:?}",
+                        self.ready_timeout
+                    )));
+                }
+                self.reconnect();
+                patience *= 2;
+                continue;
+            };
+            match answer {
                 Ok(v) => {
                     self.reached.store(incarnation, Ordering::Relaxed);
                     return Ok(v);
@@ -108,6 +146,52 @@ impl GrpcLink {
                 other => return other,
             }
         }
+    }
+}
+
+/// How long the first attempt of a call waits for an answer before the agent tries again on
+/// a new connection (each later attempt waits twice as long as the one before).
+const FIRST_ATTEMPT: Duration = Duration::from_secs(5);
+
+fn lazy_channel(socket: PathBuf) -> Channel {
+    Endpoint::from_static("http://harness.invalid").connect_with_connector_lazy(tower::service_fn(
+        move |_: Uri| {
+            let socket = socket.clone();
+            async move {
+                let stream = tokio::net::UnixStream::connect(socket).await?;
+                Ok::<_, std::io::Error>(TokioIo::new(stream))
+            }
+        },
+    ))
+}
+
+impl GrpcLink {
+    /// Each thread of the harness process, `TID:STATE:WCHAN`, for a log line about a harness
+    /// that does not answer.
+    fn harness_threads(&self) -> String {
+        let Some(pid) = self.supervisor.as_ref().and_then(|s| s.state().pid) else {
+            return "no harness process".into();
+        };
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            return format!("pid {pid}: gone");
+        };
+        let mut threads: Vec<String> = tasks
+            .filter_map(|t| {
+                let path = t.ok()?.path();
+                let tid = path.file_name()?.to_string_lossy().into_owned();
+                let stat = std::fs::read_to_string(path.join("stat")).unwrap_or_default();
+                // The state follows the parenthesised command name.
+                let state = stat
+                    .rsplit_once(')')
+                    .and_then(|(_, rest)| rest.split_whitespace().next())
+                    .unwrap_or("?")
+                    .to_owned();
+                let wchan = std::fs::read_to_string(path.join("wchan")).unwrap_or_default();
+                Some(format!("{tid}:{state}:{wchan}"))
+            })
+            .collect();
+        threads.sort();
+        format!("pid {pid} threads {}", threads.join(" "))
     }
 }
 
@@ -142,7 +226,7 @@ impl HarnessLink for GrpcLink {
         if self.reached.load(Ordering::Relaxed) != self.incarnation() {
             self.describe().await?;
         }
-        let mut client = HarnessClient::new(self.channel.clone());
+        let mut client = HarnessClient::new(self.channel());
         let events = client
             .connect(ReceiverStream::new(frames))
             .await?

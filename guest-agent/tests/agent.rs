@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use agentvm_guest::agent::Agent;
-use agentvm_guest::bridge::GrpcLink;
+use agentvm_guest::bridge::{GrpcLink, HarnessLink};
 use agentvm_guest::system::{RecordingSystem, SystemCall};
 use agentvm_proto::guest::v1::envelope::Body;
 use agentvm_proto::guest::v1::restored::Kind as RestoredKind;
@@ -56,6 +56,65 @@ fn helper_harness_process() {
 }
 
 // ---------- in process ----------
+
+/// A harness whose first connection is accepted and never answered (a connection stuck on
+/// either side): the agent's Describe gives up on it and answers over a new one.
+#[tokio::test]
+async fn a_describe_unanswered_on_one_connection_is_answered_on_a_new_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("h.sock");
+    let listener = tokio::net::UnixListener::bind(&socket).unwrap();
+    let (stuck_tx, stuck_rx) = tokio::sync::oneshot::channel();
+    let incoming = all_but_the_first(listener, stuck_tx);
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(
+                agentvm_harnesses::server::GrpcHarness::new(
+                    agentvm_harnesses::builtin("echo").unwrap(),
+                )
+                .into_service(),
+            )
+            .serve_with_incoming(incoming),
+    );
+    let link = GrpcLink::new(socket, None, Duration::from_secs(10))
+        .with_first_attempt(Duration::from_millis(300));
+    let started = std::time::Instant::now();
+    let descriptor = tokio::time::timeout(TIMEOUT, link.describe())
+        .await
+        .expect("answered in time")
+        .expect("answered");
+    assert_eq!(descriptor.id, "echo");
+    assert!(
+        started.elapsed() >= Duration::from_millis(300),
+        "the first try waited"
+    );
+    // The stuck connection really was the first one, and it is still held open.
+    let _held = stuck_rx.await.unwrap();
+}
+
+/// The listener's connections, but for the first: that one is sent to `stuck` unserved.
+fn all_but_the_first(
+    listener: tokio::net::UnixListener,
+    stuck: tokio::sync::oneshot::Sender<UnixStream>,
+) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<UnixStream>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tokio::spawn(async move {
+        let mut stuck = Some(stuck);
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            if let Some(stuck) = stuck.take() {
+                let _ = stuck.send(stream);
+                continue;
+            }
+            if tx.send(Ok(stream)).await.is_err() {
+                return;
+            }
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
 
 fn in_process(socket: PathBuf, system: Arc<RecordingSystem>) -> Arc<Agent> {
     let link = Arc::new(GrpcLink::new(socket, None, Duration::from_millis(500)));
