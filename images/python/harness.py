@@ -7,6 +7,10 @@ Each turn appends the input text to $AGENTVM_WORKSPACE/turns.log and answers one
 a JSON object: {"count": turns this process has served, "said": the input text,
 "logged": lines now in turns.log, "python": the interpreter's version}. A memory snapshot
 keeps the count, the workspace keeps the log, and a fork child carries on with both.
+
+An input `connect HOST:PORT` also opens a TCP connection there (through the VM's network,
+where its image allows one) and adds "connect": {"line": the first line the server sent}
+or {"error": why not}.
 """
 import argparse
 import concurrent.futures
@@ -14,6 +18,7 @@ import json
 import os
 import platform
 import signal
+import socket
 import threading
 
 import grpc
@@ -60,6 +65,8 @@ class Reference(harness_pb2_grpc.HarnessServicer):
             "logged": logged,
             "python": platform.python_version(),
         }
+        if text.startswith("connect "):
+            answer["connect"] = first_line(text[len("connect "):])
         yield common_pb2.Event(
             execution_id=first.execution_id,
             kind=common_pb2.EVENT_OUTPUT,
@@ -73,6 +80,17 @@ class Reference(harness_pb2_grpc.HarnessServicer):
             kind=common_pb2.EVENT_END,
             end=common_pb2.HarnessEnd(state="COMPLETED"),
         )
+
+
+def first_line(target):
+    """The first line the TCP server at HOST:PORT sends, or why there is none."""
+    host, _, port = target.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=3) as conn:
+            line = conn.makefile("rb").readline(256)
+        return {"line": line.decode("utf-8", "replace").rstrip("\n")}
+    except (OSError, ValueError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def main():

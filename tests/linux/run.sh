@@ -93,19 +93,14 @@ done
 "$bin/agentvm" image build --config "$lane/oci/image.toml" --oci "$stage/oci-layout" \
     -o "$stage/lane/images/linux-oci-echo" --kernel "$kernel" --agent "$bin/agentvm-guest" >&2
 rm -rf "$stage/oci-layout"
-# The Python reference harness (Debian's python3 and the venv's grpcio, packed as an image),
-# only for the scenario that is run by name: ~90 MiB more for every L1 boot to load.
-case " $* " in
-    *" oci-python-harness "*)
-        [ -x "$root/target/upstream-venv/bin/python" ] || bash "$root/scripts/setup.sh" >&2
-        python3 "$root/images/python/make-oci.py" --venv "$root/target/upstream-venv" \
-            --out "$stage/python-layout" >&2
-        "$bin/agentvm" image build --config "$root/images/python/image.toml" \
-            --oci "$stage/python-layout" -o "$stage/lane/images/linux-python" \
-            --kernel "$kernel" --agent "$bin/agentvm-guest" >&2
-        rm -rf "$stage/python-layout"
-        ;;
-esac
+# The Python reference harness (Debian's python3 and the venv's grpcio, packed as an image).
+[ -x "$root/target/upstream-venv/bin/python" ] || bash "$root/scripts/setup.sh" >&2
+python3 "$root/images/python/make-oci.py" --venv "$root/target/upstream-venv" \
+    --out "$stage/python-layout" >&2
+"$bin/agentvm" image build --config "$lane/oci/python.toml" \
+    --oci "$stage/python-layout" -o "$stage/lane/images/linux-python" \
+    --kernel "$kernel" --agent "$bin/agentvm-guest" >&2
+rm -rf "$stage/python-layout"
 cp "$bin"/{agentvmd,agentvm,agentvm-vmm,agentvm-lane} "$stage/lane/bin/"
 if [ -n "${CLOUD_HYPERVISOR:-}" ]; then
     [ -x "$CLOUD_HYPERVISOR" ] || { log "CLOUD_HYPERVISOR=$CLOUD_HYPERVISOR is not an executable"; exit 2; }
