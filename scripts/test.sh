@@ -45,6 +45,14 @@ if [ -n "$left" ]; then
     echo "$left"
     exit 1
 fi
+echo "== leftover guest networks"
+# A networked VM's host veth (avnN) goes with its VMM's namespace.
+left=$(ls /sys/class/net | grep '^avn' || true)
+if [ -n "$left" ]; then
+    echo "these guest network interfaces outlived the tests:"
+    echo "$left"
+    exit 1
+fi
 echo "== leftover VMM cgroups and RAM directories"
 left=$(comm -13 <(echo "$before_tests") <(vm_leftovers))
 if [ -n "$left" ]; then
