@@ -21,6 +21,8 @@ command -v mkfs.erofs >/dev/null 2>&1 || need+=(erofs-utils)
 command -v mke2fs >/dev/null 2>&1 || need+=(e2fsprogs)
 # Guest networks are plumbed with iproute2's ip (a tap and a veth pair per VM).
 [ -x /sbin/ip ] || need+=(iproute2)
+# The reflink tests make an XFS filesystem on a loop device.
+command -v mkfs.xfs >/dev/null 2>&1 || need+=(xfsprogs)
 # The PostgreSQL journal's tests start servers of their own from Debian's packages.
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
 if [ ${#need[@]} -gt 0 ]; then

@@ -126,9 +126,28 @@ pub fn layer_digest(file: &File) -> io::Result<(String, u64)> {
     Ok((hasher.finish(), pages))
 }
 
+/// Makes the empty `dst` share `src`'s blocks (a reflink: the filesystem copies a block only
+/// when one of them writes it), where the filesystem can (XFS, btrfs, bcachefs; both files on
+/// it). Ok(false), with `dst` untouched, where it cannot.
+pub fn reflink(src: &File, dst: &File) -> io::Result<bool> {
+    use rustix::io::Errno;
+    match rustix::fs::ioctl_ficlone(dst, src) {
+        Ok(()) => Ok(true),
+        // No reflinks on this filesystem, or not between these two files.
+        Err(Errno::OPNOTSUPP | Errno::XDEV | Errno::INVAL | Errno::NOTTY | Errno::NOSYS) => {
+            Ok(false)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// Copies the non-zero pages of `src` to the same offsets of `dst` (sized to `src`'s
-/// length, holes elsewhere), returning the page digest and page count.
+/// length, holes elsewhere), returning the page digest and page count. A reflink where the
+/// filesystem has them (the pages are then read for the digest, not written).
 pub fn copy_sparse(src: &File, dst: &File) -> io::Result<(String, u64)> {
+    if reflink(src, dst)? {
+        return file_digest(src);
+    }
     dst.set_len(src.metadata()?.len())?;
     let mut hasher = PageHasher::default();
     let mut buf = vec![0u8; CHUNK];
@@ -149,6 +168,9 @@ pub fn copy_sparse(src: &File, dst: &File) -> io::Result<(String, u64)> {
 /// holes. Unlike [`copy_sparse`] it keeps stored pages of zeros, which in a layer mean "zero,
 /// not as in the base".
 pub fn copy_extents(src: &File, dst: &File) -> io::Result<()> {
+    if reflink(src, dst)? {
+        return Ok(());
+    }
     let len = src.metadata()?.len();
     dst.set_len(len)?;
     let mut buf = vec![0u8; CHUNK];
@@ -196,6 +218,120 @@ pub fn hex(bytes: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An XFS filesystem (reflinks on) on a loop device, mounted at a temporary directory
+    /// until dropped.
+    struct Xfs {
+        dir: tempfile::TempDir,
+        _image: tempfile::TempDir,
+    }
+
+    impl Xfs {
+        /// `Err(reason)` where one cannot be made here (it needs root and xfsprogs).
+        fn mount() -> Result<Self, String> {
+            if !nix::unistd::geteuid().is_root() {
+                return Err("mounting a loop device needs root".into());
+            }
+            let image = tempfile::tempdir().map_err(|e| e.to_string())?;
+            let file = image.path().join("xfs.img");
+            File::create(&file)
+                .and_then(|f| f.set_len(320 << 20))
+                .map_err(|e| e.to_string())?;
+            let run = |program: &str, args: &[&std::ffi::OsStr]| -> Result<(), String> {
+                let out = std::process::Command::new(program)
+                    .args(args)
+                    .output()
+                    .map_err(|e| format!("{program}: {e}"))?;
+                match out.status.success() {
+                    true => Ok(()),
+                    false => Err(format!(
+                        "{program}: {}",
+                        String::from_utf8_lossy(&out.stderr).trim()
+                    )),
+                }
+            };
+            run(
+                "mkfs.xfs",
+                &[
+                    "-q".as_ref(),
+                    "-m".as_ref(),
+                    "reflink=1".as_ref(),
+                    file.as_os_str(),
+                ],
+            )?;
+            let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+            run(
+                "mount",
+                &[
+                    "-o".as_ref(),
+                    "loop".as_ref(),
+                    file.as_os_str(),
+                    dir.path().as_os_str(),
+                ],
+            )?;
+            Ok(Self { dir, _image: image })
+        }
+    }
+
+    impl Drop for Xfs {
+        fn drop(&mut self) {
+            // Detaches the loop device too (mount -o loop set it to autoclear).
+            let _ = std::process::Command::new("umount")
+                .arg(self.dir.path())
+                .status();
+        }
+    }
+
+    fn rw(path: &std::path::Path) -> File {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)
+            .unwrap()
+    }
+
+    #[test]
+    fn copies_are_reflinks_where_the_filesystem_has_them() {
+        let xfs = match Xfs::mount() {
+            Ok(xfs) => xfs,
+            Err(reason) => {
+                eprintln!("SKIPPED: no XFS to reflink on ({reason})");
+                return;
+            }
+        };
+        let at = |name: &str| xfs.dir.path().join(name);
+        let src = rw(&at("src"));
+        src.set_len(64 << 20).unwrap();
+        src.write_all_at(&[7u8; 8192], 4096 * 10).unwrap();
+        src.write_all_at(&[9u8; 4096], 32 << 20).unwrap();
+        src.sync_all().unwrap();
+        let want = file_digest(&src).unwrap();
+
+        let copy = rw(&at("copy"));
+        assert_eq!(copy_sparse(&src, &copy).unwrap(), want);
+        assert_eq!(file_digest(&copy).unwrap(), want);
+        let clone = rw(&at("clone"));
+        assert!(
+            reflink(&src, &clone).unwrap(),
+            "XFS made with reflink=1 reflinks"
+        );
+        copy_extents(&src, &rw(&at("extents"))).unwrap();
+        assert_eq!(
+            file_digest(&File::open(at("extents")).unwrap()).unwrap(),
+            want
+        );
+        // The clone is a copy: writing it leaves the source alone.
+        clone.write_all_at(&[1u8; 4096], 4096 * 10).unwrap();
+        assert_eq!(file_digest(&src).unwrap(), want);
+        assert_ne!(file_digest(&clone).unwrap(), want);
+
+        // Across filesystems (or on one without reflinks) it is an ordinary copy.
+        let elsewhere = tempfile::tempfile().unwrap();
+        assert!(!reflink(&src, &elsewhere).unwrap());
+        assert_eq!(copy_sparse(&src, &elsewhere).unwrap(), want);
+    }
 
     #[test]
     fn extents_skip_holes_and_digest_ignores_how_zeros_are_stored() {

@@ -219,7 +219,16 @@ pub fn rules(role: Role, pid: u32) -> Vec<Rule> {
             // Attaching a network device's tap while the VM is built (open of /dev/net/tun
             // is an `openat`, already allowed). Its frames move with read and write.
             let tap = [libc::TUNSETIFF];
-            let api_ioctls: Vec<u64> = FD_IOCTLS.iter().chain(&tty).chain(&tap).copied().collect();
+            // Disk copies into and out of snapshots are reflinks where the filesystem has
+            // them (FICLONE shares the source's blocks with the new file).
+            let reflink = [libc::FICLONE];
+            let api_ioctls: Vec<u64> = FD_IOCTLS
+                .iter()
+                .chain(&tty)
+                .chain(&tap)
+                .chain(&reflink)
+                .copied()
+                .collect();
             rules.extend([
                 kill_unless(libc::SYS_socket, 0, unix_only()),
                 kill_unless(libc::SYS_socketpair, 0, unix_only()),
@@ -515,6 +524,7 @@ mod tests {
         assert_eq!(call(&api, libc::SYS_ioctl, 5, libc::TIOCSTI, 0), kill);
         // Taps are attached while building, never from a device or vCPU thread.
         assert_eq!(call(&api, libc::SYS_ioctl, 5, libc::TUNSETIFF, 0), allow);
+        assert_eq!(call(&api, libc::SYS_ioctl, 5, libc::FICLONE, 0), allow);
         let devices = program(Role::Devices, 42);
         assert_eq!(call(&devices, libc::SYS_ioctl, 5, libc::TUNSETIFF, 0), kill);
         assert_eq!(call(&vcpu, libc::SYS_ioctl, 5, libc::TUNSETIFF, 0), kill);
