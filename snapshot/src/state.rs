@@ -65,6 +65,10 @@ pub struct VmState {
     /// own, which the snapshot's owner keeps beside it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub disks: Vec<VirtioMmioState>,
+    /// The network devices' transports (their config space: the MAC), in config order. No
+    /// connection state: a restored VM's device starts with no flows.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nets: Vec<VirtioMmioState>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]

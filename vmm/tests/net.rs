@@ -215,7 +215,13 @@ async fn a_vm_attaches_its_tap_takes_new_rules_and_restores_onto_another_tap() {
     std::fs::create_dir(&snapshot).unwrap();
     vmm.client.snapshot(&snapshot).await.unwrap();
     vmm.shutdown().await;
-    assert!(snapshot.join("net-state.json").exists());
+    let state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(snapshot.join("state.json")).unwrap()).unwrap();
+    assert_eq!(
+        state["nets"].as_array().map(Vec::len),
+        Some(1),
+        "state.json holds the network device's transport"
+    );
 
     // A restore naming a device the snapshot lacks is the caller's error.
     let child = netns.vmm().await;

@@ -37,11 +37,6 @@ use crate::kvm::memory::{Backing, GuestRam, MemoryError, RamOptions};
 use crate::kvm::state::{self as kvm_state, StateError, VmKvmState};
 use crate::kvm::vm::KvmVm;
 
-/// The network devices' transports (a JSON array, in config order), beside `state.json`
-/// whose schema belongs to the snapshot crate. Present only when the VM has a NIC; its
-/// flows are not in it: a restored VM starts with none.
-pub const NET_STATE_FILE: &str = "net-state.json";
-
 #[derive(Debug, thiserror::Error)]
 pub enum PersistError {
     #[error(transparent)]
@@ -117,7 +112,7 @@ impl RestoreSpec {
                 spec.memory_bytes, snapshot.manifest.memory.size
             )));
         }
-        let state = VmState::from_json(&snapshot.read(STATE_FILE)?)?;
+        let mut state = VmState::from_json(&snapshot.read(STATE_FILE)?)?;
         if state.vcpus.len() != usize::from(spec.vcpus) {
             return Err(PersistError::Mismatch(format!(
                 "{} vCPUs saved, config.json has {}",
@@ -156,12 +151,7 @@ impl RestoreSpec {
                 disk_copies.push((index, snapshot.path(&name)));
             }
         }
-        let nets: Vec<VirtioMmioState> = if snapshot.manifest.files.contains_key(NET_STATE_FILE) {
-            serde_json::from_slice(&snapshot.read(NET_STATE_FILE)?)
-                .map_err(|e| PersistError::Mismatch(format!("{NET_STATE_FILE}: {e}")))?
-        } else {
-            Vec::new()
-        };
+        let nets = std::mem::take(&mut state.nets);
         if nets.len() != spec.nets.len() {
             return Err(PersistError::Mismatch(format!(
                 "{} network devices saved, config.json has {}",
@@ -198,9 +188,6 @@ impl Vm {
         let state = self.save_state()?;
         writer.write_file(STATE_FILE, &state.to_json()?)?;
         writer.write_file(CONFIG_FILE, config_json)?;
-        if !self.nets.is_empty() {
-            writer.write_file(NET_STATE_FILE, &self.save_net_states()?)?;
-        }
         // Before the memory: a fork resumes the VM once its RAM is frozen, and the disks must
         // be captured at the same instant as the memory that knows what it wrote to them.
         self.copy_disks(&mut writer)?;
@@ -289,22 +276,6 @@ impl Vm {
         Ok(())
     }
 
-    /// The network devices' transports and config spaces, as [`NET_STATE_FILE`] holds them.
-    fn save_net_states(&self) -> Result<Vec<u8>, PersistError> {
-        let states: Vec<VirtioMmioState> = self
-            .nets
-            .iter()
-            .map(|n| {
-                let transport = crate::devices::virtio::net::lock(&n.device);
-                let config = transport.device().config_space().to_vec();
-                transport.save(config)
-            })
-            .collect();
-        serde_json::to_vec(&states).map_err(|e| {
-            PersistError::Snapshot(agentvm_snapshot::SnapshotError::State(e.to_string()))
-        })
-    }
-
     /// Every host stream ends at a snapshot; the guest is told through its event queue.
     fn reset_vsock_streams(&self) {
         if let Some(attached) = &self.vsock {
@@ -359,6 +330,15 @@ impl Vm {
                     let transport = super::lock_disk(&d.device);
                     let capacity = transport.device().capacity();
                     transport.save(capacity.to_le_bytes().to_vec())
+                })
+                .collect(),
+            nets: self
+                .nets
+                .iter()
+                .map(|n| {
+                    let transport = crate::devices::virtio::net::lock(&n.device);
+                    let config = transport.device().config_space().to_vec();
+                    transport.save(config)
                 })
                 .collect(),
         })
