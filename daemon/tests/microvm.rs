@@ -1142,8 +1142,62 @@ async fn image_bundles_in_the_image_dir_are_served_as_harnesses() {
 fn disk_text(path: &std::path::Path, n: usize) -> String {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let sector = &bytes[n * 512..(n + 1) * 512];
+    text_of(sector)
+}
+
+fn text_of(sector: &[u8]) -> String {
     let end = sector.iter().position(|&b| b == 0).unwrap_or(512);
     String::from_utf8_lossy(&sector[..end]).into_owned()
+}
+
+/// The store's snapshots of `session`, oldest first.
+fn snapshots_of(node: &TestNode, session: &str) -> Vec<PathBuf> {
+    let mut found: Vec<(std::time::SystemTime, PathBuf)> =
+        std::fs::read_dir(node.dir.join("state").join("snapshots"))
+            .unwrap()
+            .filter_map(|e| {
+                let e = e.ok()?;
+                let name = e.file_name().into_string().ok()?;
+                if !name.starts_with(session) || !e.path().join("manifest.json").exists() {
+                    return None;
+                }
+                Some((e.metadata().ok()?.modified().ok()?, e.path()))
+            })
+            .collect();
+    found.sort();
+    found.into_iter().map(|(_, p)| p).collect()
+}
+
+/// Sector `n` of workspace disk 0 as a VM restored from `snapshot` onto `top` sees it.
+fn restored_text(snapshot: &std::path::Path, top: &std::path::Path, n: u64) -> String {
+    let chain = agentvm_snapshot::Snapshot::open(snapshot)
+        .unwrap()
+        .chain()
+        .unwrap();
+    let files = agentvm_snapshot::disk::chain_files(&chain, "disk-0")
+        .unwrap()
+        .iter()
+        .map(|p| std::fs::File::open(p).unwrap())
+        .collect();
+    let top = std::fs::File::open(top).unwrap();
+    let layers = agentvm_snapshot::disk::Layers::open(files, &top).unwrap();
+    let mut sector = vec![0u8; 512];
+    layers.read_at(&top, &mut sector, n * 512).unwrap();
+    text_of(&sector)
+}
+
+/// How many bytes of `path` are data (not holes).
+fn data_bytes(path: &std::path::Path) -> u64 {
+    agentvm_snapshot::pages::data_extents(&std::fs::File::open(path).unwrap())
+        .unwrap()
+        .iter()
+        .map(|(_, len)| len)
+        .sum()
+}
+
+/// Whether `path` holds no data at all (every block a hole).
+fn holds_nothing(path: &std::path::Path) -> bool {
+    data_bytes(path) == 0
 }
 
 /// A session's workspace disk follows it: written at boot and on every turn (the test guest
@@ -1177,13 +1231,18 @@ async fn a_workspace_disk_survives_suspend_and_each_fork_child_writes_its_own_co
         .unwrap();
     assert_eq!(info.config.disks[0].serial.as_deref(), Some("workspace"));
 
-    // Suspended, the VM and its directory are gone; the snapshot holds the disk.
+    // Suspended, the VM and its directory are gone; the snapshot holds the disk. The
+    // restored VM's own file holds only what it writes (its count), over the snapshot's copy.
     c.suspend(SuspendRequest { session: s.clone() })
         .await
         .unwrap();
     assert_eq!(turn(&mut c, &s).await, "2", "restored with its memory");
     assert_eq!(disk_text(&disk(&s), 2), "count=2", "and its disk");
-    assert_eq!(disk_text(&disk(&s), 1), "testguest wrote 5");
+    assert_eq!(data_bytes(&disk(&s)), 4096, "the one block it wrote");
+    let suspended = snapshots_of(&node, &s)
+        .pop()
+        .expect("the suspend's snapshot");
+    assert_eq!(restored_text(&suspended, &disk(&s), 1), "testguest wrote 5");
 
     let children = fork(&mut c, &s, 2).await;
     assert_eq!(turn(&mut c, &children[0]).await, "3");
@@ -1196,7 +1255,10 @@ async fn a_workspace_disk_survives_suspend_and_each_fork_child_writes_its_own_co
     assert_eq!(disk_text(&disk(&children[0]), 2), "count=3");
     assert_eq!(disk_text(&disk(&children[1]), 2), "count=4");
     assert_eq!(disk_text(&disk(&s), 2), "count=5");
+    // A child's file, too, holds only what the child wrote (its count's block, copied up
+    // whole: the boot check's sector 1 shares it).
     for child in &children {
+        assert_eq!(data_bytes(&disk(child)), 4096);
         assert_eq!(disk_text(&disk(child), 1), "testguest wrote 5");
     }
 }
@@ -1221,8 +1283,14 @@ async fn an_ext4_workspace_starts_as_the_image_s_template() {
         .await
         .unwrap();
     assert_eq!(turn(&mut c, &s).await, "2");
-    let restored = std::fs::read(vm_dir(&node, &s).join("workspace.img")).unwrap();
-    assert_eq!(restored, disk);
+    // The restored VM's file starts empty over the snapshot's copy, which is the template.
+    let restored = vm_dir(&node, &s).join("workspace.img");
+    assert_eq!(std::fs::metadata(&restored).unwrap().len(), 8 << 20);
+    assert!(holds_nothing(&restored), "a restore copies no disk data");
+    let suspended = snapshots_of(&node, &s)
+        .pop()
+        .expect("the suspend's snapshot");
+    assert_eq!(std::fs::read(suspended.join("disk-0")).unwrap(), disk);
 }
 
 // ---------- Linux guests (where KVM can run them) ----------

@@ -14,6 +14,7 @@
 
 pub mod archive;
 pub mod dir;
+pub mod disk;
 pub mod manifest;
 pub mod pages;
 pub mod state;

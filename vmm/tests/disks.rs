@@ -26,6 +26,25 @@ fn sector(path: &Path, n: usize) -> Vec<u8> {
     std::fs::read(path).unwrap()[n * 512..(n + 1) * 512].to_vec()
 }
 
+/// Sector `n` as a VM restored from `snapshot` onto `top` sees it: through the snapshot
+/// chain's layers of disk 0.
+fn restored_sector(snapshot: &Path, top: &Path, n: u64) -> Vec<u8> {
+    let chain = agentvm_snapshot::Snapshot::open(snapshot)
+        .unwrap()
+        .chain()
+        .unwrap();
+    let files = agentvm_snapshot::disk::chain_files(&chain, "disk-0")
+        .unwrap()
+        .iter()
+        .map(|p| std::fs::File::open(p).unwrap())
+        .collect();
+    let top = std::fs::File::open(top).unwrap();
+    let layers = agentvm_snapshot::disk::Layers::open(files, &top).unwrap();
+    let mut buf = vec![0u8; 512];
+    layers.read_at(&top, &mut buf, n * 512).unwrap();
+    buf
+}
+
 /// The test guest's two DISK lines, once both are on the serial log.
 fn disk_report(vmm: &Vmm) -> (String, String) {
     let log = wait_for_serial(
@@ -154,9 +173,45 @@ async fn a_snapshot_keeps_a_copy_of_its_disk_and_each_restore_writes_to_a_new_on
             .unwrap()
             .contains_key("_disk0")
     );
-    assert!(sector(&copy, 0).starts_with(b"parent"));
-    assert!(sector(&copy, 1).starts_with(b"testguest wrote 3\0"));
+    // A restore copies no disk data: the clone's file, the disk's size, holds only what the
+    // clone writes, over the snapshot's copy.
+    let top = std::fs::File::open(&copy).unwrap();
+    assert_eq!(top.metadata().unwrap().len(), SECTORS * 512);
+    assert!(
+        agentvm_snapshot::pages::data_extents(&top)
+            .unwrap()
+            .is_empty()
+    );
+    assert!(restored_sector(&snapshot, &copy, 0).starts_with(b"parent"));
+    assert!(restored_sector(&snapshot, &copy, 1).starts_with(b"testguest wrote 3\0"));
+    // The clone's own snapshot stores its disk as a layer over the first; a VM restored from
+    // it sees the disk through both.
+    child.client.pause().await.unwrap();
+    let layer = scratch.path().join("layer");
+    std::fs::create_dir(&layer).unwrap();
+    child.client.snapshot(&layer).await.unwrap();
     child.shutdown().await;
+    let manifest = agentvm_snapshot::Snapshot::open(&layer).unwrap().manifest;
+    assert_eq!(
+        manifest.files["disk-0"].digest,
+        agentvm_snapshot::manifest::DigestKind::LayerPages
+    );
+    let grandchild = Vmm::spawn().await;
+    let grandchild_disk = scratch.path().join("grandchild.img");
+    grandchild
+        .client
+        .restore(&agentvm_vmm_api::types::RestoreConfig {
+            source_url: format!("file://{}", layer.display()),
+            resume: true,
+            vsock_socket: Some(grandchild.vsock_socket()),
+            serial_file: Some(grandchild.serial_log()),
+            disk_paths: vec![grandchild_disk.clone()],
+            ..Default::default()
+        })
+        .await
+        .expect("vm.restore of a layered disk");
+    grandchild.shutdown().await;
+    assert!(restored_sector(&layer, &grandchild_disk, 0).starts_with(b"parent"));
 
     // A file that exists is never written over (without disk_paths that is the parent's
     // own disk), and the count must match.

@@ -235,7 +235,7 @@ impl Vm {
             .enumerate()
             .map(|(i, disk)| {
                 append_device(&mut cmdline, disk_window(i));
-                create_disk(&ram, disk, None)
+                create_disk(&ram, disk, None, None)
             })
             .collect::<Result<Vec<_>, _>>()?;
         let nets = spec
@@ -616,8 +616,12 @@ fn create_disk(
     ram: &GuestRam,
     spec: &DiskSpec,
     saved: Option<&agentvm_snapshot::state::VirtioMmioState>,
+    layers: Option<&[PathBuf]>,
 ) -> Result<AttachedDisk, BuildError> {
-    let block = Block::open(&spec.path, spec.read_only, &spec.serial)?;
+    let block = match layers {
+        Some(layers) => Block::open_layered(&spec.path, &spec.serial, layers)?,
+        None => Block::open(&spec.path, spec.read_only, &spec.serial)?,
+    };
     let stats = block.stats();
     let irqfd = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)
         .map_err(io("creating a disk's irqfd"))?;

@@ -31,6 +31,7 @@ use super::{
     BuildError, Parts, RamSpec, SerialStats, Vm, VmError, VmSpec, create_disk, create_net,
     create_vsock, serial_device,
 };
+use crate::devices::virtio::block::DiskCopy;
 use crate::devices::virtio::vsock;
 use crate::kvm::Flavour;
 use crate::kvm::memory::{Backing, GuestRam, MemoryError, RamOptions};
@@ -80,9 +81,10 @@ pub struct SaveReport {
 pub struct RestoreSpec {
     pub spec: VmSpec,
     pub state: VmState,
-    /// The snapshot's copies of the VM's writable disks (index, file): each is copied to the
-    /// disk's path in `spec` before the VM opens it.
-    pub disk_copies: Vec<(usize, PathBuf)>,
+    /// Each writable disk's layers in the snapshot chain (index, files base first: the
+    /// nearest whole copy, then the layers above it). The restored VM's disk is a new, empty
+    /// file at the disk's path in `spec` over them.
+    pub disk_layers: Vec<(usize, Vec<PathBuf>)>,
     /// The network devices' transports, one per entry of `spec.nets`.
     pub nets: Vec<VirtioMmioState>,
     /// Memory files, base first.
@@ -132,7 +134,7 @@ impl RestoreSpec {
                 spec.disks.len()
             )));
         }
-        let mut disk_copies = Vec::new();
+        let mut disk_layers = Vec::new();
         for (index, disk) in spec.disks.iter().enumerate() {
             let name = disk_file(index);
             let saved = snapshot.manifest.files.contains_key(&name);
@@ -148,7 +150,11 @@ impl RestoreSpec {
                 )));
             }
             if saved {
-                disk_copies.push((index, snapshot.path(&name)));
+                disk_layers.push((
+                    index,
+                    agentvm_snapshot::disk::chain_files(&chain, &name)
+                        .map_err(PersistError::Mismatch)?,
+                ));
             }
         }
         let nets = std::mem::take(&mut state.nets);
@@ -162,7 +168,7 @@ impl RestoreSpec {
         Ok(Self {
             spec,
             state,
-            disk_copies,
+            disk_layers,
             nets,
             chain: chain.iter().map(|s| s.path(MEMORY_FILE)).collect(),
             top: snapshot.dir,
@@ -189,8 +195,13 @@ impl Vm {
         writer.write_file(STATE_FILE, &state.to_json()?)?;
         writer.write_file(CONFIG_FILE, config_json)?;
         // Before the memory: a fork resumes the VM once its RAM is frozen, and the disks must
-        // be captured at the same instant as the memory that knows what it wrote to them.
-        self.copy_disks(&mut writer)?;
+        // be captured at the same instant as the memory that knows what it wrote to them. A
+        // layered snapshot stores its disks as layers too, on the same chain.
+        let layered = match self.ram.backing() {
+            Backing::Private { top } => Snapshot::open(top)?.chain()?.len() < FLATTEN_AT,
+            Backing::Own => false,
+        };
+        self.copy_disks(&mut writer, layered)?;
 
         let memory_path = dir.join(MEMORY_FILE);
         let (digest_kind, digest, pages, zero_copy, base) = match (self.ram.backing().clone(), kind)
@@ -230,7 +241,7 @@ impl Vm {
             }
         };
         writer.add_memory_file(MEMORY_FILE, digest_kind, digest)?;
-        let layered = base.is_some();
+        debug_assert_eq!(layered, base.is_some(), "disks and memory layered alike");
         writer.finish(
             HostIdentity::current(Flavour::detect().name()),
             env!("CARGO_PKG_VERSION"),
@@ -253,7 +264,7 @@ impl Vm {
     /// stay holes), so the snapshot is whole on its own: it can be archived, fetched by
     /// another node and restored any number of times, each restore writing to a copy of its
     /// own. Read-only disks are images shared by path, not copied.
-    fn copy_disks(&self, writer: &mut SnapshotWriter) -> Result<(), PersistError> {
+    fn copy_disks(&self, writer: &mut SnapshotWriter, layered: bool) -> Result<(), PersistError> {
         for (index, disk) in self.disks.iter().enumerate() {
             let transport = super::lock_disk(&disk.device);
             let block = transport.device();
@@ -265,13 +276,19 @@ impl Vm {
                 path: block.path().to_owned(),
                 source,
             };
+            // Readable too: a layer's digest is taken from the copy itself.
             let copy = std::fs::OpenOptions::new()
+                .read(true)
                 .write(true)
                 .create_new(true)
                 .open(writer.path(&name))
                 .map_err(failed)?;
-            let (digest, _pages) = block.copy_to(&copy).map_err(failed)?;
-            writer.add_pages_file(&name, digest)?;
+            let (how, digest, _pages) = block.copy_to(&copy, layered).map_err(failed)?;
+            let kind = match how {
+                DiskCopy::Whole => DigestKind::Pages,
+                DiskCopy::Layer => DigestKind::LayerPages,
+            };
+            writer.add_memory_file(&name, kind, digest)?;
         }
         Ok(())
     }
@@ -353,7 +370,7 @@ impl Vm {
         let RestoreSpec {
             spec,
             state,
-            disk_copies,
+            disk_layers,
             nets: net_states,
             chain,
             top,
@@ -380,11 +397,11 @@ impl Vm {
             }
             _ => None,
         };
-        for (index, copy) in &disk_copies {
+        for (index, layers) in &disk_layers {
             let target = &spec.disks[*index].path;
-            copy_disk(copy, target).map_err(|e| {
+            new_top(layers, target).map_err(|e| {
                 BuildError::State(format!(
-                    "copying the snapshot's disk {index} to {}: {e} (each restore needs a new \
+                    "making the restored disk {index} at {}: {e} (each restore needs a new \
                      file for it: vm.restore's disk_paths)",
                     target.display()
                 ))
@@ -393,9 +410,14 @@ impl Vm {
         let disks = spec
             .disks
             .iter()
+            .enumerate()
             .zip(&state.disks)
-            .map(|(disk, saved)| {
-                let attached = create_disk(&ram, disk, Some(saved))?;
+            .map(|((index, disk), saved)| {
+                let layers = disk_layers
+                    .iter()
+                    .find(|(i, _)| *i == index)
+                    .map(|(_, layers)| layers.as_slice());
+                let attached = create_disk(&ram, disk, Some(saved), layers)?;
                 // The guest sized its view of the disk when it booted; a file of another
                 // size would put its filesystem's end somewhere else.
                 let capacity = super::lock_disk(&attached.device).device().capacity();
@@ -435,22 +457,23 @@ impl Vm {
     }
 }
 
-/// The restored VM's own writable copy of a snapshot's disk, at `target` (which must not
-/// exist: a restore never writes into a file someone else may be using).
-fn copy_disk(copy: &Path, target: &Path) -> std::io::Result<()> {
-    let source = std::fs::File::open(copy)?;
+/// The restored VM's own file for a disk over `layers`: new (a restore never writes into a
+/// file someone else may be using) and empty, the disk's size. Not synced: like the VM's RAM
+/// file it is scratch state; after a host crash the session goes on from its snapshot.
+fn new_top(layers: &[PathBuf], target: &Path) -> std::io::Result<()> {
+    let size = match layers.first() {
+        Some(whole) => std::fs::metadata(whole)?.len(),
+        None => return Err(std::io::Error::other("no copy of the disk in the snapshot")),
+    };
     let made = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .open(target)?;
-    // Not synced: like the VM's RAM file it is scratch state. After a host crash the session
-    // goes on from its snapshot, whose copy is durable, not from this one.
-    // Extent by extent, unhashed: the restore already checked the snapshot's digests.
-    let copied = agentvm_snapshot::pages::copy_extents(&source, &made);
-    if copied.is_err() {
+    let sized = made.set_len(size);
+    if sized.is_err() {
         let _ = std::fs::remove_file(target);
     }
-    copied
+    sized
 }
 
 /// Interrupt controllers and PIT, then every vCPU, then the clock (last, so kvmclock is

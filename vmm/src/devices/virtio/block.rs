@@ -79,6 +79,18 @@ pub struct Block {
     capacity: u64,
     id: [u8; ID_LEN],
     stats: Arc<BlockStats>,
+    /// For a restored VM's writable disk: the snapshot layers under `file`.
+    layers: Option<agentvm_snapshot::disk::Layers>,
+}
+
+/// How [`Block::copy_to`] stored the disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DiskCopy {
+    /// The whole disk (its non-zero pages): a file of its own.
+    Whole,
+    /// Only the blocks written since the VM was restored, over the snapshot it was restored
+    /// from (its disk layers).
+    Layer,
 }
 
 /// Counters the VMM reports per disk.
@@ -123,7 +135,26 @@ impl Block {
             capacity,
             id: serial,
             stats: Arc::default(),
+            layers: None,
         })
+    }
+
+    /// A writable disk whose file `top` holds only what this VM writes, over the read-only
+    /// snapshot layers `chain` (base first).
+    pub fn open_layered(top: &Path, id: &str, chain: &[PathBuf]) -> Result<Self, BlockError> {
+        let mut block = Self::open(top, false, id)?;
+        let layer_error = |path: &Path| {
+            let path = path.to_owned();
+            move |source| BlockError::Open { path, source }
+        };
+        let files = chain
+            .iter()
+            .map(|p| File::open(p).map_err(layer_error(p)))
+            .collect::<Result<Vec<_>, _>>()?;
+        block.layers = Some(
+            agentvm_snapshot::disk::Layers::open(files, &block.file).map_err(layer_error(top))?,
+        );
+        Ok(block)
     }
 
     pub fn path(&self) -> &Path {
@@ -150,12 +181,34 @@ impl Block {
         self.file.sync_data()
     }
 
-    /// Copies the disk's data pages into the empty `copy` (holes stay holes) and syncs it;
-    /// returns the page digest and page count. The VM must be paused.
-    pub fn copy_to(&self, copy: &File) -> std::io::Result<(String, u64)> {
-        let digest = agentvm_snapshot::pages::copy_sparse(&self.file, copy)?;
-        copy.sync_all()?;
-        Ok(digest)
+    /// Copies the disk into the empty `copy` and syncs it: as a layer (what it wrote since
+    /// it was restored) when `layer` is asked for and the disk runs over layers, else whole
+    /// (its data pages; holes stay holes). Returns how, the digest (a layer digest for a
+    /// layer, a page digest otherwise) and the page count. The VM must be paused.
+    pub fn copy_to(&self, copy: &File, layer: bool) -> std::io::Result<(DiskCopy, String, u64)> {
+        match &self.layers {
+            Some(layers) if layer => {
+                let (digest, pages) = layers.copy_top(&self.file, copy)?;
+                Ok((DiskCopy::Layer, digest, pages))
+            }
+            Some(layers) => {
+                let (digest, pages) = layers.copy_merged(&self.file, self.capacity, copy)?;
+                Ok((DiskCopy::Whole, digest, pages))
+            }
+            None => {
+                let (digest, pages) = agentvm_snapshot::pages::copy_sparse(&self.file, copy)?;
+                copy.sync_all()?;
+                Ok((DiskCopy::Whole, digest, pages))
+            }
+        }
+    }
+
+    /// Reads the disk's bytes at `at` (through its layers, if it has them).
+    fn read_disk(&self, buf: &mut [u8], at: u64) -> std::io::Result<()> {
+        match &self.layers {
+            Some(layers) => layers.read_at(&self.file, buf, at),
+            None => self.file.read_exact_at(buf, at),
+        }
     }
 
     fn config(&self) -> [u8; 24] {
@@ -238,9 +291,9 @@ impl Block {
         let Some(offset) = self.range(sector, len) else {
             return status::IOERR;
         };
-        let file = &self.file;
+        let this = &*self;
         let moved = in_steps(len, offset, |buf, at| {
-            file.read_exact_at(buf, at)?;
+            this.read_disk(buf, at)?;
             std::io::Write::write_all(writer, buf)
         });
         counted(moved, &self.stats.reads, &self.stats.read_bytes, len)
@@ -254,10 +307,13 @@ impl Block {
         let Some(offset) = self.range(sector, len) else {
             return status::IOERR;
         };
-        let file = &self.file;
+        let (file, layers) = (&self.file, &mut self.layers);
         let moved = in_steps(len, offset, |buf, at| {
             std::io::Read::read_exact(reader, buf)?;
-            file.write_all_at(buf, at)
+            match layers {
+                Some(layers) => layers.write_at(file, buf, at),
+                None => file.write_all_at(buf, at),
+            }
         });
         counted(moved, &self.stats.writes, &self.stats.written_bytes, len)
     }
