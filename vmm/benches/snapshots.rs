@@ -159,7 +159,7 @@ async fn main() {
         disk_snapshot_ms,
     );
     summary(
-        "vm.restore of it (the disk copied to the clone's file)",
+        "vm.restore of it (the clone's disk a layer over the snapshot's copy)",
         "ms",
         disk_restore_ms,
     );
