@@ -1170,19 +1170,8 @@ fn snapshots_of(node: &TestNode, session: &str) -> Vec<PathBuf> {
 
 /// Sector `n` of workspace disk 0 as a VM restored from `snapshot` onto `top` sees it.
 fn restored_text(snapshot: &std::path::Path, top: &std::path::Path, n: u64) -> String {
-    let chain = agentvm_snapshot::Snapshot::open(snapshot)
-        .unwrap()
-        .chain()
-        .unwrap();
-    let files = agentvm_snapshot::disk::chain_files(&chain, "disk-0")
-        .unwrap()
-        .iter()
-        .map(|p| std::fs::File::open(p).unwrap())
-        .collect();
-    let top = std::fs::File::open(top).unwrap();
-    let layers = agentvm_snapshot::disk::Layers::open(files, &top).unwrap();
     let mut sector = vec![0u8; 512];
-    layers.read_at(&top, &mut sector, n * 512).unwrap();
+    agentvm_snapshot::disk::read_restored(snapshot, "disk-0", top, &mut sector, n * 512).unwrap();
     text_of(&sector)
 }
 

@@ -147,6 +147,27 @@ pub fn chain_files(chain: &[Snapshot], name: &str) -> Result<Vec<std::path::Path
     ))
 }
 
+/// Fills `buf` with writable disk `name`'s bytes at `offset` as a VM restored from the
+/// snapshot in `dir` onto the file `top` sees them (for inspecting a restored VM's disk).
+pub fn read_restored(
+    dir: &std::path::Path,
+    name: &str,
+    top: &std::path::Path,
+    buf: &mut [u8],
+    offset: u64,
+) -> Result<(), String> {
+    let chain = Snapshot::open(dir)
+        .and_then(|s| s.chain())
+        .map_err(|e| e.to_string())?;
+    let files = chain_files(&chain, name)?
+        .iter()
+        .map(|p| File::open(p).map_err(|e| format!("{}: {e}", p.display())))
+        .collect::<Result<Vec<_>, _>>()?;
+    let top = File::open(top).map_err(|e| format!("{}: {e}", top.display()))?;
+    let layers = Layers::open(files, &top).map_err(|e| e.to_string())?;
+    layers.read_at(&top, buf, offset).map_err(|e| e.to_string())
+}
+
 /// Reads `piece` at `at`; bytes past the layer's end (a shorter file) read as zeros.
 fn read_or_zero(file: &File, piece: &mut [u8], at: u64) -> io::Result<()> {
     let mut done = 0;

@@ -29,19 +29,8 @@ fn sector(path: &Path, n: usize) -> Vec<u8> {
 /// Sector `n` as a VM restored from `snapshot` onto `top` sees it: through the snapshot
 /// chain's layers of disk 0.
 fn restored_sector(snapshot: &Path, top: &Path, n: u64) -> Vec<u8> {
-    let chain = agentvm_snapshot::Snapshot::open(snapshot)
-        .unwrap()
-        .chain()
-        .unwrap();
-    let files = agentvm_snapshot::disk::chain_files(&chain, "disk-0")
-        .unwrap()
-        .iter()
-        .map(|p| std::fs::File::open(p).unwrap())
-        .collect();
-    let top = std::fs::File::open(top).unwrap();
-    let layers = agentvm_snapshot::disk::Layers::open(files, &top).unwrap();
     let mut buf = vec![0u8; 512];
-    layers.read_at(&top, &mut buf, n * 512).unwrap();
+    agentvm_snapshot::disk::read_restored(snapshot, "disk-0", top, &mut buf, n * 512).unwrap();
     buf
 }
 
