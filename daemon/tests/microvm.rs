@@ -1810,3 +1810,92 @@ async fn a_networked_vm_gets_its_own_address_policy_and_resolver() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// A session narrows its image's egress list with the `agentvm.dev/egress-allow` annotation
+/// (its fork children too), and can never widen it: a list that does not parse is refused
+/// at create, naming the field; one the image does not cover fails the session's start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_narrows_its_image_s_egress_list_and_cannot_widen_it() {
+    require_kvm!();
+    if let Some(reason) = network_unavailable() {
+        eprintln!("SKIPPED: {reason}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let images = dir.path().join("images");
+    testguest_bundle_with(
+        &images,
+        "tg-net",
+        "\n[network]\nenabled = true\nallow = [\"localhost:8080\", \"192.0.2.0/24:443\"]\n",
+    );
+    let node = bundle_node(images).await;
+    let mut c = node.c();
+    let create = |allow: &str| {
+        let mut c = node.c();
+        let allow = allow.to_owned();
+        async move {
+            c.create_session(agentvm_proto::v1::CreateSessionRequest {
+                session: Some(agentvm_proto::v1::Session {
+                    harness: "tg-net".into(),
+                    annotations: [("agentvm.dev/egress-allow".to_owned(), allow)].into(),
+                    ..Default::default()
+                }),
+            })
+            .await
+            .map(|r| r.into_inner().metadata.unwrap().uid)
+        }
+    };
+    let policy_of = |session: &str| {
+        let api = vm_dir(&node, session).join("api.sock");
+        async move {
+            let info = agentvm_vmm_api::client::VmmClient::new(api)
+                .info()
+                .await
+                .unwrap();
+            info.config.net[0].egress.clone().unwrap()
+        }
+    };
+
+    // Narrowed to the name alone: the address block is gone, the name still resolves.
+    let named = create("localhost:8080").await.unwrap();
+    assert_eq!(turn(&mut c, &named).await, "1");
+    let policy = policy_of(&named).await;
+    assert!(policy.allow.is_empty(), "{policy:?}");
+    let (code, _) = ask_resolver(vmm_pid(&node, &named), policy.gateway_ip, "localhost");
+    assert_eq!(code, 0);
+
+    // Narrowed to nothing: the resolver refuses the image's name, in a fork child too.
+    let nothing = create("").await.unwrap();
+    assert_eq!(turn(&mut c, &nothing).await, "1");
+    let policy = policy_of(&nothing).await;
+    let (code, _) = ask_resolver(vmm_pid(&node, &nothing), policy.gateway_ip, "localhost");
+    assert_eq!(code, 5);
+    let children = fork(&mut c, &nothing, 1).await;
+    assert_eq!(turn(&mut c, &children[0]).await, "2");
+    let child = policy_of(&children[0]).await;
+    let (code, _) = ask_resolver(vmm_pid(&node, &children[0]), child.gateway_ip, "localhost");
+    assert_eq!(code, 5, "a fork child keeps its parent's narrowed list");
+
+    // Wider than the image, or not a list at all.
+    let wider = create("example.com").await.unwrap();
+    let err = try_turn(&mut c, &wider).await.unwrap_err();
+    assert!(
+        err.message().contains("agentvm.dev/egress-allow")
+            && err.message().contains("not within the image"),
+        "{err}"
+    );
+    let err = create("10.0.0.1/8").await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(
+        err.message()
+            .contains("session.annotations[\"agentvm.dev/egress-allow\"]"),
+        "{err}"
+    );
+    for session in children.iter().chain([&named, &nothing, &wider]) {
+        c.delete_session(agentvm_proto::v1::DeleteSessionRequest {
+            uid: session.clone(),
+        })
+        .await
+        .unwrap();
+    }
+}

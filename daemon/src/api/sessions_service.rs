@@ -99,6 +99,26 @@ fn check_messages(field: &str, messages: &[Message]) -> Result<(), Status> {
     Ok(())
 }
 
+/// The per-session egress list must parse (whether the session's image covers it is known
+/// only where its compute starts, and checked there).
+fn check_egress_annotation(
+    annotations: &std::collections::HashMap<String, String>,
+) -> Result<(), Status> {
+    use crate::runtime::microvm::network::EGRESS_ANNOTATION;
+    let Some(value) = annotations.get(EGRESS_ANNOTATION) else {
+        return Ok(());
+    };
+    for entry in value.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        agentvm_guest::egress::AllowEntry::parse(entry).map_err(|why| {
+            invalid(
+                &format!("session.annotations[{EGRESS_ANNOTATION:?}]"),
+                format!("{entry:?}: {why}"),
+            )
+        })?;
+    }
+    Ok(())
+}
+
 fn check_labels(
     field: &str,
     labels: &std::collections::HashMap<String, String>,
@@ -133,6 +153,7 @@ impl Sessions for SessionsService {
             return Err(invalid("session.parent_uid", "is set only by Fork"));
         }
         check_labels("session.labels", &s.labels)?;
+        check_egress_annotation(&s.annotations)?;
         let created = self.host.create(NewSession {
             project: meta.project.clone(),
             name: meta.name,

@@ -30,6 +30,9 @@ pub struct SessionSpec {
     pub image: String,
     pub harness: String,
     pub identity: Option<IdentityRef>,
+    /// The session's annotations (a fork child's are its parent's): runtimes read their
+    /// own keys, such as [`crate::runtime::microvm::network::EGRESS_ANNOTATION`].
+    pub annotations: std::collections::BTreeMap<String, String>,
 }
 
 /// One live compute instance of a session. `id` is the session uid on every backend.

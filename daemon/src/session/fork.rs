@@ -163,7 +163,10 @@ impl SessionHost {
         let intent = self.intend(OperationKind::Fork, &uid, uids.clone())?;
         crash_point::reached(crash_point::FORK_BEGUN);
         let started = std::time::Instant::now();
-        let provisioned = match self.provision_children(&placement, &source, uids).await {
+        let provisioned = match self
+            .provision_children(&placement, &source, uids, &parent.annotations)
+            .await
+        {
             Ok(p) => p,
             Err((provisioned, e)) => {
                 self.roll_back(&placement, &provisioned).await;
@@ -223,6 +226,7 @@ impl SessionHost {
         placement: &super::Placement,
         source: &SnapshotRef,
         uids: Vec<String>,
+        annotations: &std::collections::BTreeMap<String, String>,
     ) -> Result<Provisioned, (Provisioned, Status)> {
         let count = uids.len();
         let permits = Arc::new(Semaphore::new(FORK_PARALLELISM));
@@ -236,6 +240,8 @@ impl SessionHost {
                     harness: placement.harness.clone(),
                     // A child is a new session: it does not act as its parent's principal.
                     identity: None,
+                    // Its row takes the parent's annotations, and so does its compute.
+                    annotations: annotations.clone(),
                 },
             };
             let runtime = placement.runtime.clone();

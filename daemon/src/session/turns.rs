@@ -394,6 +394,7 @@ impl SessionHost {
             image: String::new(),
             harness: placement.harness.clone(),
             identity: row.identity.clone(),
+            annotations: row.annotations.clone(),
         };
         // Memory tier: suspended, or its compute is gone (a VMM killed, a node restarted
         // without it) — either way the last snapshot is the state to continue from, and a

@@ -320,7 +320,7 @@ impl MicrovmRuntime {
         spec: &SessionSpec,
         image: &GuestImage,
         dir: &VmmDir,
-        slot: Option<&network::Slot>,
+        network: Option<(&network::ImageNetwork, &network::Slot)>,
     ) -> VmConfig {
         let mut config = VmConfig::with_kernel(image.kernel.clone());
         config.payload.initramfs = image.initramfs.clone();
@@ -337,7 +337,7 @@ impl MicrovmRuntime {
             "console=ttyS0 reboot=k panic=1 agentvm.session={}",
             spec.session_uid
         );
-        if let Some(slot) = slot {
+        if let Some((_, slot)) = network {
             cmdline.push(' ');
             cmdline.push_str(&slot.cmdline());
         }
@@ -372,10 +372,21 @@ impl MicrovmRuntime {
                 serial: Some(WORKSPACE.into()),
             });
         }
-        if let (Some(network), Some(slot)) = (&image.network, slot) {
+        if let Some((network, slot)) = network {
             config.net.push(network.device(slot));
         }
         config
+    }
+
+    /// The network a VM of `spec` on `image` gets: the image's, narrowed by the session.
+    fn session_network(
+        image: Option<&GuestImage>,
+        spec: &SessionSpec,
+    ) -> std::result::Result<Option<network::ImageNetwork>, String> {
+        image
+            .and_then(|i| i.network.as_ref())
+            .map(|n| n.for_session(&spec.annotations))
+            .transpose()
     }
 
     /// Gives the just-spawned VMM in `dir` its network, if `image` has one.
@@ -566,7 +577,8 @@ impl MicrovmRuntime {
         kind: RestoredKind,
     ) -> Result<Incarnation> {
         let session = spec.session_uid.as_str();
-        let network = self.image(&spec.harness).and_then(|i| i.network.clone());
+        let network = Self::session_network(self.image(&spec.harness), spec)
+            .map_err(|e| failed(session, e))?;
         let source = self
             .local_snapshot(snapshot)
             .await
@@ -929,6 +941,7 @@ impl Runtime for MicrovmRuntime {
                 )
             })?
             .to_owned();
+        let network = Self::session_network(Some(&image), spec).map_err(|e| failed(session, e))?;
         let started = std::time::Instant::now();
         let files = [
             Some(image.kernel.clone()),
@@ -940,10 +953,9 @@ impl Runtime for MicrovmRuntime {
         .collect();
         let inc = self
             .start(session, files, |dir, confined| async move {
-                let slot = self
-                    .attach_network(session, &dir, image.network.as_ref())
-                    .await?;
-                let config = self.vm_config(spec, &image, &dir, slot.as_ref());
+                let slot = self.attach_network(session, &dir, network.as_ref()).await?;
+                let config =
+                    self.vm_config(spec, &image, &dir, network.as_ref().zip(slot.as_ref()));
                 if image.workspace_mib > 0 {
                     vmm_process::new_disk(
                         &dir,

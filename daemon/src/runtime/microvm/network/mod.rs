@@ -34,6 +34,11 @@ pub const DEVICE_ID: &str = "net0";
 /// How often a rate limit's bucket refills, in milliseconds.
 const REFILL_MS: u64 = 100;
 
+/// The session annotation that narrows its image's allow list: comma-separated entries in
+/// the image's form, each within an entry of the image (an empty value: nothing beyond the
+/// resolver). An image without a network gets none from it.
+pub const EGRESS_ANNOTATION: &str = "agentvm.dev/egress-allow";
+
 /// An image's network: what its VMs may reach.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ImageNetwork {
@@ -100,6 +105,33 @@ impl Slot {
 }
 
 impl ImageNetwork {
+    /// The network of a session whose annotations are `annotations`: the image's, narrowed
+    /// by [`EGRESS_ANNOTATION`] where the session has it. An entry the image does not cover
+    /// is an error naming it: a session may narrow its image's policy, never widen it.
+    pub fn for_session(
+        &self,
+        annotations: &std::collections::BTreeMap<String, String>,
+    ) -> Result<Self, String> {
+        let Some(asked) = annotations.get(EGRESS_ANNOTATION) else {
+            return Ok(self.clone());
+        };
+        let field = format!("annotations[{EGRESS_ANNOTATION:?}]");
+        let mut allow = Vec::new();
+        for text in asked.split(',').map(str::trim).filter(|t| !t.is_empty()) {
+            let entry = AllowEntry::parse(text).map_err(|e| format!("{field}: {e}"))?;
+            if !self.allow.iter().any(|ceiling| covers(ceiling, &entry)) {
+                return Err(format!(
+                    "{field}: {text:?} is not within the image's [network] allow list"
+                ));
+            }
+            allow.push(entry);
+        }
+        Ok(Self {
+            allow,
+            rate_limit_mbit: self.rate_limit_mbit,
+        })
+    }
+
     /// The image's address rules, as the device enforces them; names are the resolver's.
     fn address_rules(&self) -> Vec<EgressRule> {
         self.allow
@@ -169,6 +201,32 @@ fn attached_file(api: &Path) -> std::path::PathBuf {
     api.with_file_name("network.json")
 }
 
+/// Whether `outer` allows everything `inner` does.
+fn covers(outer: &AllowEntry, inner: &AllowEntry) -> bool {
+    let ports = match (outer.ports, inner.ports) {
+        (None, _) => true,
+        (Some(_), None) => false,
+        (Some((lo, hi)), Some((a, b))) => lo <= a && b <= hi,
+    };
+    let target = match (&outer.target, &inner.target) {
+        (Target::Block(net, prefix), Target::Block(inner_net, inner_prefix)) => {
+            let mask = u32::MAX.checked_shl(32 - u32::from(*prefix)).unwrap_or(0);
+            prefix <= inner_prefix && u32::from(*inner_net) & mask == u32::from(*net)
+        }
+        (Target::Name(name), Target::Name(inner_name)) => name == inner_name,
+        (Target::Under(domain), Target::Name(name)) => is_under(name, domain),
+        (Target::Under(domain), Target::Under(sub)) => sub == domain || is_under(sub, domain),
+        _ => false,
+    };
+    ports && target
+}
+
+/// Whether `name` lies strictly under `domain`.
+fn is_under(name: &str, domain: &str) -> bool {
+    name.strip_suffix(domain)
+        .is_some_and(|head| head.len() > 1 && head.ends_with('.'))
+}
+
 /// The node's guest networks: which slots are taken and each VM's resolver.
 pub struct Networks {
     pool: Ipv4Addr,
@@ -226,13 +284,23 @@ impl Networks {
         api: &Path,
         image: &ImageNetwork,
     ) -> Result<Slot, String> {
-        let slot = self.claim()?;
-        let set_up = tokio::task::spawn_blocking(move || netns::set_up(pid, &slot))
-            .await
-            .map_err(|e| format!("setting up the guest network: {e}"))
-            .and_then(|r| r);
-        self.unclaim(&slot);
-        let socket = set_up?;
+        // Another daemon on the host (tests run several) may take a slot between our look
+        // and our claim: its veth then exists, and the next slot is tried.
+        let mut tries = 0;
+        let (slot, socket) = loop {
+            let slot = self.claim()?;
+            let set_up = tokio::task::spawn_blocking(move || netns::set_up(pid, &slot)).await;
+            self.unclaim(&slot);
+            match set_up {
+                Ok(Ok(socket)) => break (slot, socket),
+                Ok(Err(netns::SetUpError::Taken)) if tries < 16 => tries += 1,
+                Ok(Err(netns::SetUpError::Taken)) => {
+                    return Err("no free guest network slot after 16 tries".into());
+                }
+                Ok(Err(netns::SetUpError::Failed(e))) => return Err(e),
+                Err(e) => return Err(format!("setting up the guest network: {e}")),
+            }
+        };
         let record = Attached {
             slot: slot.index,
             allow: image.allow.iter().map(|e| e.text.clone()).collect(),
@@ -334,6 +402,49 @@ mod tests {
             last.host_veth().len() < 16,
             "interface names are at most 15 bytes"
         );
+    }
+
+    #[test]
+    fn a_session_may_narrow_its_image_s_list_but_not_widen_it() {
+        let image = ImageNetwork {
+            allow: ["10.0.0.0/8:443", "*.example.com", "pypi.org:443"]
+                .iter()
+                .map(|e| AllowEntry::parse(e).unwrap())
+                .collect(),
+            rate_limit_mbit: 0,
+        };
+        let session = |value: &str| {
+            image.for_session(&std::collections::BTreeMap::from([(
+                EGRESS_ANNOTATION.to_owned(),
+                value.to_owned(),
+            )]))
+        };
+        let texts = |n: ImageNetwork| n.allow.into_iter().map(|e| e.text).collect::<Vec<_>>();
+        assert_eq!(
+            texts(image.for_session(&Default::default()).unwrap()),
+            ["10.0.0.0/8:443", "*.example.com", "pypi.org:443"],
+            "no annotation: the image's list"
+        );
+        assert_eq!(
+            texts(session("10.1.2.0/24:443, api.example.com:8080, *.a.example.com").unwrap()),
+            ["10.1.2.0/24:443", "api.example.com:8080", "*.a.example.com"]
+        );
+        assert!(session("").unwrap().allow.is_empty(), "nothing at all");
+        for (wider, why) in [
+            ("10.0.0.0/7:443", "not within"),
+            ("10.1.0.0/16", "not within"),
+            ("10.1.0.0/16:80", "not within"),
+            ("example.com", "not within"),
+            ("pypi.org", "not within"),
+            ("files.pypi.org:443", "not within"),
+            ("10.0.0.1/8", "host bits"),
+        ] {
+            let err = session(wider).unwrap_err();
+            assert!(
+                err.contains(EGRESS_ANNOTATION) && err.contains(why),
+                "{wider}: {err}"
+            );
+        }
     }
 
     #[test]

@@ -13,9 +13,25 @@ use nix::sched::CloneFlags;
 
 use super::{Slot, TAP};
 
+/// Why a VM's network was not set up.
+#[derive(Debug)]
+pub enum SetUpError {
+    /// Another VM (perhaps another daemon's) holds the slot: its veth name exists.
+    Taken,
+    Failed(String),
+}
+
+impl From<String> for SetUpError {
+    fn from(reason: String) -> Self {
+        Self::Failed(reason)
+    }
+}
+
 /// Sets up `slot` for the VMM `pid`; returns the resolver's socket (bound in the VMM's
-/// namespace, on the gateway's port 53). Runs on a thread of its own, which it spends.
-pub fn set_up(pid: u32, slot: &Slot) -> Result<UdpSocket, String> {
+/// namespace, on the gateway's port 53). The slot is claimed first, by creating its veth
+/// pair on the host: a name that exists means another VM has it. Runs on a thread of its
+/// own, which it spends.
+pub fn set_up(pid: u32, slot: &Slot) -> Result<UdpSocket, SetUpError> {
     let namespace = File::open(format!("/proc/{pid}/ns/net"))
         .map_err(|e| format!("the VMM's network namespace: {e}"))?;
     let own = File::open("/proc/self/ns/net").map_err(|e| format!("/proc/self/ns/net: {e}"))?;
@@ -25,11 +41,21 @@ pub fn set_up(pid: u32, slot: &Slot) -> Result<UdpSocket, String> {
     };
     if same(&namespace, &own) {
         return Err(
-            "guest networking needs jailed VMMs (each in a network namespace of its own)".into(),
+            "guest networking needs jailed VMMs (each in a network namespace of its own)"
+                .to_owned()
+                .into(),
         );
     }
     let uid = vmm_uid(pid)?;
-    let host_namespace = format!("/proc/{}/ns/net", std::process::id());
+    if let Err(e) = ip_batch(&format!(
+        "link add {veth} type veth peer name eth0 netns /proc/{pid}/ns/net\n",
+        veth = slot.host_veth()
+    )) {
+        return Err(match e.contains("File exists") {
+            true => SetUpError::Taken,
+            false => SetUpError::Failed(format!("on the host: {e}")),
+        });
+    }
     let slot = *slot;
     let socket = std::thread::spawn(move || -> Result<UdpSocket, String> {
         nix::sched::setns(&namespace, CloneFlags::CLONE_NEWNET)
@@ -39,12 +65,10 @@ pub fn set_up(pid: u32, slot: &Slot) -> Result<UdpSocket, String> {
              tuntap add dev {TAP} mode tap user {uid}\n\
              address add {gateway}/30 dev {TAP}\n\
              link set {TAP} up\n\
-             link add eth0 type veth peer name {veth} netns {host_namespace}\n\
              address add {inner}/30 dev eth0\n\
              link set eth0 up\n\
              route add default via {outer}\n",
             gateway = slot.gateway(),
-            veth = slot.host_veth(),
             inner = slot.namespace_end(),
             outer = slot.host_end(),
         ))
