@@ -1726,6 +1726,29 @@ fn ask_resolver(
     .unwrap()
 }
 
+/// A node serving `tg-net`: the test guest with a network that allows `localhost:8080`
+/// and `192.0.2.0/24:443` (the returned directory holds the node's files).
+async fn networked_node() -> (tempfile::TempDir, TestNode) {
+    let dir = tempfile::tempdir().unwrap();
+    let images = dir.path().join("images");
+    testguest_bundle_with(
+        &images,
+        "tg-net",
+        "\n[network]\nenabled = true\nallow = [\"localhost:8080\", \"192.0.2.0/24:443\"]\n",
+    );
+    (dir, bundle_node(images).await)
+}
+
+/// The network device of `session`'s VM, as its VMM reports it.
+async fn net_of(node: &TestNode, session: &str) -> agentvm_vmm_api::config::NetConfig {
+    let api = vm_dir(node, session).join("api.sock");
+    let info = agentvm_vmm_api::client::VmmClient::new(api)
+        .info()
+        .await
+        .unwrap();
+    info.config.net[0].clone()
+}
+
 /// A VM of an image with `[network]` gets a tap in its VMM's namespace, an address of its
 /// own and the egress policy on its device; its resolver answers only allowed names; a fork
 /// child gets another address and MAC; and everything goes with the sessions.
@@ -1736,28 +1759,11 @@ async fn a_networked_vm_gets_its_own_address_policy_and_resolver() {
         eprintln!("SKIPPED: {reason}");
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let images = dir.path().join("images");
-    testguest_bundle_with(
-        &images,
-        "tg-net",
-        "\n[network]\nenabled = true\nallow = [\"localhost:8080\", \"192.0.2.0/24:443\"]\n",
-    );
-    let node = bundle_node(images).await;
+    let (_dir, node) = networked_node().await;
     let mut c = node.c();
     let s = create_for(&mut c, "tg-net").await;
     assert_eq!(turn(&mut c, &s).await, "1");
-    let net_of = |session: &str| {
-        let api = vm_dir(&node, session).join("api.sock");
-        async move {
-            let info = agentvm_vmm_api::client::VmmClient::new(api)
-                .info()
-                .await
-                .unwrap();
-            info.config.net[0].clone()
-        }
-    };
-    let net = net_of(&s).await;
+    let net = net_of(&node, &s).await;
     assert_eq!(net.tap, "tap0");
     let policy = net.egress.clone().expect("an egress policy");
     assert_eq!(policy.allow.len(), 1, "the address entry: {policy:?}");
@@ -1775,7 +1781,7 @@ async fn a_networked_vm_gets_its_own_address_policy_and_resolver() {
 
     let children = fork(&mut c, &s, 1).await;
     assert_eq!(turn(&mut c, &children[0]).await, "2");
-    let child = net_of(&children[0]).await;
+    let child = net_of(&node, &children[0]).await;
     let child_policy = child.egress.clone().unwrap();
     assert_ne!(
         child_policy.guest_ip, policy.guest_ip,
@@ -1821,14 +1827,7 @@ async fn a_session_narrows_its_image_s_egress_list_and_cannot_widen_it() {
         eprintln!("SKIPPED: {reason}");
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let images = dir.path().join("images");
-    testguest_bundle_with(
-        &images,
-        "tg-net",
-        "\n[network]\nenabled = true\nallow = [\"localhost:8080\", \"192.0.2.0/24:443\"]\n",
-    );
-    let node = bundle_node(images).await;
+    let (_dir, node) = networked_node().await;
     let mut c = node.c();
     let create = |allow: &str| {
         let mut c = node.c();
@@ -1846,14 +1845,9 @@ async fn a_session_narrows_its_image_s_egress_list_and_cannot_widen_it() {
         }
     };
     let policy_of = |session: &str| {
-        let api = vm_dir(&node, session).join("api.sock");
-        async move {
-            let info = agentvm_vmm_api::client::VmmClient::new(api)
-                .info()
-                .await
-                .unwrap();
-            info.config.net[0].egress.clone().unwrap()
-        }
+        let node = &node;
+        let session = session.to_owned();
+        async move { net_of(node, &session).await.egress.unwrap() }
     };
 
     // Narrowed to the name alone: the address block is gone, the name still resolves.
