@@ -1672,6 +1672,18 @@ async fn suspend_all_covers_fork_children_and_every_session_goes_on() {
     }
 }
 
+/// Skips (saying why) where a networked microVM cannot run: no KVM, or no way to plumb its
+/// network.
+macro_rules! require_guest_network {
+    () => {
+        require_kvm!();
+        if let Some(reason) = network_unavailable() {
+            eprintln!("SKIPPED: {reason}");
+            return;
+        }
+    };
+}
+
 /// Why a guest network cannot be plumbed here, if it cannot (it needs root for namespaces
 /// and the tap, /dev/net/tun, and iproute2's `ip`).
 fn network_unavailable() -> Option<String> {
@@ -1754,11 +1766,7 @@ async fn net_of(node: &TestNode, session: &str) -> agentvm_vmm_api::config::NetC
 /// child gets another address and MAC; and everything goes with the sessions.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_networked_vm_gets_its_own_address_policy_and_resolver() {
-    require_kvm!();
-    if let Some(reason) = network_unavailable() {
-        eprintln!("SKIPPED: {reason}");
-        return;
-    }
+    require_guest_network!();
     let (_dir, node) = networked_node().await;
     let mut c = node.c();
     let s = create_for(&mut c, "tg-net").await;
@@ -1822,11 +1830,7 @@ async fn a_networked_vm_gets_its_own_address_policy_and_resolver() {
 /// at create, naming the field; one the image does not cover fails the session's start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_narrows_its_image_s_egress_list_and_cannot_widen_it() {
-    require_kvm!();
-    if let Some(reason) = network_unavailable() {
-        eprintln!("SKIPPED: {reason}");
-        return;
-    }
+    require_guest_network!();
     let (_dir, node) = networked_node().await;
     let mut c = node.c();
     let create = |allow: &str| {

@@ -197,20 +197,28 @@ impl Vm {
         // Before the memory: a fork resumes the VM once its RAM is frozen, and the disks must
         // be captured at the same instant as the memory that knows what it wrote to them. A
         // layered snapshot stores its disks as layers too, on the same chain.
-        let layered = match self.ram.backing() {
-            Backing::Private { top } => Snapshot::open(top)?.chain()?.len() < FLATTEN_AT,
-            Backing::Own => false,
+        // The snapshot the VM runs on and its chain, when it runs on one: a new snapshot is
+        // a layer over it unless the chain is long enough to flatten.
+        let under = match self.ram.backing() {
+            Backing::Private { top } => {
+                let top = Snapshot::open(top)?;
+                let chain = top.chain()?;
+                Some((top, chain))
+            }
+            Backing::Own => None,
         };
+        let layered = under
+            .as_ref()
+            .is_some_and(|(_, chain)| chain.len() < FLATTEN_AT);
         self.copy_disks(&mut writer, layered)?;
 
         let memory_path = dir.join(MEMORY_FILE);
-        let (digest_kind, digest, pages, zero_copy, base) = match (self.ram.backing().clone(), kind)
-        {
-            (Backing::Own, SaveKind::Snapshot) => {
+        let (digest_kind, digest, pages, zero_copy, base) = match (under, kind) {
+            (None, SaveKind::Snapshot) => {
                 let (digest, pages) = self.ram.write_full(&memory_path)?;
                 (DigestKind::Pages, digest, pages, false, None)
             }
-            (Backing::Own, SaveKind::Fork) => {
+            (None, SaveKind::Fork) => {
                 let (devices, vcpus) = (&self.devices, &self.vcpus);
                 let (digest, pages, linked) =
                     self.ram.freeze_into_then(&memory_path, dir, || {
@@ -220,11 +228,9 @@ impl Vm {
                     })?;
                 (DigestKind::Pages, digest, pages, linked, None)
             }
-            (Backing::Private { top }, _) => {
-                let top = Snapshot::open(&top)?;
-                let chain = top.chain()?;
+            (Some((top, chain)), _) => {
                 let files: Vec<PathBuf> = chain.iter().map(|s| s.path(MEMORY_FILE)).collect();
-                if chain.len() >= FLATTEN_AT {
+                if !layered {
                     // Long chains cost restore time and pin every base: start afresh.
                     let (digest, pages) = self.ram.write_flattened(&files, &memory_path)?;
                     (DigestKind::Pages, digest, pages, false, None)
@@ -241,7 +247,6 @@ impl Vm {
             }
         };
         writer.add_memory_file(MEMORY_FILE, digest_kind, digest)?;
-        debug_assert_eq!(layered, base.is_some(), "disks and memory layered alike");
         writer.finish(
             HostIdentity::current(Flavour::detect().name()),
             env!("CARGO_PKG_VERSION"),
