@@ -316,10 +316,7 @@ impl Networks {
     /// Serves the resolver of a VMM that outlived the daemon that attached its network (its
     /// record sits beside the VMM's API socket); nothing for a VMM without a network.
     pub async fn reattach(&self, session: &str, pid: u32, api: &Path) -> Result<(), String> {
-        let path = attached_file(api);
-        let Ok(bytes) = std::fs::read(&path) else {
-            return Ok(());
-        };
+        // Served already (the common case: every attach of a running session comes here).
         if self
             .resolvers
             .lock()
@@ -328,6 +325,10 @@ impl Networks {
         {
             return Ok(());
         }
+        let path = attached_file(api);
+        let Ok(bytes) = std::fs::read(&path) else {
+            return Ok(());
+        };
         let record: Attached =
             serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
         let allow = record
