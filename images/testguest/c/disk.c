@@ -25,9 +25,10 @@ enum { T_IN = 0, T_OUT = 1, T_FLUSH = 4, T_GET_ID = 8 };
 
 static u32 base;
 static int ready;
-static u8 ring[3][4096] __attribute__((aligned(4096)));
+/* Written before read (the queue set-up zeroes the ring headers), so left out of .bss. */
+static u8 ring[3][4096] TG_BIG __attribute__((aligned(4096)));
 static u8 header[16];
-static u8 sector[512] __attribute__((aligned(512)));
+static u8 sector[512] TG_BIG __attribute__((aligned(512)));
 static volatile u8 status_byte;
 static u16 avail_idx, used_seen;
 

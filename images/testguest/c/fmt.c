@@ -8,8 +8,24 @@ static const u64 pow10[20] = {
 	10000000ull, 1000000ull, 100000ull, 10000ull, 1000ull, 100ull, 10ull, 1ull,
 };
 
+/* The common case (counts, ids, sizes): the CPU's own 32-bit division, a digit at a time. */
+static u32 fmt_u32(char *out, u32 v)
+{
+	char rev[10];
+	u32 n = 0, len = 0;
+	do {
+		rev[n++] = (char)('0' + v % 10);
+		v /= 10;
+	} while (v);
+	while (n)
+		out[len++] = rev[--n];
+	return len;
+}
+
 u32 tg_fmt_u64(char *out, u64 v)
 {
+	if (!(v >> 32))
+		return fmt_u32(out, (u32)v);
 	u32 n = 0, i = 0;
 	while (i < 19 && v < pow10[i])
 		i++;

@@ -35,7 +35,7 @@ static int echo_mode;
 static u64 restore_generation;
 static u32 identity_len;
 static int has_identity;
-static u8 identity[MAX_IDENTITY];
+static u8 identity[MAX_IDENTITY] TG_BIG; /* read only up to identity_len */
 /* What the last Restored notice said. Nothing reads it back; it is there for whoever inspects
  * guest memory (a snapshot, a debugger), hence external so the stores are not optimised out. */
 struct tg_restore_record tg_restore_record;
@@ -45,7 +45,7 @@ static u32 dirty_prev_stamp;
 static u32 dirty_prev_pages;
 
 /* One reply is encoded here at a time; the largest is a Ready carrying MAX_IDENTITY. */
-static u8 scratch[8192];
+static u8 scratch[8192] TG_BIG;
 
 void tg_dirty_setup(u8 *base, u32 pages)
 {

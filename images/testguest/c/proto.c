@@ -1,19 +1,27 @@
 /* Protobuf wire primitives. Every length is checked against the remaining input first. */
 #include "proto.h"
 
-int pb_varint(struct pb_dec *d, u64 *v)
+int pb_varint_long(struct pb_dec *d, u64 *v)
 {
-	u64 x = 0;
+	/* In 32-bit halves, as pb_put_varint_long encodes. */
+	u32 lo = 0, hi = 0;
 	for (u32 i = 0; i < 10; i++) {
 		if (d->p >= d->end)
 			return -1;
-		u8 b = *d->p++;
+		u32 b = *d->p++;
 		/* The tenth byte holds only bit 63. */
 		if (i == 9 && b > 1)
 			return -1;
-		x |= (u64)(b & 0x7f) << (7 * i);
+		u32 bits = b & 0x7f, shift = 7 * i;
+		if (shift < 32) {
+			lo |= bits << shift;
+			if (shift > 25)
+				hi |= bits >> (32 - shift);
+		} else {
+			hi |= bits << (shift - 32);
+		}
 		if (!(b & 0x80)) {
-			*v = x;
+			*v = (u64)hi << 32 | lo;
 			return 0;
 		}
 	}
@@ -143,34 +151,24 @@ static void put_byte(struct pb_enc *e, u8 b)
 		e->overflow = 1;
 }
 
-void pb_put_varint(struct pb_enc *e, u64 v)
+void pb_put_varint_long(struct pb_enc *e, u64 v)
 {
-	while (v >= 0x80) {
-		put_byte(e, (u8)v | 0x80);
-		v >>= 7;
+	/* In 32-bit halves: 64-bit shifts and compares cost several instructions each here. */
+	u32 lo = (u32)v, hi = (u32)(v >> 32);
+	while (hi) {
+		put_byte(e, (u8)lo | 0x80);
+		lo = lo >> 7 | hi << 25;
+		hi >>= 7;
 	}
-	put_byte(e, (u8)v);
+	while (lo >= 0x80) {
+		put_byte(e, (u8)lo | 0x80);
+		lo >>= 7;
+	}
+	put_byte(e, (u8)lo);
 }
 
-void pb_put_key(struct pb_enc *e, u32 field, u32 wire_type)
+void pb_put_raw(struct pb_enc *e, const void *p, u32 n)
 {
-	pb_put_varint(e, (u64)field << 3 | wire_type);
-}
-
-void pb_put_uint(struct pb_enc *e, u32 field, u64 v)
-{
-	if (!v)
-		return;
-	pb_put_key(e, field, PB_VARINT);
-	pb_put_varint(e, v);
-}
-
-void pb_put_bytes(struct pb_enc *e, u32 field, const void *p, u32 n)
-{
-	if (!n)
-		return;
-	pb_put_key(e, field, PB_LEN);
-	pb_put_varint(e, n);
 	if (n > e->cap - e->len) {
 		e->overflow = 1;
 		return;
@@ -184,21 +182,15 @@ void pb_put_str(struct pb_enc *e, u32 field, const char *s)
 	pb_put_bytes(e, field, s, tg_strlen(s));
 }
 
-u32 pb_open(struct pb_enc *e, u32 field)
-{
-	if (field)
-		pb_put_key(e, field, PB_LEN);
-	u32 mark = e->len;
-	/* One byte for the length; pb_close moves the body if it needs more. */
-	put_byte(e, 0);
-	return mark;
-}
-
 void pb_close(struct pb_enc *e, u32 mark)
 {
 	if (e->overflow)
 		return;
 	u32 body = e->len - mark - 1;
+	if (body < 0x80) { /* the byte pb_open left is enough */
+		e->buf[mark] = (u8)body;
+		return;
+	}
 	u8 tmp[10];
 	struct pb_enc l = {tmp, sizeof tmp, 0, 0};
 	pb_put_varint(&l, body);

@@ -15,7 +15,17 @@ struct pb_dec {
 };
 
 /* All return 0 on success and -1 on malformed or truncated input. */
-int pb_varint(struct pb_dec *d, u64 *v);
+int pb_varint_long(struct pb_dec *d, u64 *v);
+/* Nearly every varint on this wire (keys, lengths, enums, small ids) is one byte, and under
+ * PVM's emulator each guest instruction costs ~0.5 us: that case is inline and short. */
+static inline int pb_varint(struct pb_dec *d, u64 *v)
+{
+	if (d->p < d->end && !(*d->p & 0x80)) {
+		*v = *d->p++;
+		return 0;
+	}
+	return pb_varint_long(d, v);
+}
 /* A field key: rejects field number 0, keys over 32 bits and wire types 3, 4, 6, 7. */
 int pb_key(struct pb_dec *d, u32 *field, u32 *wire_type);
 /* A length-delimited payload that must lie within the input. */
@@ -39,16 +49,48 @@ struct pb_enc {
 	int overflow; /* set once anything did not fit; the output is then garbage */
 };
 
-void pb_put_varint(struct pb_enc *e, u64 v);
-void pb_put_key(struct pb_enc *e, u32 field, u32 wire_type);
+void pb_put_varint_long(struct pb_enc *e, u64 v);
+static inline void pb_put_varint(struct pb_enc *e, u64 v)
+{
+	if (v < 0x80 && e->len < e->cap)
+		e->buf[e->len++] = (u8)v;
+	else
+		pb_put_varint_long(e, v);
+}
+static inline void pb_put_key(struct pb_enc *e, u32 field, u32 wire_type)
+{
+	pb_put_varint(e, (u64)field << 3 | wire_type);
+}
 /* proto3 scalars: nothing is written for 0. */
-void pb_put_uint(struct pb_enc *e, u32 field, u64 v);
+static inline void pb_put_uint(struct pb_enc *e, u32 field, u64 v)
+{
+	if (!v)
+		return;
+	pb_put_key(e, field, PB_VARINT);
+	pb_put_varint(e, v);
+}
+void pb_put_raw(struct pb_enc *e, const void *p, u32 n);
 /* A string or bytes field; nothing is written when empty. */
-void pb_put_bytes(struct pb_enc *e, u32 field, const void *p, u32 n);
+static inline void pb_put_bytes(struct pb_enc *e, u32 field, const void *p, u32 n)
+{
+	if (!n)
+		return;
+	pb_put_key(e, field, PB_LEN);
+	pb_put_varint(e, n);
+	pb_put_raw(e, p, n);
+}
 void pb_put_str(struct pb_enc *e, u32 field, const char *s);
 /* A length-delimited field whose bytes follow: write them after this, then pb_close(mark).
- * Field 0 writes no key, just the length (a frame's prefix). Always present, even if empty. */
-u32 pb_open(struct pb_enc *e, u32 field);
+ * Field 0 writes no key, just the length (a frame's prefix). Always present, even if empty.
+ * The length gets one byte here; pb_close moves the body if it needs more. */
+static inline u32 pb_open(struct pb_enc *e, u32 field)
+{
+	if (field)
+		pb_put_key(e, field, PB_LEN);
+	u32 mark = e->len;
+	pb_put_varint(e, 0);
+	return mark;
+}
 void pb_close(struct pb_enc *e, u32 mark);
 
 #endif

@@ -1102,6 +1102,55 @@ fn replies_are_canonical_protobuf() {
 }
 
 #[test]
+fn ids_of_every_varint_width_come_back_canonical() {
+    // The codec works in 32-bit halves: every boundary of a varint's width, both halves.
+    let mut d = Driver::spawn();
+    d.cmd(b'i', &[3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+    let mut ids: Vec<u64> = vec![1, u64::MAX, 1 << 63];
+    for bits in [7u32, 14, 21, 28, 31, 32, 35, 42, 49, 56] {
+        ids.extend([(1u64 << bits) - 1, 1u64 << bits, (1u64 << bits) | 0x55]);
+    }
+    for id in ids {
+        let request = env(id, Body::HealthCheck(HealthCheck {}));
+        let expected = frame_bytes(&env(
+            id,
+            Body::HealthReport(HealthReport {
+                harness_running: true,
+                ..Default::default()
+            }),
+        ));
+        let got: Vec<Vec<u8>> = d
+            .cmd(b'e', &request.encode_to_vec())
+            .into_iter()
+            .filter_map(|out| match out {
+                Out::Frame(f) => Some(f),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(got, vec![expected], "id {id:#x}");
+        // And a stream id of the same width through a counter turn.
+        let exec = format!("e{id}");
+        let frames: Vec<Vec<u8>> = d
+            .cmd(b'e', &start(id, id, &exec).encode_to_vec())
+            .into_iter()
+            .filter_map(|out| match out {
+                Out::Frame(f) => Some(f),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(frames.len(), 3, "id {id:#x}");
+        let decoded: Vec<Envelope> = frames
+            .iter()
+            .map(|f| {
+                let mut b = &f[..];
+                Envelope::decode_length_delimited(&mut b).unwrap()
+            })
+            .collect();
+        assert!(decoded.iter().all(|e| e.id == id), "id {id:#x}: {decoded:?}");
+    }
+}
+
+#[test]
 fn malformed_frames_get_invalid_argument_then_rst() {
     let bodies: Vec<Vec<u8>> = vec![
         vec![0x12, 0x05], // hello claiming 5 bytes that are not there
