@@ -43,16 +43,18 @@ u32 tg_fmt_u64(char *out, u64 v)
 
 u32 tg_strlen(const char *s)
 {
-	u32 n = 0;
-	while (s[n])
-		n++;
-	return n;
+	/* A string instruction: one emulated iteration per byte instead of a loop's several. */
+	const char *p = s;
+	size_t left = ~(size_t)0;
+	__asm__ volatile("repne scasb" : "+D"(p), "+c"(left) : "a"(0) : "memory", "cc");
+	return (u32)(p - s - 1);
 }
 
 void line_str(struct tg_line *l, const char *s)
 {
-	while (*s && l->len < TG_LINE_MAX)
-		l->buf[l->len++] = *s++;
+	u32 n = TG_MIN(tg_strlen(s), TG_LINE_MAX - l->len);
+	memcpy(l->buf + l->len, s, n);
+	l->len += n;
 }
 
 void line_u64(struct tg_line *l, u64 v)

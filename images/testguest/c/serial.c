@@ -23,9 +23,13 @@ void plat_line(const char *s, u32 n)
 		outb(COM1 + 2, 0x07); /* FCR: enable and clear both FIFOs */
 		fifo_on = 1;
 	}
-	for (u32 i = 0; i <= n; i++) {
-		if (i % FIFO_DEPTH == 0)
-			wait_fifo_empty();
-		outb(COM1, i < n ? (u8)s[i] : (u8)'\n');
+	for (u32 i = 0; i < n; i += FIFO_DEPTH) {
+		u32 chunk = TG_MIN(n - i, (u32)FIFO_DEPTH);
+		const char *p = s + i;
+		wait_fifo_empty();
+		__asm__ volatile("rep outsb" : "+S"(p), "+c"(chunk) : "d"(COM1) : "memory");
 	}
+	if (n % FIFO_DEPTH == 0)
+		wait_fifo_empty();
+	outb(COM1, '\n');
 }

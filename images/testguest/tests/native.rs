@@ -1146,7 +1146,10 @@ fn ids_of_every_varint_width_come_back_canonical() {
                 Envelope::decode_length_delimited(&mut b).unwrap()
             })
             .collect();
-        assert!(decoded.iter().all(|e| e.id == id), "id {id:#x}: {decoded:?}");
+        assert!(
+            decoded.iter().all(|e| e.id == id),
+            "id {id:#x}: {decoded:?}"
+        );
     }
 }
 
