@@ -2,7 +2,7 @@
 //! Everything else goes through `nix` and the standard library; the crate root denies
 //! `unsafe` outside this module.
 //!
-//! - [`clone_and_exec`] starts a (jailed) child with clone3 and runs its [`Step`]s between
+//! - [`clone_and_exec`] starts a (jailed) child with clone(CLONE_VM) and runs its [`Step`]s between
 //!   clone and exec: code there may not allocate, so it makes raw calls on memory prepared
 //!   before the clone.
 //! - [`pidfd_open`], [`dup_above`] and [`die_with_parent`] have no wrapper in `nix`, and
@@ -86,10 +86,19 @@ pub fn clone_and_exec(
     argv.push(std::ptr::null());
     let mut envp: Vec<*const libc::c_char> = env.iter().map(|e| e.as_ptr()).collect();
     envp.push(std::ptr::null());
-    // SAFETY: zeroed clone_args are valid; the fields set below are the only ones used.
-    let mut clone_args: libc::clone_args = unsafe { std::mem::zeroed() };
-    clone_args.flags = namespaces.bits() as u64;
-    clone_args.exit_signal = libc::SIGCHLD as u64;
+    let child_args = ChildArgs {
+        steps,
+        binary: binary.as_raw_fd(),
+        argv: &argv,
+        envp: &envp,
+        report: report.as_raw_fd(),
+    };
+    // The child runs on a stack of its own in this address space until it execs (CLONE_VM,
+    // as posix_spawn does): a fork would first copy the daemon's page tables, about a
+    // millisecond of every VM start, only for exec to throw them away.
+    let mut stack = vec![0u8; CHILD_STACK];
+    let stack_top = stack.as_mut_ptr_range().end as usize & !15;
+    let flags = namespaces.bits() | libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD;
     // Every signal blocked in this thread across the clone: the child must not run one of the
     // daemon's handlers before it has reset them.
     let mut saved = SigSet::empty();
@@ -98,20 +107,21 @@ pub fn clone_and_exec(
         Some(&SigSet::all()),
         Some(&mut saved),
     )?;
-    // SAFETY: clone3 without CLONE_VM and with no stack behaves as fork: the child runs on
-    // a copy of this stack. It only runs `child`, which never returns.
+    // SAFETY: the child starts in `child_entry` on `stack`, which nothing else uses and
+    // which outlives it: CLONE_VFORK suspends this thread until the child has exec'd or
+    // exited, and only then is `stack` (or `child_args`) dropped. The child shares this
+    // memory but only reads it (steps, argv, envp) and writes its own stack; it has its own
+    // copy of the signal handlers (no CLONE_SIGHAND) and of the descriptor table (no
+    // CLONE_FILES), so what it changes there stays its own.
     let pid = unsafe {
-        libc::syscall(
-            libc::SYS_clone3,
-            &mut clone_args as *mut libc::clone_args,
-            std::mem::size_of::<libc::clone_args>(),
+        libc::clone(
+            child_entry,
+            stack_top as *mut libc::c_void,
+            flags,
+            &child_args as *const ChildArgs as *mut libc::c_void,
         )
     };
-    if pid == 0 {
-        // SAFETY: this is the freshly cloned child; every pointer is into its copy of the
-        // parent's memory.
-        unsafe { child(steps, binary.as_raw_fd(), &argv, &envp, report.as_raw_fd()) }
-    }
+    drop(stack);
     let cloned = match pid {
         pid if pid < 0 => Err(io::Error::last_os_error()),
         pid => Ok(Pid::from_raw(pid as libc::pid_t)),
@@ -120,12 +130,33 @@ pub fn clone_and_exec(
     cloned
 }
 
+/// The child's stack: ample for the steps, which use small fixed buffers.
+const CHILD_STACK: usize = 256 << 10;
+
+/// What `child_entry` gets: memory of the parent's, read-only to the child.
+struct ChildArgs<'a> {
+    steps: &'a [Step],
+    binary: RawFd,
+    argv: &'a [*const libc::c_char],
+    envp: &'a [*const libc::c_char],
+    report: RawFd,
+}
+
+extern "C" fn child_entry(arg: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: `arg` is the `ChildArgs` clone_and_exec passed, alive while its thread waits
+    // for this child to exec or exit (CLONE_VFORK); this is that freshly cloned child.
+    unsafe {
+        let args = &*(arg as *const ChildArgs);
+        child(args.steps, args.binary, args.argv, args.envp, args.report)
+    }
+}
+
 /// The cloned child: runs `steps`, then execs the binary behind `binary`. Reports the first
 /// failure (step index, errno; index `steps.len()` for the exec) on `report`.
 ///
 /// # Safety
-/// Call only in a freshly cloned child; every pointer stays valid (the memory is the
-/// parent's copy).
+/// Call only in a freshly cloned child; every pointer stays valid (the parent's memory,
+/// which the parent leaves alone until this child has exec'd or exited).
 unsafe fn child(
     steps: &[Step],
     binary: RawFd,

@@ -493,6 +493,7 @@ impl MicrovmRuntime {
             .prepare(session, &dir, files)
             .inspect_err(|_| self.discard(session, &dir))
             .map_err(|e| failed(session, format!("jailing its VMM: {e}")))?;
+        let prepared = started.elapsed();
         let confined = match vmm_process::spawn(
             &self.config.vmm_binary,
             &dir,
@@ -514,6 +515,7 @@ impl MicrovmRuntime {
             Ok(()) => {
                 tracing::debug!(
                     session,
+                    prepared_ms = prepared.as_secs_f64() * 1e3,
                     spawned_ms = spawned.as_secs_f64() * 1e3,
                     ready_ms = started.elapsed().as_secs_f64() * 1e3,
                     "VMM started"

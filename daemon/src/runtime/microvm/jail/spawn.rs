@@ -109,7 +109,7 @@ pub fn spawn(command: &Command) -> Result<u32, String> {
         &env,
         report_write.as_fd(),
     )
-    .map_err(|e| format!("clone3 (namespaces {:#x}): {e}", namespaces.bits()))?;
+    .map_err(|e| format!("clone (namespaces {:#x}): {e}", namespaces.bits()))?;
     drop(report_write);
     let mut report = [0u8; 8];
     let mut got = 0;
