@@ -266,6 +266,14 @@ impl VmmClient {
         self.put_json(endpoint::VM_EGRESS_ALLOW, &body).await
     }
 
+    /// `PUT vmm.ram-dir` (agentvm extension).
+    pub async fn set_ram_dir(&self, path: Option<&std::path::Path>) -> Result<(), ClientError> {
+        let body = crate::types::VmmRamDir {
+            path: path.map(std::path::Path::to_path_buf),
+        };
+        self.put_json(endpoint::VMM_RAM_DIR, &body).await
+    }
+
     /// `vm.pause`, where "already paused" counts as success: on a wrong-state answer (500, or
     /// 409 from Cloud Hypervisor v53 on) it reads the VM's state and returns Ok if the VM is
     /// `Paused`, else the original error.

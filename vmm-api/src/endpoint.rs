@@ -35,6 +35,10 @@ pub const VM_FORK: &str = "vm.fork";
 /// VM's egress policy.
 pub const VM_EGRESS_ALLOW: &str = "vm.egress-allow";
 
+/// `PUT` with a `VmmRamDir` body (agentvm extension): where the next VM's RAM file goes. A
+/// VMM started ahead of its VM (a node's pool) learns its directory only once it is claimed.
+pub const VMM_RAM_DIR: &str = "vmm.ram-dir";
+
 /// The request path of `endpoint`: `path("vm.boot") == "/api/v1/vm.boot"`.
 pub fn path(endpoint: &str) -> String {
     format!("{API_PREFIX}{endpoint}")

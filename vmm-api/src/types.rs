@@ -335,3 +335,23 @@ pub fn dir_from_url(field: &str, url: &str) -> Result<std::path::PathBuf, crate:
     }
     Ok(std::path::PathBuf::from(path))
 }
+
+/// `PUT vmm.ram-dir` (agentvm extension): the directory, a tmpfs, the next booted VM's RAM
+/// file goes in (as `--ram-dir` says at start); `null` puts it in a memfd.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmmRamDir {
+    pub path: Option<std::path::PathBuf>,
+}
+
+impl VmmRamDir {
+    /// A path must be absolute: the VMM may run elsewhere than its caller.
+    pub fn check(&self) -> Result<(), String> {
+        match &self.path {
+            Some(path) if !path.is_absolute() => {
+                Err(format!("path: {} is not absolute", path.display()))
+            }
+            _ => Ok(()),
+        }
+    }
+}

@@ -614,6 +614,19 @@ impl VmmBackend for Vmm {
         Ok(())
     }
 
+    fn set_ram_dir(&self, request: agentvm_vmm_api::types::VmmRamDir) -> Result<(), ApiError> {
+        if let Some(path) = &request.path
+            && !path.is_dir()
+        {
+            return Err(ApiError::bad_request(format!(
+                "path: {} is not a directory this VMM can see",
+                path.display()
+            )));
+        }
+        *self.ram_dir.lock().unwrap_or_else(|p| p.into_inner()) = request.path;
+        Ok(())
+    }
+
     fn egress_allow(&self, request: VmEgressAllow) -> Result<(), ApiError> {
         let parsed = request
             .parse()

@@ -168,3 +168,26 @@ async fn one_shot_mode_boots_and_exits_with_the_guest() {
     assert!(!sock.exists());
     vmm.shutdown().await;
 }
+
+#[tokio::test]
+async fn the_ram_directory_is_set_through_the_api_before_the_vm_boots() {
+    require_kvm!();
+    let vmm = Vmm::spawn().await;
+    // Refused with the field named: relative, or not a directory the VMM sees.
+    let text = messages(vmm.client.set_ram_dir(Some("relative/dir".as_ref())).await);
+    assert!(text.contains("path") && text.contains("not absolute"), "{text}");
+    let missing = vmm.dir.path().join("missing");
+    let text = messages(vmm.client.set_ram_dir(Some(&missing)).await);
+    assert!(text.contains("path") && text.contains("not a directory"), "{text}");
+
+    let ram = tempfile::tempdir_in("/dev/shm").unwrap();
+    vmm.client.set_ram_dir(Some(ram.path())).await.unwrap();
+    vmm.boot(&vmm.config(1, 64, "")).await;
+    // The guest's RAM is an unnamed file in that directory, mapped by the VMM.
+    let maps = std::fs::read_to_string(format!("/proc/{}/maps", vmm.pid())).unwrap();
+    let prefix = format!("{}/", ram.path().display());
+    assert!(
+        maps.lines().any(|l| l.contains(&prefix) && l.ends_with("(deleted)")),
+        "no RAM file in {prefix}:\n{maps}"
+    );
+}

@@ -3,7 +3,7 @@
 use crate::config::VmConfig;
 use crate::error::ApiError;
 use crate::types::{
-    RestoreConfig, VmCounters, VmEgressAllow, VmForkConfig, VmInfo, VmSnapshotConfig,
+    RestoreConfig, VmCounters, VmEgressAllow, VmForkConfig, VmInfo, VmSnapshotConfig, VmmRamDir,
     VmmPingResponse,
 };
 
@@ -60,6 +60,13 @@ pub trait VmmBackend: Send + Sync + 'static {
     fn egress_allow(&self, request: VmEgressAllow) -> Result<(), ApiError> {
         let _ = request;
         Err(ApiError::not_found("this VMM has no network devices"))
+    }
+
+    /// `PUT vmm.ram-dir`: where the next booted VM's RAM file goes. A backend that keeps
+    /// guest RAM elsewhere need not implement it.
+    fn set_ram_dir(&self, request: VmmRamDir) -> Result<(), ApiError> {
+        let _ = request;
+        Err(ApiError::not_found("this VMM does not place RAM files"))
     }
 
     /// `PUT vmm.shutdown`: called before the 200 is sent; the server then stops serving and

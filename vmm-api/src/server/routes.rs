@@ -118,6 +118,7 @@ static ROUTES: &[Route] = &[
         BodyRule::Required,
         egress_allow,
     ),
+    route(endpoint::VMM_RAM_DIR, Verb::Put, BodyRule::Required, ram_dir),
     Route {
         stops_server: true,
         ..route(
@@ -239,6 +240,14 @@ fn egress_allow(body: &[u8]) -> Result<Call, ApiError> {
         .parse()
         .map_err(|e| ApiError::bad_request("invalid egress rules").caused_by(e.to_string()))?;
     call(move |b| no_content(b.egress_allow(request)))
+}
+
+fn ram_dir(body: &[u8]) -> Result<Call, ApiError> {
+    let request: crate::types::VmmRamDir = decode(body, "RAM directory")?;
+    request
+        .check()
+        .map_err(|e| ApiError::bad_request("invalid RAM directory").caused_by(e))?;
+    call(move |b| no_content(b.set_ram_dir(request)))
 }
 
 fn shutdown_vmm(_: &[u8]) -> Result<Call, ApiError> {
