@@ -86,13 +86,60 @@ pub fn clone_and_exec(
     argv.push(std::ptr::null());
     let mut envp: Vec<*const libc::c_char> = env.iter().map(|e| e.as_ptr()).collect();
     envp.push(std::ptr::null());
-    let child_args = ChildArgs {
+    clone_child(&ChildArgs {
         steps,
-        binary: binary.as_raw_fd(),
-        argv: &argv,
-        envp: &envp,
+        exec: Some(Exec {
+            binary: binary.as_raw_fd(),
+            argv: &argv,
+            envp: &envp,
+        }),
         report: report.as_raw_fd(),
+    }, namespaces)
+}
+
+/// Runs `steps` in a child cloned for them alone (as root, in this process's namespaces
+/// until a step enters others), and waits for it. A step that fails is named by its index,
+/// with its errno.
+pub fn run_in_child(steps: &[Step]) -> Result<(), (usize, i32)> {
+    use nix::fcntl::OFlag;
+    let (read, write) = nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| (steps.len(), e as i32))?;
+    let pid = clone_child(
+        &ChildArgs {
+            steps,
+            exec: None,
+            report: write.as_raw_fd(),
+        },
+        CloneFlags::empty(),
+    )
+    .map_err(|e| (steps.len(), e.raw_os_error().unwrap_or(libc::EIO)))?;
+    drop(write);
+    let mut report = [0u8; 8];
+    let got = loop {
+        match nix::unistd::read(&read, &mut report) {
+            Err(nix::errno::Errno::EINTR) => continue,
+            other => break other.unwrap_or(0),
+        }
     };
+    let status = loop {
+        match nix::sys::wait::waitpid(pid, None) {
+            Err(nix::errno::Errno::EINTR) => continue,
+            other => break other,
+        }
+    };
+    if got == report.len() {
+        let index = u32::from_le_bytes(report[..4].try_into().unwrap_or_default()) as usize;
+        let errno = i32::from_le_bytes(report[4..].try_into().unwrap_or_default());
+        return Err((index, errno));
+    }
+    match status {
+        Ok(nix::sys::wait::WaitStatus::Exited(_, 0)) => Ok(()),
+        _ => Err((steps.len(), libc::ECHILD)),
+    }
+}
+
+/// Clones the child `args` describes into new `namespaces`; returns once it has exec'd or
+/// exited.
+fn clone_child(child_args: &ChildArgs, namespaces: CloneFlags) -> io::Result<Pid> {
     // The child runs on a stack of its own in this address space until it execs (CLONE_VM,
     // as posix_spawn does): a fork would first copy the daemon's page tables, about a
     // millisecond of every VM start, only for exec to throw them away.
@@ -118,7 +165,7 @@ pub fn clone_and_exec(
             child_entry,
             stack_top as *mut libc::c_void,
             flags,
-            &child_args as *const ChildArgs as *mut libc::c_void,
+            child_args as *const ChildArgs as *mut libc::c_void,
         )
     };
     drop(stack);
@@ -136,10 +183,15 @@ const CHILD_STACK: usize = 256 << 10;
 /// What `child_entry` gets: memory of the parent's, read-only to the child.
 struct ChildArgs<'a> {
     steps: &'a [Step],
+    /// What to exec once the steps are done; without it the child exits 0.
+    exec: Option<Exec<'a>>,
+    report: RawFd,
+}
+
+struct Exec<'a> {
     binary: RawFd,
     argv: &'a [*const libc::c_char],
     envp: &'a [*const libc::c_char],
-    report: RawFd,
 }
 
 extern "C" fn child_entry(arg: *mut libc::c_void) -> libc::c_int {
@@ -147,7 +199,7 @@ extern "C" fn child_entry(arg: *mut libc::c_void) -> libc::c_int {
     // for this child to exec or exit (CLONE_VFORK); this is that freshly cloned child.
     unsafe {
         let args = &*(arg as *const ChildArgs);
-        child(args.steps, args.binary, args.argv, args.envp, args.report)
+        child(args.steps, args.exec.as_ref(), args.report)
     }
 }
 
@@ -157,13 +209,7 @@ extern "C" fn child_entry(arg: *mut libc::c_void) -> libc::c_int {
 /// # Safety
 /// Call only in a freshly cloned child; every pointer stays valid (the parent's memory,
 /// which the parent leaves alone until this child has exec'd or exited).
-unsafe fn child(
-    steps: &[Step],
-    binary: RawFd,
-    argv: &[*const libc::c_char],
-    envp: &[*const libc::c_char],
-    report: RawFd,
-) -> ! {
+unsafe fn child(steps: &[Step], exec: Option<&Exec>, report: RawFd) -> ! {
     let fail = |index: usize, errno: i32| -> ! {
         let mut message = [0u8; 8];
         message[..4].copy_from_slice(&(index as u32).to_le_bytes());
@@ -181,17 +227,84 @@ unsafe fn child(
             fail(index, errno);
         }
     }
+    let Some(exec) = exec else {
+        // SAFETY: leaves without running any of the parent's atexit handlers or destructors.
+        unsafe { libc::_exit(0) }
+    };
     // SAFETY: execveat of a descriptor opened before the clone, with NULL-terminated
-    // argument and environment arrays whose strings live in this copy of the parent.
+    // argument and environment arrays whose strings live in the parent's memory.
     unsafe {
         libc::syscall(
             libc::SYS_execveat,
-            binary,
+            exec.binary,
             c"".as_ptr(),
-            argv.as_ptr(),
-            envp.as_ptr(),
+            exec.argv.as_ptr(),
+            exec.envp.as_ptr(),
             libc::AT_EMPTY_PATH,
         );
     }
     fail(steps.len(), last_errno())
+}
+
+/// Mount attributes (mount_setattr(2)) a detached tree can be given.
+pub const MOUNT_ATTR_RDONLY: u64 = 0x1;
+pub const MOUNT_ATTR_NOSUID: u64 = 0x2;
+pub const MOUNT_ATTR_NODEV: u64 = 0x4;
+pub const MOUNT_ATTR_NOEXEC: u64 = 0x8;
+
+/// struct mount_attr of mount_setattr(2).
+#[repr(C)]
+struct MountAttr {
+    attr_set: u64,
+    attr_clr: u64,
+    propagation: u64,
+    userns_fd: u64,
+}
+
+/// A detached, private copy of the mount tree at `path` with `attributes` (the
+/// `MOUNT_ATTR_*` above) set on all of it, ready to be attached anywhere — including in
+/// another process's mount namespace ([`Step::MoveMount`] after [`Step::Setns`]). Unlike a
+/// bind mount remounted afterwards, it is never visible without its attributes.
+pub fn detached_tree(path: &std::path::Path, attributes: u64) -> io::Result<OwnedFd> {
+    const OPEN_TREE_CLONE: libc::c_uint = 1;
+    let path = cpath(path).map_err(io::Error::other)?;
+    // SAFETY: open_tree takes a NUL-terminated path and flags and returns a new descriptor
+    // or -1; no memory is shared.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_open_tree,
+            libc::AT_FDCWD,
+            path.as_ptr(),
+            OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint | libc::AT_RECURSIVE as libc::c_uint,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the syscall returned a fresh fd that nothing else owns.
+    let tree = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+    let attr = MountAttr {
+        attr_set: attributes,
+        attr_clr: 0,
+        // A copy of a shared mount would stay its peer: nothing mounted later under the
+        // source may appear where this one goes, nor the other way round.
+        propagation: libc::MS_PRIVATE,
+        userns_fd: 0,
+    };
+    // SAFETY: mount_setattr reads `attr` (its size given) and changes only the detached
+    // tree behind `tree`, which this process alone holds.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH | libc::AT_RECURSIVE,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(tree)
 }

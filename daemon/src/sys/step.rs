@@ -69,7 +69,20 @@ pub enum Step {
     CloseInherited {
         first: u32,
     },
+    /// Enters the namespace behind `fd` (a /proc/PID/ns/* descriptor) of type `nstype`.
+    Setns {
+        fd: RawFd,
+        nstype: libc::c_int,
+    },
+    /// Attaches the detached mount tree `fd` (see `sys::detached_tree`) at `target`.
+    MoveMount {
+        fd: RawFd,
+        target: CString,
+    },
 }
+
+/// move_mount(2): the source is the descriptor itself.
+const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
 
 pub fn cstring(bytes: &[u8]) -> Result<CString, String> {
     CString::new(bytes)
@@ -203,6 +216,15 @@ impl Step {
                     *first,
                     u32::MAX,
                     libc::CLOSE_RANGE_CLOEXEC,
+                )),
+                Step::Setns { fd, nstype } => check(libc::setns(*fd, *nstype).into()),
+                Step::MoveMount { fd, target } => check(libc::syscall(
+                    libc::SYS_move_mount,
+                    *fd,
+                    c"".as_ptr(),
+                    libc::AT_FDCWD,
+                    target.as_ptr(),
+                    MOVE_MOUNT_F_EMPTY_PATH,
                 )),
             }
         }

@@ -212,6 +212,102 @@ fn jail_steps(jail: &Jail) -> Result<Vec<Step>, String> {
     Ok(steps)
 }
 
+/// Shows the jailed process `pid` more host paths, at their own paths and with the flags its
+/// jail gives them (a VMM started ahead of its VM learns them only once it is claimed):
+/// `writable` read-write, `readable` read-only, neither executable nor honouring set-uid
+/// bits or devices. Each is a detached copy of the host's mount made here, with its flags
+/// set before it is visible anywhere, attached inside the jail's mount namespace by a child
+/// that enters it; the jail's root is writable only while that child makes mount points.
+pub fn inject(pid: u32, writable: &[PathBuf], readable: &[PathBuf]) -> Result<(), String> {
+    use crate::sys::{
+        MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC, MOUNT_ATTR_NOSUID, MOUNT_ATTR_RDONLY,
+        detached_tree,
+    };
+    use std::os::fd::AsRawFd;
+    let namespace = File::open(format!("/proc/{pid}/ns/mnt"))
+        .map_err(|e| format!("the jail of process {pid}: {e}"))?;
+    let confined = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC;
+    let mut shown: Vec<(&PathBuf, u64)> = writable.iter().map(|p| (p, confined)).collect();
+    shown.extend(readable.iter().map(|p| (p, confined | MOUNT_ATTR_RDONLY)));
+    // Parents before what is inside them.
+    shown.sort();
+    let mut steps = vec![
+        Step::Setns {
+            fd: namespace.as_raw_fd(),
+            nstype: libc::CLONE_NEWNS,
+        },
+        Step::Mount {
+            source: None,
+            target: cstring(b"/")?,
+            fstype: None,
+            flags: MsFlags::MS_REMOUNT | MsFlags::MS_NOSUID,
+            data: None,
+        },
+    ];
+    // Held open until the child has attached them.
+    let mut trees = Vec::new();
+    let mut made = std::collections::BTreeSet::new();
+    for (path, attributes) in shown {
+        if !path.is_absolute() {
+            return Err(format!("{} is not an absolute path", path.display()));
+        }
+        let meta =
+            std::fs::symlink_metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let dir_part = if meta.is_dir() {
+            Some(path.as_path())
+        } else {
+            path.parent()
+        };
+        let mut at = PathBuf::from("/");
+        for part in dir_part
+            .map(|d| d.strip_prefix("/").unwrap_or(d))
+            .into_iter()
+            .flat_map(Path::components)
+        {
+            at.push(part);
+            if made.insert(at.clone()) {
+                steps.push(Step::Mkdir(cpath(&at)?));
+            }
+        }
+        if meta.file_type().is_symlink() {
+            // Recreated, not followed, as at the jail's start.
+            let points_to =
+                std::fs::read_link(path).map_err(|e| format!("{}: {e}", path.display()))?;
+            steps.push(Step::Symlink {
+                target: cpath(&points_to)?,
+                link: cpath(path)?,
+            });
+            continue;
+        }
+        if !meta.is_dir() {
+            steps.push(Step::Touch(cpath(path)?));
+        }
+        let tree = detached_tree(path, attributes)
+            .map_err(|e| format!("a detached copy of {}: {e}", path.display()))?;
+        steps.push(Step::MoveMount {
+            fd: tree.as_raw_fd(),
+            target: cpath(path)?,
+        });
+        trees.push(tree);
+    }
+    steps.push(Step::Mount {
+        source: None,
+        target: cstring(b"/")?,
+        fstype: None,
+        flags: MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID,
+        data: None,
+    });
+    crate::sys::run_in_child(&steps).map_err(|(index, errno)| {
+        let what = steps
+            .get(index)
+            .map_or_else(|| "its end".to_owned(), |s| format!("{s:?}"));
+        format!(
+            "showing the jail of process {pid} its files failed at {what}: {}",
+            std::io::Error::from_raw_os_error(errno)
+        )
+    })
+}
+
 /// Whether the VMM binary needs a dynamic loader, and so the host's library directories.
 pub fn library_dirs_for(binary: &Path) -> Vec<PathBuf> {
     use std::io::Read;
@@ -382,6 +478,73 @@ mod tests {
         let meta = std::fs::metadata(rw.join("file")).unwrap();
         assert_eq!(meta.uid(), uid);
         assert_eq!(std::fs::read_to_string(&ro).unwrap(), "visible\n");
+    }
+
+    #[test]
+    fn a_running_jail_is_shown_more_paths_with_its_flags() {
+        if !root() {
+            return;
+        }
+        let host = tempfile::tempdir().unwrap();
+        let uid = 0x7000_fff3;
+        let rw = host.path().join("later/rw");
+        std::fs::create_dir_all(&rw).unwrap();
+        std::os::unix::fs::chown(&rw, Some(uid), Some(uid)).unwrap();
+        let ro = host.path().join("later/ro.txt");
+        std::fs::write(&ro, "shown\n").unwrap();
+        let beside = host.path().join("later/beside.txt");
+        std::fs::write(&beside, "hidden\n").unwrap();
+        let out_path = host.path().join("out");
+        let output = File::create(&out_path).unwrap();
+        let mut jail = Jail {
+            uid,
+            gid: uid,
+            staging: host.path().join("staging"),
+            ..Default::default()
+        };
+        std::fs::create_dir(&jail.staging).unwrap();
+        jail.libraries = library_dirs_for(Path::new("/bin/sh"));
+        jail.libraries
+            .extend(["/bin", "/usr/bin"].map(PathBuf::from));
+        // Waits (bounded) until the injected directory shows the host's flag file.
+        let script = format!(
+            "test -e {rw} && echo rw-visible-early; \
+             i=0; while [ ! -e {rw}/go ] && [ $i -lt 400 ]; do sleep 0.05; i=$((i+1)); done; \
+             cat {ro}; cat {beside} || echo no-beside; echo changed > {ro} || echo ro-refused; \
+             echo written > {rw}/file; printf '#!/bin/sh\\necho ran\\n' > {rw}/x.sh; \
+             chmod +x {rw}/x.sh; {rw}/x.sh || echo noexec; touch /new || echo root-ro",
+            rw = rw.display(),
+            ro = ro.display(),
+            beside = beside.display(),
+        );
+        let pid = spawn(&Command {
+            binary: Path::new("/bin/sh"),
+            args: &["-c".into(), script.into()],
+            env: &[("PATH", "/usr/bin:/bin")],
+            output: &output,
+            jail: Some(&jail),
+            listener: None,
+        })
+        .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        inject(pid, std::slice::from_ref(&rw), std::slice::from_ref(&ro)).unwrap();
+        std::fs::write(rw.join("go"), "").unwrap();
+        let status = match nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid as i32), None) {
+            Ok(nix::sys::wait::WaitStatus::Exited(_, code)) => code,
+            other => panic!("the jailed shell ended as {other:?}"),
+        };
+        let out = std::fs::read_to_string(&out_path).unwrap();
+        assert_eq!(status, 0, "{out}");
+        let lines: Vec<&str> = out.lines().collect();
+        for expected in ["shown", "no-beside", "ro-refused", "noexec", "root-ro"] {
+            assert!(lines.contains(&expected), "{expected:?} missing:\n{out}");
+        }
+        assert!(!out.contains("rw-visible-early") && !out.contains("ran\n"), "{out}");
+        assert_eq!(std::fs::read_to_string(rw.join("file")).unwrap(), "written\n");
+        assert_eq!(std::fs::read_to_string(&ro).unwrap(), "shown\n");
+        // Nothing was mounted on the host's side.
+        let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        assert!(!mounts.contains(host.path().to_str().unwrap()), "{mounts}");
     }
 
     #[test]
