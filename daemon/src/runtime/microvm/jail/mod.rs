@@ -492,6 +492,8 @@ mod tests {
         std::os::unix::fs::chown(&rw, Some(uid), Some(uid)).unwrap();
         let ro = host.path().join("later/ro.txt");
         std::fs::write(&ro, "shown\n").unwrap();
+        // Its own, so only the mount's flag can refuse it a write.
+        std::os::unix::fs::chown(&ro, Some(uid), Some(uid)).unwrap();
         let beside = host.path().join("later/beside.txt");
         std::fs::write(&beside, "hidden\n").unwrap();
         let out_path = host.path().join("out");
