@@ -71,6 +71,8 @@ pub struct NodeConfig {
     pub confine_vmms: bool,
     /// The first uid of the range jailed VMMs take theirs from.
     pub vm_uid_base: u32,
+    /// How many jailed VMMs wait, started, for the next VM (`MicrovmConfig::vmm_pool`).
+    pub vmm_pool: usize,
     /// Each VMM's memory limit; default: the largest guest plus 128 MiB.
     pub vmm_memory_limit_mib: Option<u64>,
     /// How long a new or restored guest may take to answer Ready on vsock.
@@ -113,6 +115,7 @@ impl NodeConfig {
             auth: None,
             confine_vmms: true,
             vm_uid_base: crate::runtime::microvm::DEFAULT_VM_UID_BASE,
+            vmm_pool: crate::runtime::microvm::DEFAULT_VMM_POOL,
             vmm_memory_limit_mib: None,
             guest_ready_timeout: DEFAULT_GUEST_READY_TIMEOUT,
             harness_idle_timeout: crate::controller::DEFAULT_HARNESS_IDLE_TIMEOUT,
@@ -210,6 +213,7 @@ fn microvm_runtime(cfg: &NodeConfig) -> Result<MicrovmRuntime, String> {
         ready_timeout: cfg.guest_ready_timeout,
         confine: cfg.confine_vmms,
         vm_uid_base: cfg.vm_uid_base,
+        vmm_pool: cfg.vmm_pool,
         memory_limit_mib: cfg.vmm_memory_limit_mib,
         snapshot_remote: cfg.snapshot_remote.clone(),
     })

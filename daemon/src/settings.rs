@@ -139,6 +139,10 @@ pub struct Settings {
     /// (0x70000000).
     #[arg(long)]
     pub vm_uid_base: Option<u32>,
+    /// How many jailed VMMs wait, already started, for the next create, resume or fork
+    /// child (each idle one holds ~3 MiB); 0 starts every VMM when it is needed. Default: 2.
+    #[arg(long)]
+    pub vmm_pool: Option<usize>,
     /// OpenAI-compatible endpoint (up to the version path, e.g. https://api.openai.com/v1)
     /// serving every model except the built-in `echo`.
     #[arg(long)]
@@ -253,6 +257,7 @@ impl Settings {
             ram_dir,
             image_dir,
             vm_uid_base,
+            vmm_pool,
             openai_base_url,
             openai_api_key_env,
             openai_api_key_file,
@@ -328,6 +333,7 @@ impl Settings {
             ),
         );
         set("vm_uid_base", secs(u64::from(node.vm_uid_base)));
+        set("vmm_pool", secs(node.vmm_pool as u64));
         set(
             "openai_api_key_env",
             text(

@@ -203,6 +203,7 @@ fn runtime_config(
         vm_uid_base: agentvmd::runtime::microvm::DEFAULT_VM_UID_BASE,
         memory_limit_mib: None,
         snapshot_remote: None,
+        vmm_pool: 0,
     }
 }
 
@@ -1896,4 +1897,110 @@ async fn a_session_narrows_its_image_s_egress_list_and_cannot_widen_it() {
         .await
         .unwrap();
     }
+}
+
+/// The pooled VMMs waiting in `node`'s run directory: (slot, pid) of each that has started.
+fn pooled_vmms(node: &TestNode) -> Vec<(PathBuf, i32)> {
+    let run = node.dir.join("state").join("vms");
+    std::fs::read_dir(&run)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(".pool-"))
+        .filter_map(|e| {
+            let pid = std::fs::read_to_string(e.path().join("vmm.pid")).ok()?;
+            Some((e.path(), pid.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+async fn until_pooled(node: &TestNode, count: usize) -> Vec<(PathBuf, i32)> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let pooled = pooled_vmms(node);
+        if pooled.len() == count {
+            return pooled;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} pooled VMMs, expected {count}",
+            pooled.len()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_start_in_pooled_vmms_and_the_rest_end_with_the_node() {
+    require_kvm!();
+    if !nix::unistd::geteuid().is_root() {
+        println!("SKIPPED: the VMM pool holds jailed VMMs, which need root");
+        return;
+    }
+    let node = microvm_node().await;
+    let mut c = node.c();
+    let waiting = until_pooled(&node, agentvmd::runtime::microvm::DEFAULT_VMM_POOL).await;
+    for (_, pid) in &waiting {
+        // Jailed already: a uid of its own, PID 1 of its own PID namespace.
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        assert!(
+            status
+                .lines()
+                .any(|l| l.starts_with("NSpid:") && l.ends_with("\t1")),
+            "{status}"
+        );
+    }
+    let s = create(&mut c).await;
+    assert_eq!(turn(&mut c, &s).await, "1");
+    let pid = vmm_pid(&node, &s);
+    assert!(
+        waiting.iter().any(|(_, p)| *p == pid),
+        "the session's VMM {pid} is not one the pool held: {waiting:?}"
+    );
+    let (slot, _) = waiting.iter().find(|(_, p)| *p == pid).unwrap();
+    assert!(!slot.exists(), "a claimed VMM's slot stays");
+    // It serves the session's own socket now, and answers as that session's VMM.
+    assert!(vm_dir(&node, &s).join("api.sock").exists());
+    let root = PathBuf::from(format!("/proc/{pid}/root"));
+    let seen = |host: &std::path::Path| root.join(host.strip_prefix("/").unwrap());
+    assert!(
+        seen(&vm_dir(&node, &s).join("api.sock")).exists(),
+        "its directory is not shown to it"
+    );
+
+    // The pool refills; suspend, resume and a fork take from it too.
+    let refilled = until_pooled(&node, agentvmd::runtime::microvm::DEFAULT_VMM_POOL).await;
+    assert!(refilled.iter().all(|(_, p)| *p != pid));
+    c.suspend(SuspendRequest { session: s.clone() })
+        .await
+        .unwrap();
+    wait_gone(&vm_dir(&node, &s), "a suspended session's VMM").await;
+    let waiting = until_pooled(&node, agentvmd::runtime::microvm::DEFAULT_VMM_POOL).await;
+    assert_eq!(turn(&mut c, &s).await, "2");
+    let resumed = vmm_pid(&node, &s);
+    assert!(
+        waiting.iter().any(|(_, p)| *p == resumed),
+        "the resumed VMM {resumed} is not one the pool held: {waiting:?}"
+    );
+    let children = fork(&mut c, &s, 3).await;
+    for child in &children {
+        assert_eq!(turn(&mut c, child).await, "3", "{child}");
+    }
+    assert_eq!(turn(&mut c, &s).await, "3");
+
+    // The node stops: VMMs no session claimed go with it, and their slots.
+    let waiting = until_pooled(&node, agentvmd::runtime::microvm::DEFAULT_VMM_POOL).await;
+    node.node.host.settle().await;
+    for (slot, pid) in waiting {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "pooled VMM {pid} outlived the node"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(!slot.exists(), "{} stays", slot.display());
+    }
+    // Sessions' VMMs are not the pool's to stop.
+    assert!(std::path::Path::new(&format!("/proc/{resumed}")).exists());
 }

@@ -175,10 +175,16 @@ async fn the_ram_directory_is_set_through_the_api_before_the_vm_boots() {
     let vmm = Vmm::spawn().await;
     // Refused with the field named: relative, or not a directory the VMM sees.
     let text = messages(vmm.client.set_ram_dir(Some("relative/dir".as_ref())).await);
-    assert!(text.contains("path") && text.contains("not absolute"), "{text}");
+    assert!(
+        text.contains("path") && text.contains("not absolute"),
+        "{text}"
+    );
     let missing = vmm.dir.path().join("missing");
     let text = messages(vmm.client.set_ram_dir(Some(&missing)).await);
-    assert!(text.contains("path") && text.contains("not a directory"), "{text}");
+    assert!(
+        text.contains("path") && text.contains("not a directory"),
+        "{text}"
+    );
 
     let ram = tempfile::tempdir_in("/dev/shm").unwrap();
     vmm.client.set_ram_dir(Some(ram.path())).await.unwrap();
@@ -187,7 +193,8 @@ async fn the_ram_directory_is_set_through_the_api_before_the_vm_boots() {
     let maps = std::fs::read_to_string(format!("/proc/{}/maps", vmm.pid())).unwrap();
     let prefix = format!("{}/", ram.path().display());
     assert!(
-        maps.lines().any(|l| l.contains(&prefix) && l.ends_with("(deleted)")),
+        maps.lines()
+            .any(|l| l.contains(&prefix) && l.ends_with("(deleted)")),
         "no RAM file in {prefix}:\n{maps}"
     );
 }

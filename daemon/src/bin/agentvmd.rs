@@ -113,6 +113,9 @@ fn node_config(s: &Settings) -> anyhow::Result<(NodeConfig, ListenAddr, ListenAd
     if let Some(base) = s.vm_uid_base {
         node_config.vm_uid_base = base;
     }
+    if let Some(size) = s.vmm_pool {
+        node_config.vmm_pool = size;
+    }
     if let Some(mib) = s.min_free_disk_mib {
         node_config.min_free_disk_mib = mib;
     }

@@ -86,15 +86,18 @@ pub fn clone_and_exec(
     argv.push(std::ptr::null());
     let mut envp: Vec<*const libc::c_char> = env.iter().map(|e| e.as_ptr()).collect();
     envp.push(std::ptr::null());
-    clone_child(&ChildArgs {
-        steps,
-        exec: Some(Exec {
-            binary: binary.as_raw_fd(),
-            argv: &argv,
-            envp: &envp,
-        }),
-        report: report.as_raw_fd(),
-    }, namespaces)
+    clone_child(
+        &ChildArgs {
+            steps,
+            exec: Some(Exec {
+                binary: binary.as_raw_fd(),
+                argv: &argv,
+                envp: &envp,
+            }),
+            report: report.as_raw_fd(),
+        },
+        namespaces,
+    )
 }
 
 /// Runs `steps` in a child cloned for them alone (as root, in this process's namespaces
@@ -102,7 +105,8 @@ pub fn clone_and_exec(
 /// with its errno.
 pub fn run_in_child(steps: &[Step]) -> Result<(), (usize, i32)> {
     use nix::fcntl::OFlag;
-    let (read, write) = nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| (steps.len(), e as i32))?;
+    let (read, write) =
+        nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| (steps.len(), e as i32))?;
     let pid = clone_child(
         &ChildArgs {
             steps,

@@ -3,8 +3,8 @@
 use crate::config::VmConfig;
 use crate::error::ApiError;
 use crate::types::{
-    RestoreConfig, VmCounters, VmEgressAllow, VmForkConfig, VmInfo, VmSnapshotConfig, VmmRamDir,
-    VmmPingResponse,
+    RestoreConfig, VmCounters, VmEgressAllow, VmForkConfig, VmInfo, VmSnapshotConfig,
+    VmmPingResponse, VmmRamDir,
 };
 
 /// The VMM behind the API.

@@ -118,7 +118,12 @@ static ROUTES: &[Route] = &[
         BodyRule::Required,
         egress_allow,
     ),
-    route(endpoint::VMM_RAM_DIR, Verb::Put, BodyRule::Required, ram_dir),
+    route(
+        endpoint::VMM_RAM_DIR,
+        Verb::Put,
+        BodyRule::Required,
+        ram_dir,
+    ),
     Route {
         stops_server: true,
         ..route(

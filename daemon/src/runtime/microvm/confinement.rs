@@ -224,23 +224,87 @@ impl Confinement {
     /// record, so a restarted daemon knows the uids in use.
     fn own_dirs(&self, base: &JailBase, dir: &VmmDir) -> Result<u32, String> {
         let _held = base.uid_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let uid = self.free_uid(base)?;
+        own(&[&dir.dir, &dir.ram], uid)?;
+        Ok(uid)
+    }
+
+    /// The lowest uid from the base that no VMM directory (a session's, a stopping VMM's or
+    /// a pooled one's) is owned by. Call with `uid_lock` held until a directory owns it.
+    fn free_uid(&self, base: &JailBase) -> Result<u32, String> {
         // A VMM still on its way out keeps its uid until it is gone.
         let taken: std::collections::HashSet<u32> = vmm_process::sessions(&self.run_dir)
             .iter()
             .chain(&vmm_process::retired(&self.run_dir))
-            .filter_map(|s| std::fs::metadata(self.run_dir.join(s)).ok())
+            .map(|s| self.run_dir.join(s))
+            .chain(super::pool::slots(&self.run_dir))
+            .filter_map(|path| std::fs::metadata(path).ok())
             .map(|m| m.uid())
             .collect();
-        let uid = (base.uid_base..base.uid_base + VM_UIDS)
+        (base.uid_base..base.uid_base + VM_UIDS)
             .find(|uid| !taken.contains(uid))
-            .ok_or("every VM uid is taken")?;
-        for path in [&dir.dir, &dir.ram] {
-            create(path)?;
-            std::os::unix::fs::chown(path, Some(uid), Some(uid))
-                .map_err(|e| format!("chown {} {uid}: {e}", path.display()))?;
-            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700))
-                .map_err(|e| format!("chmod {}: {e}", path.display()))?;
-        }
-        Ok(uid)
+            .ok_or_else(|| "every VM uid is taken".to_owned())
     }
+
+    /// A directory for a VMM started ahead of its session (`RUN_DIR/.pool-UID`, owned by
+    /// the uid it gets) and the jail it starts in: its own uid, devices and namespaces, and
+    /// none of any session's files. Confined VMMs only.
+    pub fn pooled_jail(&self) -> Result<(PathBuf, Jail), String> {
+        let Some(base) = &self.jail else {
+            return Err("VMMs here run without a jail".to_owned());
+        };
+        let _held = base.uid_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let uid = self.free_uid(base)?;
+        let slot = self
+            .run_dir
+            .join(format!("{}{uid}", super::pool::SLOT_PREFIX));
+        own(&[&slot], uid)?;
+        let jail = Jail {
+            staging: base.staging.clone(),
+            uid,
+            gid: uid,
+            writable: Vec::new(),
+            readable: base.readable.clone(),
+            libraries: base.libraries.clone(),
+            userfaultfd: base.userfaultfd,
+        };
+        Ok((slot, jail))
+    }
+
+    /// Gives `session` the pooled VMM `pooled`: its directories in `dir`, owned by the
+    /// VMM's uid, shown to it read-write and `files` read-only (as `prepare` would have had
+    /// its jail show them), and its cgroups (returned as their `cgroup.procs`).
+    pub fn claim(
+        &self,
+        session: &str,
+        dir: &VmmDir,
+        files: Vec<PathBuf>,
+        pooled: &super::pool::Pooled,
+    ) -> Result<Vec<PathBuf>, String> {
+        let Some(base) = &self.jail else {
+            return Err("VMMs here run without a jail".to_owned());
+        };
+        {
+            let _held = base.uid_lock.lock().unwrap_or_else(|p| p.into_inner());
+            own(&[&dir.dir, &dir.ram], pooled.uid)?;
+        }
+        let cgroup_procs = match &self.cgroups {
+            Some(cgroups) => cgroups.create(session, self.limits)?,
+            None => Vec::new(),
+        };
+        jail::inject(pooled.pid, &[dir.dir.clone(), dir.ram.clone()], &files)?;
+        Ok(cgroup_procs)
+    }
+}
+
+/// Makes each of `paths` a directory owned by `uid` alone (mode 0700).
+fn own(paths: &[&PathBuf], uid: u32) -> Result<(), String> {
+    for path in paths {
+        create(path)?;
+        std::os::unix::fs::chown(path, Some(uid), Some(uid))
+            .map_err(|e| format!("chown {} {uid}: {e}", path.display()))?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| format!("chmod {}: {e}", path.display()))?;
+    }
+    Ok(())
 }

@@ -19,6 +19,7 @@ pub mod flavour;
 pub mod guest;
 pub mod jail;
 pub mod network;
+mod pool;
 pub mod remote;
 pub mod vmm_process;
 
@@ -114,7 +115,14 @@ pub struct MicrovmConfig {
     /// Where snapshots are published for the whole fleet (`remote.rs`); `None`: they stay in
     /// this node's store.
     pub snapshot_remote: Option<remote::SnapshotRemote>,
+    /// How many jailed VMMs wait, started, for the next create, resume or fork child
+    /// (`pool.rs`); 0 starts each when it is needed. Confined agentvm-vmm VMMs only.
+    pub vmm_pool: usize,
 }
+
+/// The default `vmm_pool`: enough for a create or resume to find one; a fork's children
+/// beyond it start their own.
+pub const DEFAULT_VMM_POOL: usize = 2;
 
 /// Prefix of the directories and cgroups of a VMM on its way out (see `retire_vmm`).
 const RETIRED: &str = ".retired-";
@@ -133,7 +141,9 @@ pub struct MicrovmRuntime {
     /// PID repeats on other nodes of a fleet, and after a reboot on this one.
     snapshot_epoch: String,
     exits: ExitWatch,
-    confinement: Confinement,
+    confinement: Arc<Confinement>,
+    /// VMMs started ahead of their VMs; `None` when there is no pool.
+    pool: Option<pool::Pool>,
     /// The stream each new VM answered Ready on, handed to its endpoint at the first dial
     /// (so a first turn costs no second vsock dial and Hello).
     ready_conns: std::sync::Mutex<std::collections::HashMap<String, GuestConn>>,
@@ -220,7 +230,38 @@ impl MicrovmRuntime {
             .map_err(|e| format!("snapshot store {}: {e}", config.snapshot_dir.display()))?;
         std::fs::create_dir_all(&config.run_dir)
             .map_err(|e| format!("creating {}: {e}", config.run_dir.display()))?;
-        let confinement = Confinement::new(&config, limits(&config))?;
+        let confinement = Arc::new(Confinement::new(&config, limits(&config))?);
+        let pool =
+            (config.vmm_pool > 0 && confinement.jailed() && config.flavour == VmmFlavour::Agentvm)
+                .then(|| {
+                    let confinement = confinement.clone();
+                    let binary = config.vmm_binary.clone();
+                    pool::Pool::new(
+                        config.vmm_pool,
+                        Box::new(move || {
+                            let (slot, jail) = confinement.pooled_jail()?;
+                            let launched = vmm_process::launch(
+                                &binary,
+                                VmmFlavour::Agentvm,
+                                &slot,
+                                // Told at the claim (vmm.ram-dir).
+                                Path::new("none"),
+                                Some(&jail),
+                            );
+                            match launched {
+                                Ok(pid) => Ok(pool::Pooled {
+                                    pid,
+                                    uid: jail.uid,
+                                    slot,
+                                }),
+                                Err(e) => {
+                                    let _ = std::fs::remove_dir_all(&slot);
+                                    Err(e)
+                                }
+                            }
+                        }),
+                    )
+                });
         let exits = ExitWatch::default();
         Ok(Self {
             config,
@@ -229,6 +270,7 @@ impl MicrovmRuntime {
             snapshot_epoch: base36(rand::random()),
             exits,
             confinement,
+            pool,
             ready_conns: Default::default(),
             retiring: Default::default(),
             fetching: Default::default(),
@@ -488,26 +530,14 @@ impl MicrovmRuntime {
             // A dead VMM's leftovers.
             self.stop_vmm(session, &dir).await;
         }
-        let (jail, cgroup_procs) = self
-            .confinement
-            .prepare(session, &dir, files)
-            .inspect_err(|_| self.discard(session, &dir))
-            .map_err(|e| failed(session, format!("jailing its VMM: {e}")))?;
+        let claimed = match self.pool.as_ref().and_then(pool::Pool::take) {
+            Some(pooled) => self.claim(session, &dir, files.clone(), pooled).await,
+            None => None,
+        };
         let prepared = started.elapsed();
-        let confined = match vmm_process::spawn(
-            &self.config.vmm_binary,
-            &dir,
-            &self.exits,
-            jail.as_ref(),
-            cgroup_procs,
-        )
-        .await
-        {
-            Ok(spawned) => spawned.confined,
-            Err(e) => {
-                self.discard(session, &dir);
-                return Err(failed(session, e));
-            }
+        let confined = match claimed {
+            Some(confined) => confined,
+            None => self.spawn_vmm(session, &dir, files).await?,
         };
         crate::crash_point::reached(crate::crash_point::START_SPAWNED);
         let spawned = started.elapsed();
@@ -655,6 +685,59 @@ impl MicrovmRuntime {
             tracing::warn!(session, snapshot = %id, error = %e, "could not record the snapshot's use");
         }
         Ok(inc)
+    }
+
+    /// Starts a VMM for `session` in `dir`, jailed with `files`.
+    async fn spawn_vmm(
+        &self,
+        session: &str,
+        dir: &VmmDir,
+        files: Vec<PathBuf>,
+    ) -> Result<vmm_process::Confinement> {
+        let (jail, cgroup_procs) = self
+            .confinement
+            .prepare(session, dir, files)
+            .inspect_err(|_| self.discard(session, dir))
+            .map_err(|e| failed(session, format!("jailing its VMM: {e}")))?;
+        match vmm_process::spawn(
+            &self.config.vmm_binary,
+            dir,
+            &self.exits,
+            jail.as_ref(),
+            cgroup_procs,
+        )
+        .await
+        {
+            Ok(spawned) => Ok(spawned.confined),
+            Err(e) => {
+                self.discard(session, dir);
+                Err(failed(session, e))
+            }
+        }
+    }
+
+    /// Makes the pooled VMM `pooled` `session`'s, shown `files`; `None` (the VMM stopped,
+    /// and what the claim made removed) if that fails, so the session starts one of its own.
+    async fn claim(
+        &self,
+        session: &str,
+        dir: &VmmDir,
+        files: Vec<PathBuf>,
+        pooled: pool::Pooled,
+    ) -> Option<vmm_process::Confinement> {
+        let claimed = match self.confinement.claim(session, dir, files, &pooled) {
+            Ok(cgroup_procs) => vmm_process::adopt(dir, &pooled, &self.exits, cgroup_procs).await,
+            Err(e) => Err(e),
+        };
+        match claimed {
+            Ok(spawned) => Some(spawned.confined),
+            Err(e) => {
+                tracing::warn!(session, pid = pooled.pid, error = %e, "a pooled VMM could not be claimed; starting one");
+                pooled.discard();
+                self.discard(session, dir);
+                None
+            }
+        }
     }
 
     /// `SESSION-EPOCH-N`: unique in the fleet (`snapshot_epoch`), and names the session it
@@ -1223,9 +1306,14 @@ impl Runtime for MicrovmRuntime {
         for session in sessions {
             self.retired(&session).await;
         }
+        // The node stops: VMMs nobody claimed go with it.
+        if let Some(pool) = &self.pool {
+            pool.close();
+        }
     }
 
     async fn reconcile(&self, owned: &(dyn for<'s> Fn(&'s str) -> bool + Send + Sync)) {
+        pool::remove_leftovers(&self.config.run_dir);
         for name in vmm_process::retired(&self.config.run_dir) {
             // A VMM a suspend stopped, whose exit the last daemon did not see through.
             tracing::info!(name, "reconcile: removing what a stopped VMM left");
@@ -1254,6 +1342,9 @@ impl Runtime for MicrovmRuntime {
             }
         }
         self.reconcile_snapshots(owned);
+        if let Some(pool) = &self.pool {
+            pool.fill();
+        }
     }
 
     async fn sweep_snapshots(

@@ -6,6 +6,7 @@
 //! agentvmd finds it again by its API socket (see `MicrovmRuntime::attach`).
 
 use std::os::fd::AsFd;
+use std::os::unix::ffi::OsStringExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -94,7 +95,10 @@ impl VmmDir {
             return false;
         };
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let api = self.api();
+        // A VMM from the pool was started with the pool's socket, moved here since.
+        let api = std::fs::read(self.dir.join(POOLED_API))
+            .map(|p| PathBuf::from(std::ffi::OsString::from_vec(p)))
+            .unwrap_or_else(|_| self.api());
         alive(pid)
             && cmdline
                 .split(|b| *b == 0)
@@ -133,34 +137,7 @@ pub async fn spawn(
     jail: Option<&Jail>,
     cgroup_procs: Vec<PathBuf>,
 ) -> Result<Spawned, String> {
-    let log = std::fs::File::create(dir.log())
-        .map_err(|e| format!("creating {}: {e}", dir.log().display()))?;
-    // Bound here and handed down where the VMM can take it: the first request below then
-    // waits in the backlog until the VMM serves, instead of polling for the socket.
-    let listener = match dir.flavour.takes_api_listener() {
-        true => Some(
-            agentvm_vmm_api::bind_api_listener(dir.api())
-                .map_err(|e| format!("binding the VMM's API socket: {e}"))?,
-        ),
-        false => None,
-    };
-    // Its own process group (a signal for the daemon is not one for its VMs), no handle:
-    // the exit watch reaps it through its pidfd.
-    let pid = super::jail::spawn(&super::jail::Command {
-        binary,
-        args: &dir.flavour.args(
-            &dir.api(),
-            &dir.ram,
-            listener.as_ref().map(|_| super::jail::INHERITED_FD),
-        ),
-        env: &[("AGENTVM_VMM_LOG", "warn")],
-        output: &log,
-        jail,
-        listener: listener.as_ref().map(|l| l.as_fd()),
-    })?;
-    // The VMM's now; a copy here would keep connections queueing after it died.
-    drop(listener);
-    let _ = std::fs::write(dir.pid_file(), pid.to_string());
+    let pid = launch(binary, dir.flavour, &dir.dir, &dir.ram, jail)?;
     watch.watch(dir.clone(), pid);
     let confined = Confinement(tokio::task::spawn_blocking(move || {
         super::cgroups::join(&cgroup_procs, pid)
@@ -171,6 +148,96 @@ pub async fn spawn(
         return Err(format!("the VMM did not come up: {e}"));
     }
     Ok(Spawned { pid, confined })
+}
+
+/// Starts a VMM serving its API on `in_dir/api.sock`, logging to `in_dir/vmm.log`, its pid
+/// in `in_dir/vmm.pid`, its VMs' RAM in `ram_dir` (`none`: memfds), jailed when `jail` is
+/// given. Blocking: the clone waits until the VMM has exec'd.
+pub fn launch(
+    binary: &Path,
+    flavour: VmmFlavour,
+    in_dir: &Path,
+    ram_dir: &Path,
+    jail: Option<&Jail>,
+) -> Result<u32, String> {
+    let api = in_dir.join("api.sock");
+    let log_path = in_dir.join("vmm.log");
+    let log = std::fs::File::create(&log_path)
+        .map_err(|e| format!("creating {}: {e}", log_path.display()))?;
+    // Bound here and handed down where the VMM can take it: the first request then waits
+    // in the backlog until the VMM serves, instead of polling for the socket.
+    let listener = match flavour.takes_api_listener() {
+        true => Some(
+            agentvm_vmm_api::bind_api_listener(&api)
+                .map_err(|e| format!("binding the VMM's API socket: {e}"))?,
+        ),
+        false => None,
+    };
+    // Its own process group (a signal for the daemon is not one for its VMs), no handle:
+    // the exit watch reaps it through its pidfd.
+    let pid = super::jail::spawn(&super::jail::Command {
+        binary,
+        args: &flavour.args(
+            &api,
+            ram_dir,
+            listener.as_ref().map(|_| super::jail::INHERITED_FD),
+        ),
+        env: &[("AGENTVM_VMM_LOG", "warn")],
+        output: &log,
+        jail,
+        listener: listener.as_ref().map(|l| l.as_fd()),
+    })?;
+    // The VMM's now; a copy here would keep connections queueing after it died.
+    drop(listener);
+    let _ = std::fs::write(in_dir.join("vmm.pid"), pid.to_string());
+    Ok(pid)
+}
+
+/// The file in a session's VMM directory naming the API socket its VMM was started with,
+/// when that was a pool's (see `VmmDir::vmm_alive`).
+const POOLED_API: &str = "pooled-api";
+
+/// Makes the pooled VMM `pooled`, already shown its files, the VMM of `dir`: its socket,
+/// log and pid move there, `watch` watches it, it starts moving into the cgroups of
+/// `cgroup_procs`, and it is told where its VM's RAM goes.
+pub async fn adopt(
+    dir: &VmmDir,
+    pooled: &super::pool::Pooled,
+    watch: &ExitWatch,
+    cgroup_procs: Vec<PathBuf>,
+) -> Result<Spawned, String> {
+    let pid = pooled.pid;
+    let moved = std::fs::write(
+        dir.dir.join(POOLED_API),
+        pooled.api().as_os_str().as_encoded_bytes(),
+    )
+    .and_then(|()| std::fs::rename(pooled.api(), dir.api()))
+    .and_then(|()| std::fs::rename(pooled.slot.join("vmm.log"), dir.log()))
+    .and_then(|()| std::fs::write(dir.pid_file(), pid.to_string()));
+    if let Err(e) = moved {
+        kill(pid);
+        return Err(format!(
+            "moving the pooled VMM into {}: {e}",
+            dir.dir.display()
+        ));
+    }
+    // Its uid is on record in `dir` now.
+    let _ = std::fs::remove_dir_all(&pooled.slot);
+    watch.watch(dir.clone(), pid);
+    let confined = Confinement(tokio::task::spawn_blocking(move || {
+        super::cgroups::join(&cgroup_procs, pid)
+    }));
+    let told = tokio::time::timeout(READY_TIMEOUT, dir.client().set_ram_dir(Some(&dir.ram))).await;
+    match told {
+        Ok(Ok(())) => Ok(Spawned { pid, confined }),
+        failed => {
+            watch.expect_exit(pid);
+            kill(pid);
+            Err(format!(
+                "the pooled VMM did not take its RAM directory: {failed:?}"
+            ))
+        }
+    }
 }
 
 /// The sessions with a VMM directory in `run_dir` (the jail's staging directory is not one).

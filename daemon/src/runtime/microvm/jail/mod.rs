@@ -220,8 +220,7 @@ fn jail_steps(jail: &Jail) -> Result<Vec<Step>, String> {
 /// that enters it; the jail's root is writable only while that child makes mount points.
 pub fn inject(pid: u32, writable: &[PathBuf], readable: &[PathBuf]) -> Result<(), String> {
     use crate::sys::{
-        MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC, MOUNT_ATTR_NOSUID, MOUNT_ATTR_RDONLY,
-        detached_tree,
+        MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC, MOUNT_ATTR_NOSUID, MOUNT_ATTR_RDONLY, detached_tree,
     };
     use std::os::fd::AsRawFd;
     let namespace = File::open(format!("/proc/{pid}/ns/mnt"))
@@ -541,8 +540,14 @@ mod tests {
         for expected in ["shown", "no-beside", "ro-refused", "noexec", "root-ro"] {
             assert!(lines.contains(&expected), "{expected:?} missing:\n{out}");
         }
-        assert!(!out.contains("rw-visible-early") && !out.contains("ran\n"), "{out}");
-        assert_eq!(std::fs::read_to_string(rw.join("file")).unwrap(), "written\n");
+        assert!(
+            !out.contains("rw-visible-early") && !out.contains("ran\n"),
+            "{out}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(rw.join("file")).unwrap(),
+            "written\n"
+        );
         assert_eq!(std::fs::read_to_string(&ro).unwrap(), "shown\n");
         // Nothing was mounted on the host's side.
         let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
