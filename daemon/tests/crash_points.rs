@@ -158,10 +158,24 @@ fn vmm_processes(dir: &Path) -> Vec<(i32, String)> {
             Some(String::from_utf8_lossy(uid).into_owned())
         });
         if let Some(session) = session {
-            found.push((pid, session));
+            found.push((pid, claimed_by(&vms, &session).unwrap_or(session)));
         }
     }
     found
+}
+
+/// The session that claimed the pooled VMM started for `slot` (`.pool-UID`): the one whose
+/// directory records that slot's socket. `None` while it waits in its slot.
+fn claimed_by(vms: &Path, slot: &str) -> Option<String> {
+    if !slot.starts_with(".pool-") || vms.join(slot).exists() {
+        return None;
+    }
+    let api = vms.join(slot).join("api.sock");
+    std::fs::read_dir(vms).ok()?.flatten().find_map(|e| {
+        let recorded = std::fs::read(e.path().join("pooled-api")).ok()?;
+        (recorded == api.as_os_str().as_encoded_bytes())
+            .then(|| e.file_name().to_string_lossy().into_owned())
+    })
 }
 
 fn uid(s: &Session) -> String {
@@ -317,14 +331,18 @@ async fn check(d: &Daemon, c: &mut SessionsClient<Channel>, known: &Known) -> Ve
         .into_inner()
         .sessions;
     let active: Vec<String> = sessions.iter().map(uid).collect();
+    let vms = d.dir.join("state").join("vms");
     for (pid, session) in vmm_processes(&d.dir) {
+        // The restarted daemon's own pool, waiting for sessions.
+        if session.starts_with(".pool-") && vms.join(&session).exists() {
+            continue;
+        }
         if !active.contains(&session) {
             wrong.push(format!(
                 "VMM {pid} runs for {session}, which is not an active session"
             ));
         }
     }
-    let vms = d.dir.join("state").join("vms");
     for entry in std::fs::read_dir(&vms).into_iter().flatten().flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         if name.starts_with(".retired-") {

@@ -14,7 +14,7 @@ async fn serves_health_on_unix_socket_and_stops_on_sigterm() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("run/agentvmd.sock");
     let state = dir.path().join("state");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_agentvmd"))
+    let child = Command::new(env!("CARGO_BIN_EXE_agentvmd"))
         .arg("--state-dir")
         .arg(&state)
         .arg("--listen")
@@ -23,6 +23,7 @@ async fn serves_health_on_unix_socket_and_stops_on_sigterm() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    let mut child = KillOnDrop(child);
     let deadline = Instant::now() + Duration::from_secs(20);
     while !sock.exists() {
         assert!(Instant::now() < deadline, "socket never appeared");
@@ -70,6 +71,29 @@ fn refuses_a_path_that_is_not_a_socket() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("is not a socket"));
     assert_eq!(std::fs::read(&file).unwrap(), b"keep me");
+}
+
+/// A daemon a failing test does not leave running.
+struct KillOnDrop(std::process::Child);
+
+impl std::ops::Deref for KillOnDrop {
+    type Target = std::process::Child;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for KillOnDrop {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// Starts agentvmd on `state` listening on `sock` and waits for the socket.

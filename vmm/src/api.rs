@@ -83,6 +83,8 @@ pub struct Vmm {
     flavour: Flavour,
     /// Where new VMs' RAM files live (a tmpfs), so forks can link them instead of copying.
     ram_dir: Mutex<Option<PathBuf>>,
+    /// A VM was asked of this VMM (created or restored), whether or not that worked.
+    asked_for_vm: std::sync::atomic::AtomicBool,
 }
 
 impl Default for Vmm {
@@ -110,7 +112,13 @@ impl Vmm {
             stopped: Arc::new(Condvar::new()),
             flavour: Flavour::detect(),
             ram_dir: Mutex::new(crate::kvm::memory::default_ram_dir()),
+            asked_for_vm: Default::default(),
         }
+    }
+
+    /// Whether a VM was ever asked of this VMM (`vm.create`, `vm.restore`).
+    pub fn asked_for_vm(&self) -> bool {
+        self.asked_for_vm.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Puts new VMs' RAM files in `dir` (which should be a tmpfs), or in memfds with `None`.
@@ -372,6 +380,8 @@ impl VmmBackend for Vmm {
     }
 
     fn create(&self, config: VmConfig) -> Result<(), ApiError> {
+        self.asked_for_vm
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         spec_from_config(&config)?;
         let mut inner = lock(&self.inner);
         match inner.slot {
@@ -531,6 +541,8 @@ impl VmmBackend for Vmm {
     }
 
     fn restore(&self, request: RestoreConfig) -> Result<(), ApiError> {
+        self.asked_for_vm
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         let dir = dir_from_url("source_url", &request.source_url)
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
         let mut inner = lock(&self.inner);

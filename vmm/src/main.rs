@@ -32,6 +32,11 @@ struct Args {
     /// --api-socket (bound by whoever started us, who also removes it).
     #[arg(long, requires = "api_socket")]
     api_fd: Option<i32>,
+    /// Exit when this inherited descriptor (a pipe's read end) reads end-of-file, unless a
+    /// VM was asked for by then: a VMM started ahead of its VM goes with the process that
+    /// started it, one serving a VM outlives it.
+    #[arg(long, requires = "api_socket")]
+    exit_with_fd: Option<i32>,
     /// Boot this kernel at once: ELF vmlinux (PVH or 64-bit entry) or bzImage.
     #[arg(long)]
     kernel: Option<PathBuf>,
@@ -100,6 +105,10 @@ fn run(args: Args, vmm: Arc<Vmm>) -> anyhow::Result<ExitCode> {
         dir => Some(PathBuf::from(dir)),
     });
     let inherited = args.api_fd.map(inherited_listener).transpose()?;
+    let anchor = args
+        .exit_with_fd
+        .map(|fd| inherited_fd("--exit-with-fd", fd))
+        .transpose()?;
     let one_shot = match args.kernel.clone() {
         Some(kernel) => Some(config_from_args(&args, kernel)?),
         None => None,
@@ -120,7 +129,7 @@ fn run(args: Args, vmm: Arc<Vmm>) -> anyhow::Result<ExitCode> {
             std::thread::Builder::new()
                 .name("api".into())
                 .spawn(move || {
-                    if let Err(e) = serve_api(&socket, inherited, api_vmm) {
+                    if let Err(e) = serve_api(&socket, inherited, None, api_vmm) {
                         tracing::error!(error = %e, "API server");
                     }
                 })
@@ -135,7 +144,7 @@ fn run(args: Args, vmm: Arc<Vmm>) -> anyhow::Result<ExitCode> {
         });
     }
     let socket = args.api_socket.clone().unwrap_or_default();
-    serve_api(&socket, inherited, vmm.clone())?;
+    serve_api(&socket, inherited, anchor, vmm.clone())?;
     // vmm.shutdown or a signal ended the API: nothing may outlive the process. Exiting now
     // leaves the KVM VM's teardown to the kernel, after the reply has gone out.
     let _ = vmm.delete();
@@ -144,27 +153,49 @@ fn run(args: Args, vmm: Arc<Vmm>) -> anyhow::Result<ExitCode> {
 
 /// The listening socket behind `--api-fd`, taken over by this process.
 fn inherited_listener(fd: i32) -> anyhow::Result<std::os::unix::net::UnixListener> {
+    inherited_fd("--api-fd", fd).map(std::os::unix::net::UnixListener::from)
+}
+
+/// The inherited descriptor `fd` that `flag` names, taken over by this process.
+fn inherited_fd(flag: &str, fd: i32) -> anyhow::Result<std::os::fd::OwnedFd> {
     use std::os::fd::FromRawFd;
     anyhow::ensure!(
         fd > 2,
-        "--api-fd {fd}: 0, 1 and 2 are stdin, stdout and stderr"
+        "{flag} {fd}: 0, 1 and 2 are stdin, stdout and stderr"
     );
     // SAFETY: F_GETFD only reads the descriptor table entry of `fd`.
     if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
-        anyhow::bail!("--api-fd {fd}: {}", std::io::Error::last_os_error());
+        anyhow::bail!("{flag} {fd}: {}", std::io::Error::last_os_error());
     }
-    // SAFETY: `fd` is open (checked above) and was handed to this process for its API;
-    // nothing else in the process has taken it, and the listener is its one owner from here.
+    // SAFETY: `fd` is open (checked above) and was handed to this process for `flag`;
+    // nothing else in the process has taken it, and the OwnedFd is its one owner from here.
     let owned = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
     // Not passed on to anything this process might start.
     // SAFETY: sets a flag on a descriptor this function owns.
     unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
-    Ok(std::os::unix::net::UnixListener::from(owned))
+    Ok(owned)
+}
+
+/// Resolves once `anchor` reads end-of-file while no VM was ever asked of `vmm`; never
+/// otherwise (a VMM serving a VM outlives whoever started it).
+async fn anchor_gone(anchor: Option<std::os::fd::OwnedFd>, vmm: Arc<Vmm>) {
+    use tokio::io::AsyncReadExt;
+    let Some(Ok(mut anchor)) = anchor.map(tokio::net::unix::pipe::Receiver::from_owned_fd) else {
+        return std::future::pending().await;
+    };
+    let mut byte = [0u8; 1];
+    // Nobody writes to it: only its end matters.
+    while let Ok(1) = anchor.read(&mut byte).await {}
+    if vmm.asked_for_vm() {
+        return std::future::pending().await;
+    }
+    tracing::warn!("exiting: the process that started this VMM is gone and no VM was asked for");
 }
 
 fn serve_api(
     socket: &std::path::Path,
     inherited: Option<std::os::unix::net::UnixListener>,
+    anchor: Option<std::os::fd::OwnedFd>,
     vmm: Arc<Vmm>,
 ) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -183,10 +214,12 @@ fn serve_api(
             None => agentvm_vmm_api::bind_api_socket(socket)
                 .with_context(|| format!("binding the API socket {}", socket.display()))?,
         };
+        let anchor_vmm = vmm.clone();
         let stop = async {
             let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
                 .ok();
             tokio::select! {
+                _ = anchor_gone(anchor, anchor_vmm) => {}
                 _ = tokio::signal::ctrl_c() => {}
                 _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
             }

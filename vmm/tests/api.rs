@@ -198,3 +198,63 @@ async fn the_ram_directory_is_set_through_the_api_before_the_vm_boots() {
         "no RAM file in {prefix}:\n{maps}"
     );
 }
+
+/// A VMM started with `--exit-with-fd 3`, descriptor 3 the read end of a pipe whose only
+/// writer is returned.
+async fn anchored_vmm(
+    dir: &std::path::Path,
+) -> (
+    std::process::Child,
+    std::io::PipeWriter,
+    agentvm_vmm_api::VmmClient,
+) {
+    let (reader, writer) = std::io::pipe().unwrap();
+    let api = dir.join("api.sock");
+    let child = std::process::Command::new("sh")
+        .arg("-c")
+        .arg("exec \"$0\" --api-socket \"$1\" --exit-with-fd 3 3<&0 </dev/null")
+        .arg(support::vmm_bin())
+        .arg(&api)
+        .stdin(reader)
+        .spawn()
+        .unwrap();
+    let client = agentvm_vmm_api::VmmClient::new(&api);
+    client.wait_ready(Duration::from_secs(10)).await.unwrap();
+    (child, writer, client)
+}
+
+#[tokio::test]
+async fn a_vmm_anchored_to_its_starter_goes_with_it_until_a_vm_is_asked_for() {
+    let dir = tempfile::tempdir().unwrap();
+    // Nothing asked of it: the writer's end is its end.
+    let (mut idle, writer, _) = anchored_vmm(dir.path()).await;
+    drop(writer);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let status = loop {
+        if let Some(status) = idle.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the anchored VMM outlived its anchor"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert!(status.success(), "{status}");
+
+    // Once a VM was asked for, it outlives whoever started it.
+    let dir = tempfile::tempdir().unwrap();
+    let (mut serving, writer, client) = anchored_vmm(dir.path()).await;
+    let vmm = Vmm::spawn().await;
+    let config = vmm.config(1, 64, "");
+    client.create(&config).await.unwrap();
+    drop(writer);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        serving.try_wait().unwrap().is_none(),
+        "a VMM with a VM exited with its anchor"
+    );
+    client.ping().await.unwrap();
+    client.shutdown_vmm().await.unwrap();
+    serving.wait().unwrap();
+}

@@ -182,6 +182,47 @@ fn limits(config: &MicrovmConfig) -> Limits {
     }
 }
 
+/// A pool of `config.vmm_pool` jailed agentvm-vmm VMMs, started ahead of their VMs.
+fn vmm_pool(
+    config: &MicrovmConfig,
+    confinement: Arc<Confinement>,
+) -> std::result::Result<pool::Pool, String> {
+    use std::os::fd::AsFd;
+    let binary = config.vmm_binary.clone();
+    // Each pooled VMM holds the read end: once this process is gone (however it ended), the
+    // ones no session claimed exit on their own.
+    let (anchor, anchor_writer) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+        .map_err(|e| format!("a pipe for the VMM pool: {e}"))?;
+    Ok(pool::Pool::new(
+        config.vmm_pool,
+        Box::new(move || {
+            // Open for as long as the pool can start VMMs.
+            let _writer = &anchor_writer;
+            let (slot, jail) = confinement.pooled_jail()?;
+            let launched = vmm_process::launch(
+                &binary,
+                VmmFlavour::Agentvm,
+                &slot,
+                // Told at the claim (vmm.ram-dir).
+                Path::new("none"),
+                Some(&jail),
+                Some(anchor.as_fd()),
+            );
+            match launched {
+                Ok(pid) => Ok(pool::Pooled {
+                    pid,
+                    uid: jail.uid,
+                    slot,
+                }),
+                Err(e) => {
+                    let _ = std::fs::remove_dir_all(&slot);
+                    Err(e)
+                }
+            }
+        }),
+    ))
+}
+
 /// A failure, by what it means for the caller. The VMM and the snapshot store report theirs
 /// as text (over HTTP, through the jail), so the kinds that need their own status are told
 /// apart by the messages those produce.
@@ -231,37 +272,13 @@ impl MicrovmRuntime {
         std::fs::create_dir_all(&config.run_dir)
             .map_err(|e| format!("creating {}: {e}", config.run_dir.display()))?;
         let confinement = Arc::new(Confinement::new(&config, limits(&config))?);
-        let pool =
-            (config.vmm_pool > 0 && confinement.jailed() && config.flavour == VmmFlavour::Agentvm)
-                .then(|| {
-                    let confinement = confinement.clone();
-                    let binary = config.vmm_binary.clone();
-                    pool::Pool::new(
-                        config.vmm_pool,
-                        Box::new(move || {
-                            let (slot, jail) = confinement.pooled_jail()?;
-                            let launched = vmm_process::launch(
-                                &binary,
-                                VmmFlavour::Agentvm,
-                                &slot,
-                                // Told at the claim (vmm.ram-dir).
-                                Path::new("none"),
-                                Some(&jail),
-                            );
-                            match launched {
-                                Ok(pid) => Ok(pool::Pooled {
-                                    pid,
-                                    uid: jail.uid,
-                                    slot,
-                                }),
-                                Err(e) => {
-                                    let _ = std::fs::remove_dir_all(&slot);
-                                    Err(e)
-                                }
-                            }
-                        }),
-                    )
-                });
+        let pool = match config.vmm_pool > 0
+            && confinement.jailed()
+            && config.flavour == VmmFlavour::Agentvm
+        {
+            true => Some(vmm_pool(&config, confinement.clone())?),
+            false => None,
+        };
         let exits = ExitWatch::default();
         Ok(Self {
             config,

@@ -137,7 +137,7 @@ pub async fn spawn(
     jail: Option<&Jail>,
     cgroup_procs: Vec<PathBuf>,
 ) -> Result<Spawned, String> {
-    let pid = launch(binary, dir.flavour, &dir.dir, &dir.ram, jail)?;
+    let pid = launch(binary, dir.flavour, &dir.dir, &dir.ram, jail, None)?;
     watch.watch(dir.clone(), pid);
     let confined = Confinement(tokio::task::spawn_blocking(move || {
         super::cgroups::join(&cgroup_procs, pid)
@@ -152,13 +152,16 @@ pub async fn spawn(
 
 /// Starts a VMM serving its API on `in_dir/api.sock`, logging to `in_dir/vmm.log`, its pid
 /// in `in_dir/vmm.pid`, its VMs' RAM in `ram_dir` (`none`: memfds), jailed when `jail` is
-/// given. Blocking: the clone waits until the VMM has exec'd.
+/// given. With `anchor` (a pipe's read end; agentvm-vmm only) it exits once the pipe's
+/// writers are gone unless it was asked for a VM by then. Blocking: the clone waits until
+/// the VMM has exec'd.
 pub fn launch(
     binary: &Path,
     flavour: VmmFlavour,
     in_dir: &Path,
     ram_dir: &Path,
     jail: Option<&Jail>,
+    anchor: Option<std::os::fd::BorrowedFd>,
 ) -> Result<u32, String> {
     let api = in_dir.join("api.sock");
     let log_path = in_dir.join("vmm.log");
@@ -175,17 +178,25 @@ pub fn launch(
     };
     // Its own process group (a signal for the daemon is not one for its VMs), no handle:
     // the exit watch reaps it through its pidfd.
+    let mut args = flavour.args(
+        &api,
+        ram_dir,
+        listener.as_ref().map(|_| super::jail::INHERITED_FD),
+    );
+    if anchor.is_some() {
+        args.extend([
+            "--exit-with-fd".into(),
+            super::jail::ANCHOR_FD.to_string().into(),
+        ]);
+    }
     let pid = super::jail::spawn(&super::jail::Command {
         binary,
-        args: &flavour.args(
-            &api,
-            ram_dir,
-            listener.as_ref().map(|_| super::jail::INHERITED_FD),
-        ),
+        args: &args,
         env: &[("AGENTVM_VMM_LOG", "warn")],
         output: &log,
         jail,
         listener: listener.as_ref().map(|l| l.as_fd()),
+        anchor,
     })?;
     // The VMM's now; a copy here would keep connections queueing after it died.
     drop(listener);

@@ -17,7 +17,7 @@ use std::fs::File;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
-pub use self::spawn::{Command, INHERITED_FD, spawn};
+pub use self::spawn::{ANCHOR_FD, Command, INHERITED_FD, spawn};
 use nix::mount::MsFlags;
 use nix::sys::resource::Resource;
 
@@ -356,6 +356,7 @@ mod tests {
             output: &output,
             jail: Some(jail),
             listener,
+            anchor: None,
         })
         .unwrap();
         let status = match nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid as i32), None) {
@@ -525,6 +526,7 @@ mod tests {
             output: &output,
             jail: Some(&jail),
             listener: None,
+            anchor: None,
         })
         .unwrap();
         std::thread::sleep(std::time::Duration::from_millis(100));
@@ -575,6 +577,7 @@ mod tests {
             output: &output,
             jail: Some(&jail),
             listener: None,
+            anchor: None,
         })
         .unwrap_err();
         assert!(err.contains("/nonexistent/agentvm-file"), "{err}");
@@ -587,6 +590,7 @@ mod tests {
             output: &output,
             jail: Some(&jail),
             listener: None,
+            anchor: None,
         })
         .unwrap_err();
         assert!(err.contains("failed at exec"), "{err}");

@@ -25,10 +25,14 @@ pub struct Command<'a> {
     pub jail: Option<&'a Jail>,
     /// Handed down as descriptor [`INHERITED_FD`]: a listening socket the program serves on.
     pub listener: Option<BorrowedFd<'a>>,
+    /// Handed down as descriptor [`ANCHOR_FD`]: a pipe's read end the program watches.
+    pub anchor: Option<BorrowedFd<'a>>,
 }
 
 /// The descriptor number a [`Command`]'s `listener` has in the program.
 pub const INHERITED_FD: RawFd = 3;
+/// The descriptor number a [`Command`]'s `anchor` has in the program.
+pub const ANCHOR_FD: RawFd = 4;
 
 /// Starts `command`; returns its pid once it has exec'd (or why it could not).
 pub fn spawn(command: &Command) -> Result<u32, String> {
@@ -60,18 +64,28 @@ pub fn spawn(command: &Command) -> Result<u32, String> {
             onto: 2,
         },
     ];
-    // Numbered above INHERITED_FD, so its dup2 onto that number is never a no-op that would
-    // leave it close-on-exec.
-    let listener = command
-        .listener
-        .map(|fd| sys::dup_above(fd, INHERITED_FD + 1))
-        .transpose()
-        .map_err(|e| format!("duplicating the listening socket: {e}"))?;
-    if let Some(listener) = &listener {
+    // Numbered above both targets, so no dup2 onto one is a no-op that would leave it
+    // close-on-exec, nor overwrites the other's source.
+    if command.anchor.is_some() && command.listener.is_none() {
+        // Descriptor 3 would be whatever the daemon has there.
+        return Err("an anchor is handed down only beside a listener".to_owned());
+    }
+    let handed = [
+        (command.listener, INHERITED_FD),
+        (command.anchor, ANCHOR_FD),
+    ];
+    let mut sources = Vec::new();
+    let mut last = None;
+    for (fd, onto) in handed {
+        let Some(fd) = fd else { continue };
+        let dup = sys::dup_above(fd, ANCHOR_FD + 1)
+            .map_err(|e| format!("duplicating descriptor {onto} for the VMM: {e}"))?;
         steps.push(Step::Dup2 {
-            fd: listener.as_raw_fd(),
-            onto: INHERITED_FD,
+            fd: dup.as_raw_fd(),
+            onto,
         });
+        sources.push(dup);
+        last = Some(onto);
     }
     let mut namespaces = CloneFlags::empty();
     if let Some(jail) = command.jail {
@@ -82,11 +96,9 @@ pub fn spawn(command: &Command) -> Result<u32, String> {
             | CloneFlags::CLONE_NEWIPC
             | CloneFlags::CLONE_NEWUTS;
     }
+    // Everything above the last one handed down.
     steps.push(Step::CloseInherited {
-        first: match listener {
-            Some(_) => INHERITED_FD as u32 + 1,
-            None => INHERITED_FD as u32,
-        },
+        first: last.map_or(INHERITED_FD, |fd| fd + 1) as u32,
     });
 
     let argv0 = cpath(command.binary)?;
