@@ -347,9 +347,16 @@ async fn main() {
         return;
     }
     let runs = if quick { 2 } else { 20 };
+    // AGENTVM_BENCH_VMM_POOL=0 measures without the pool of VMMs started ahead.
+    let pool = std::env::var("AGENTVM_BENCH_VMM_POOL")
+        .ok()
+        .and_then(|v| v.parse().ok());
     let node = support::start_with(|cfg| {
         cfg.vmm_binary = Some(binary.clone());
         cfg.ram_dir = "/dev/shm".into();
+        if let Some(pool) = pool {
+            cfg.vmm_pool = pool;
+        }
     })
     .await;
     let state = node.dir.join("state");

@@ -140,7 +140,8 @@ pub struct Settings {
     #[arg(long)]
     pub vm_uid_base: Option<u32>,
     /// How many jailed VMMs wait, already started, for the next create, resume or fork
-    /// child (each idle one holds ~3 MiB); 0 starts every VMM when it is needed. Default: 2.
+    /// child (each idle one holds ~3 MiB); 0 starts every VMM when it is needed. Default: 0
+    /// (on 2 cores a claim and its refill cost what a start does).
     #[arg(long)]
     pub vmm_pool: Option<usize>,
     /// OpenAI-compatible endpoint (up to the version path, e.g. https://api.openai.com/v1)

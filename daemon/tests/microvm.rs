@@ -1931,14 +1931,20 @@ async fn until_pooled(node: &TestNode, count: usize) -> Vec<(PathBuf, i32)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sessions_start_in_pooled_vmms_and_the_rest_end_with_the_node() {
+    const POOL: usize = 2;
     require_kvm!();
     if !nix::unistd::geteuid().is_root() {
         println!("SKIPPED: the VMM pool holds jailed VMMs, which need root");
         return;
     }
-    let node = microvm_node().await;
+    let binary = vmm_binary();
+    let node = start_with(|cfg| {
+        cfg.vmm_binary = Some(binary);
+        cfg.vmm_pool = POOL;
+    })
+    .await;
     let mut c = node.c();
-    let waiting = until_pooled(&node, agentvmd::runtime::microvm::DEFAULT_VMM_POOL).await;
+    let waiting = until_pooled(&node, POOL).await;
     for (_, pid) in &waiting {
         // Jailed already: a uid of its own, PID 1 of its own PID namespace.
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
@@ -1968,13 +1974,13 @@ async fn sessions_start_in_pooled_vmms_and_the_rest_end_with_the_node() {
     );
 
     // The pool refills; suspend, resume and a fork take from it too.
-    let refilled = until_pooled(&node, agentvmd::runtime::microvm::DEFAULT_VMM_POOL).await;
+    let refilled = until_pooled(&node, POOL).await;
     assert!(refilled.iter().all(|(_, p)| *p != pid));
     c.suspend(SuspendRequest { session: s.clone() })
         .await
         .unwrap();
     wait_gone(&vm_dir(&node, &s), "a suspended session's VMM").await;
-    let waiting = until_pooled(&node, agentvmd::runtime::microvm::DEFAULT_VMM_POOL).await;
+    let waiting = until_pooled(&node, POOL).await;
     assert_eq!(turn(&mut c, &s).await, "2");
     let resumed = vmm_pid(&node, &s);
     assert!(
@@ -1988,7 +1994,7 @@ async fn sessions_start_in_pooled_vmms_and_the_rest_end_with_the_node() {
     assert_eq!(turn(&mut c, &s).await, "3");
 
     // The node stops: VMMs no session claimed go with it, and their slots.
-    let waiting = until_pooled(&node, agentvmd::runtime::microvm::DEFAULT_VMM_POOL).await;
+    let waiting = until_pooled(&node, POOL).await;
     node.node.host.settle().await;
     for (slot, pid) in waiting {
         let deadline = std::time::Instant::now() + Duration::from_secs(5);

@@ -204,6 +204,9 @@ fn serve_api(
         // Backend calls run one at a time anyway; one blocking thread keeps the process's
         // thread count fixed.
         .max_blocking_threads(1)
+        // And it stays: a VMM waiting in a node's pool is claimed whenever a VM is needed,
+        // and its first call should not pay for a new thread.
+        .thread_keep_alive(std::time::Duration::from_secs(24 * 3600))
         .build()
         .context("starting the API runtime")?;
     runtime.block_on(async {

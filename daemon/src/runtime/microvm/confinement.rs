@@ -284,15 +284,25 @@ impl Confinement {
         let Some(base) = &self.jail else {
             return Err("VMMs here run without a jail".to_owned());
         };
+        let started = std::time::Instant::now();
         {
             let _held = base.uid_lock.lock().unwrap_or_else(|p| p.into_inner());
             own(&[&dir.dir, &dir.ram], pooled.uid)?;
         }
+        let owned = started.elapsed();
         let cgroup_procs = match &self.cgroups {
             Some(cgroups) => cgroups.create(session, self.limits)?,
             None => Vec::new(),
         };
+        let grouped = started.elapsed();
         jail::inject(pooled.pid, &[dir.dir.clone(), dir.ram.clone()], &files)?;
+        tracing::debug!(
+            session,
+            owned_ms = owned.as_secs_f64() * 1e3,
+            cgroups_ms = grouped.as_secs_f64() * 1e3,
+            shown_ms = started.elapsed().as_secs_f64() * 1e3,
+            "pooled VMM claimed"
+        );
         Ok(cgroup_procs)
     }
 }

@@ -120,9 +120,10 @@ pub struct MicrovmConfig {
     pub vmm_pool: usize,
 }
 
-/// The default `vmm_pool`: enough for a create or resume to find one; a fork's children
-/// beyond it start their own.
-pub const DEFAULT_VMM_POOL: usize = 2;
+/// The default `vmm_pool`: none. On a 2-core host a claim (showing the jail its files,
+/// moving it into its cgroups) and the refill behind it cost about what starting a VMM
+/// does (see the README's figures); hosts with cores to spare can turn it on.
+pub const DEFAULT_VMM_POOL: usize = 0;
 
 /// Prefix of the directories and cgroups of a VMM on its way out (see `retire_vmm`).
 const RETIRED: &str = ".retired-";
@@ -208,15 +209,26 @@ fn vmm_pool(
                 Some(&jail),
                 Some(anchor.as_fd()),
             );
-            match launched {
-                Ok(pid) => Ok(pool::Pooled {
+            let pooled = match launched {
+                Ok(pid) => pool::Pooled {
                     pid,
                     uid: jail.uid,
                     slot,
-                }),
+                },
                 Err(e) => {
                     let _ = std::fs::remove_dir_all(&slot);
-                    Err(e)
+                    return Err(e);
+                }
+            };
+            // Its first call costs it a thread: paid here, not by the claim.
+            let client = agentvm_vmm_api::VmmClient::new(pooled.api());
+            let ready = tokio::runtime::Handle::current()
+                .block_on(client.wait_ready(vmm_process::READY_TIMEOUT));
+            match ready {
+                Ok(_) => Ok(pooled),
+                Err(e) => {
+                    pooled.discard();
+                    Err(format!("a pooled VMM did not come up: {e}"))
                 }
             }
         }),

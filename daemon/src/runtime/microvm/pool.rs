@@ -15,6 +15,9 @@ use std::sync::{Arc, Mutex};
 
 use super::vmm_process;
 
+/// How long a replacement waits before it starts.
+const REFILL_DELAY: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// Prefix of a pooled VMM's directory in the run directory.
 pub const SLOT_PREFIX: &str = ".pool-";
 
@@ -93,7 +96,10 @@ impl Pool {
             match next {
                 Some(pooled) if pooled.running() => break Some(pooled),
                 Some(dead) => {
-                    tracing::warn!(pid = dead.pid, "a pooled VMM exited before it was claimed");
+                    let log =
+                        std::fs::read_to_string(dead.slot.join("vmm.log")).unwrap_or_default();
+                    let last = log.lines().rev().take(3).collect::<Vec<_>>().join(" | ");
+                    tracing::warn!(pid = dead.pid, log = %last, "a pooled VMM exited before it was claimed");
                     dead.discard();
                 }
                 None => break None,
@@ -137,6 +143,9 @@ impl Inner {
             let this = this.clone();
             // Blocking, and never cut short: once cloned, a VMM is either queued or stopped.
             tokio::task::spawn_blocking(move || {
+                // After the start that claimed the last one, not competing with it for the
+                // node's cores.
+                std::thread::sleep(REFILL_DELAY);
                 let launched = (this.launch)();
                 this.starting.fetch_sub(1, Ordering::SeqCst);
                 match launched {

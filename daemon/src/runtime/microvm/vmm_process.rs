@@ -17,7 +17,7 @@ use super::flavour::VmmFlavour;
 use super::jail::Jail;
 
 /// How long a fresh VMM has to answer `vmm.ping`.
-const READY_TIMEOUT: Duration = Duration::from_secs(10);
+pub const READY_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long `vmm.shutdown` may take before the process is killed.
 const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -218,6 +218,7 @@ pub async fn adopt(
     cgroup_procs: Vec<PathBuf>,
 ) -> Result<Spawned, String> {
     let pid = pooled.pid;
+    let started = std::time::Instant::now();
     let moved = std::fs::write(
         dir.dir.join(POOLED_API),
         pooled.api().as_os_str().as_encoded_bytes(),
@@ -238,7 +239,14 @@ pub async fn adopt(
     let confined = Confinement(tokio::task::spawn_blocking(move || {
         super::cgroups::join(&cgroup_procs, pid)
     }));
+    let moved = started.elapsed();
     let told = tokio::time::timeout(READY_TIMEOUT, dir.client().set_ram_dir(Some(&dir.ram))).await;
+    tracing::debug!(
+        pid,
+        moved_ms = moved.as_secs_f64() * 1e3,
+        told_ms = started.elapsed().as_secs_f64() * 1e3,
+        "pooled VMM adopted"
+    );
     match told {
         Ok(Ok(())) => Ok(Spawned { pid, confined }),
         failed => {
