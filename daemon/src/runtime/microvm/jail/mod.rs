@@ -57,6 +57,24 @@ const USERFAULTFD: (&str, u32) = ("userfaultfd", 0o600);
 const ROOT_TMPFS_OPTIONS: &str = "mode=0755,size=1m,nr_inodes=4096";
 const NOFILE_LIMIT: u64 = 8192;
 
+/// The directories steps have made so far, so each is made once.
+#[derive(Default)]
+struct MountPoints(std::collections::BTreeSet<PathBuf>);
+
+impl MountPoints {
+    /// Steps making `path` (absolute) and its parents under `root`, those not made yet.
+    fn mkdir_p(&mut self, steps: &mut Vec<Step>, root: &Path, path: &Path) -> Result<(), String> {
+        let mut at = PathBuf::from("/");
+        for part in path.strip_prefix("/").unwrap_or(path).components() {
+            at.push(part);
+            if self.0.insert(at.clone()) {
+                steps.push(Step::Mkdir(cpath(&staged(root, &at))?));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// `path` (absolute) as it sits under the staging directory.
 fn staged(staging: &Path, path: &Path) -> PathBuf {
     staging.join(path.strip_prefix("/").unwrap_or(path))
@@ -81,17 +99,8 @@ fn jail_steps(jail: &Jail) -> Result<Vec<Step>, String> {
         flags: MsFlags::MS_NOSUID,
         data: Some(cstring(ROOT_TMPFS_OPTIONS.as_bytes())?),
     });
-    let mut made = std::collections::BTreeSet::new();
-    let mut mkdir_p = |steps: &mut Vec<Step>, path: &Path| -> Result<(), String> {
-        let mut at = PathBuf::from("/");
-        for part in path.strip_prefix("/").unwrap_or(path).components() {
-            at.push(part);
-            if made.insert(at.clone()) {
-                steps.push(Step::Mkdir(cpath(&staged(staging, &at))?));
-            }
-        }
-        Ok(())
-    };
+    let mut made = MountPoints::default();
+    let mut mkdir_p = |steps: &mut Vec<Step>, path: &Path| made.mkdir_p(steps, staging, path);
     let mut binds: Vec<(&PathBuf, MsFlags)> = Vec::new();
     let nosuid_nodev = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
     binds.extend(
@@ -245,28 +254,21 @@ pub fn inject(pid: u32, writable: &[PathBuf], readable: &[PathBuf]) -> Result<()
     ];
     // Held open until the child has attached them.
     let mut trees = Vec::new();
-    let mut made = std::collections::BTreeSet::new();
+    let mut made = MountPoints::default();
     for (path, attributes) in shown {
         if !path.is_absolute() {
             return Err(format!("{} is not an absolute path", path.display()));
         }
         let meta =
             std::fs::symlink_metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let dir_part = if meta.is_dir() {
+        let dir = if meta.is_dir() {
             Some(path.as_path())
         } else {
             path.parent()
         };
-        let mut at = PathBuf::from("/");
-        for part in dir_part
-            .map(|d| d.strip_prefix("/").unwrap_or(d))
-            .into_iter()
-            .flat_map(Path::components)
-        {
-            at.push(part);
-            if made.insert(at.clone()) {
-                steps.push(Step::Mkdir(cpath(&at)?));
-            }
+        if let Some(dir) = dir {
+            // Inside the jail's mount namespace, its root is "/".
+            made.mkdir_p(&mut steps, Path::new("/"), dir)?;
         }
         if meta.file_type().is_symlink() {
             // Recreated, not followed, as at the jail's start.
