@@ -57,9 +57,30 @@ static void drop_queued_rst(u32 lport, u32 pport)
 	rst_n = kept;
 }
 
+/* Bit i set: conns[i] is in use. Every packet and every pump looks connections up, and
+ * under PVM's emulator a scan of all of them costs more than the packet itself. */
+static u32 live;
+_Static_assert(TG_MAX_CONN <= 32, "one bit per connection in `live`");
+
+static u32 conn_index(const struct conn *c)
+{
+	return (u32)(c - conns);
+}
+
+/* The next connection in use from `*m` (cleared from it), or 0. */
+static struct conn *next_live(u32 *m)
+{
+	if (!*m)
+		return 0;
+	u32 i = (u32)__builtin_ctz(*m);
+	*m &= *m - 1;
+	return &conns[i];
+}
+
 static void conn_free(struct conn *c)
 {
 	c->state = C_FREE;
+	live &= ~(1u << conn_index(c));
 }
 
 /* Forgets the connection now; the peer hears RST as soon as a tx buffer is free. */
@@ -76,6 +97,7 @@ static struct conn *conn_new(u32 lport, u32 pport)
 		if (c->state != C_FREE)
 			continue;
 		memset(c, 0, sizeof *c);
+		live |= 1u << i;
 		c->lport = lport;
 		c->pport = pport;
 		c->in.buf = in_bufs[i];
@@ -87,9 +109,10 @@ static struct conn *conn_new(u32 lport, u32 pport)
 
 static struct conn *conn_find(u32 lport, u32 pport)
 {
-	for (u32 i = 0; i < TG_MAX_CONN; i++)
-		if (conns[i].state != C_FREE && conns[i].lport == lport && conns[i].pport == pport)
-			return &conns[i];
+	u32 m = live;
+	for (struct conn *c; (c = next_live(&m));)
+		if (c->lport == lport && c->pport == pport)
+			return c;
 	return 0;
 }
 
@@ -103,6 +126,7 @@ void tg_vsock_reset(u64 cid)
 	my_cid = cid;
 	for (u32 i = 0; i < TG_MAX_CONN; i++)
 		conn_free(&conns[i]);
+	live = 0;
 	rst_n = 0;
 }
 
@@ -309,12 +333,16 @@ void tg_vsock_pump(void)
 	/* Connections first: a reset conn queues its RST, which goes out below. The starting
 	 * point rotates so one busy connection cannot keep the tx buffers from the others. */
 	static u32 start;
-	for (u32 i = 0; i < TG_MAX_CONN; i++) {
-		struct conn *c = &conns[(start + i) % TG_MAX_CONN];
-		if (c->state != C_FREE && !pump_conn(c))
-			break;
+	u32 from = start++ % TG_MAX_CONN;
+	/* Those at `from` and above, then those below it. */
+	u32 rounds[2] = {live & (~0u << from), live & ((1u << from) - 1)};
+	for (u32 r = 0; r < 2; r++) {
+		u32 m = rounds[r];
+		for (struct conn *c; (c = next_live(&m));)
+			if (!pump_conn(c))
+				goto pumped;
 	}
-	start++;
+pumped:
 	u32 sent = 0;
 	while (sent < rst_n && send_pkt(0, rst_q[sent].lport, rst_q[sent].pport, VSOCK_OP_RST, 0,
 					0, 0))
