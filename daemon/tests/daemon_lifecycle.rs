@@ -25,7 +25,8 @@ async fn serves_health_on_unix_socket_and_stops_on_sigterm() {
         .unwrap();
     let mut child = KillOnDrop(child);
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !sock.exists() {
+    // Connectable, not just present (the file exists from bind(2), before listen(2)).
+    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
         assert!(Instant::now() < deadline, "socket never appeared");
         assert!(child.try_wait().unwrap().is_none(), "agentvmd exited early");
         tokio::time::sleep(Duration::from_millis(20)).await;

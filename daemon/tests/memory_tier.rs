@@ -352,7 +352,8 @@ async fn start() -> Node {
                 .unwrap()
         });
     }
-    while !socket.exists() {
+    // Connectable, not just present (the file exists from bind(2), before listen(2)).
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let client = SessionsClient::new(agentvmd::client::connect(&addr).await.unwrap());

@@ -89,7 +89,10 @@ pub fn start_daemon_env(dir: &Path, extra: &[&str], env: &[(String, String)]) ->
         .spawn()
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !(api.exists() && admin.exists()) {
+    // Connectable, not just present: a socket file exists from bind(2), a moment before
+    // listen(2), and a connection in between is refused.
+    let listening = |p: &Path| std::os::unix::net::UnixStream::connect(p).is_ok();
+    while !(listening(&api) && listening(&admin)) {
         assert!(
             Instant::now() < deadline,
             "agentvmd sockets never appeared; its log:\n{}",

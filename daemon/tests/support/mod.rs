@@ -173,7 +173,8 @@ pub async fn start_in(dir: tempfile::TempDir, configure: impl FnOnce(&mut NodeCo
         });
     }
     for _ in 0..200 {
-        if socket.exists() {
+        // Connectable, not just present (the file exists from bind(2), before listen(2)).
+        if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
