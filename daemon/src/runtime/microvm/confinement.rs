@@ -203,10 +203,7 @@ impl Confinement {
             return Ok((None, Vec::new()));
         };
         let uid = self.own_dirs(base, dir)?;
-        let cgroup_procs = match &self.cgroups {
-            Some(cgroups) => cgroups.create(session, self.limits)?,
-            None => Vec::new(),
-        };
+        let cgroup_procs = self.create_cgroups(session)?;
         let jail = Jail {
             staging: base.staging.clone(),
             uid,
@@ -217,6 +214,15 @@ impl Confinement {
             userfaultfd: base.userfaultfd,
         };
         Ok((Some(jail), cgroup_procs))
+    }
+
+    /// `session`'s cgroups with the runtime's limits, as their `cgroup.procs` (none without
+    /// cgroups).
+    fn create_cgroups(&self, session: &str) -> Result<Vec<PathBuf>, String> {
+        match &self.cgroups {
+            Some(cgroups) => cgroups.create(session, self.limits),
+            None => Ok(Vec::new()),
+        }
     }
 
     /// Makes `dir` and its RAM directory, owned (mode 0700) by the lowest uid from the base
@@ -290,10 +296,7 @@ impl Confinement {
             own(&[&dir.dir, &dir.ram], pooled.uid)?;
         }
         let owned = started.elapsed();
-        let cgroup_procs = match &self.cgroups {
-            Some(cgroups) => cgroups.create(session, self.limits)?,
-            None => Vec::new(),
-        };
+        let cgroup_procs = self.create_cgroups(session)?;
         let grouped = started.elapsed();
         jail::inject(pooled.pid, &[dir.dir.clone(), dir.ram.clone()], &files)?;
         tracing::debug!(

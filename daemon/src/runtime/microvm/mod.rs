@@ -563,7 +563,6 @@ impl MicrovmRuntime {
             Some(pooled) => self.claim(session, &dir, files.clone(), pooled).await,
             None => None,
         };
-        let prepared = started.elapsed();
         let confined = match claimed {
             Some(confined) => confined,
             None => self.spawn_vmm(session, &dir, files).await?,
@@ -574,7 +573,6 @@ impl MicrovmRuntime {
             Ok(()) => {
                 tracing::debug!(
                     session,
-                    prepared_ms = prepared.as_secs_f64() * 1e3,
                     spawned_ms = spawned.as_secs_f64() * 1e3,
                     ready_ms = started.elapsed().as_secs_f64() * 1e3,
                     "VMM started"
