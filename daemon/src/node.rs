@@ -410,8 +410,9 @@ impl Node {
         }
     }
 
-    /// What the metrics endpoint reports about the node's present state.
-    pub fn state_fn(&self) -> StateFn {
+    /// What the metrics endpoint reports about the node's present state; `per_session`
+    /// gives each VMM's memory a series labelled with its session.
+    pub fn state_fn(&self, per_session: bool) -> StateFn {
         let journal = Arc::clone(&self.journal);
         let microvm = self.microvm.clone();
         let disk = self.disk.clone();
@@ -424,6 +425,7 @@ impl Node {
                 .map(|(state, n)| (compute_state_label(state).to_owned(), n))
                 .collect(),
             vmms: microvm.as_ref().map(|m| m.vmm_memory()).unwrap_or_default(),
+            per_session,
         })
     }
 }

@@ -94,7 +94,9 @@ pub async fn api_routes(host: Arc<SessionHost>) -> anyhow::Result<Routes> {
 }
 
 /// Sessions (and, given, the node status service), health and reflection. With an
-/// authenticator every Sessions and Node call must carry a credential.
+/// authenticator every Sessions, Node and reflection call must carry a credential (the
+/// service list and schemas are no business of an anonymous caller); health stays open, as
+/// load balancers and systemd-style probes carry none.
 pub async fn api_routes_with(
     host: Arc<SessionHost>,
     node: Option<NodeService>,
@@ -124,13 +126,12 @@ pub async fn api_routes_with(
         }
         Ok(req)
     };
-    let mut routes =
-        Routes::new(health)
-            .add_service(reflection)
-            .add_service(InterceptedService::new(
-                SessionsService::new(host).into_server(),
-                check.clone(),
-            ));
+    let mut routes = Routes::new(health)
+        .add_service(InterceptedService::new(reflection, check.clone()))
+        .add_service(InterceptedService::new(
+            SessionsService::new(host).into_server(),
+            check.clone(),
+        ));
     if let Some(node) = node {
         routes = routes.add_service(InterceptedService::new(node.into_server(), check));
     }

@@ -110,6 +110,11 @@ pub struct Settings {
     #[arg(long)]
     #[serde(default, deserialize_with = "parsed")]
     pub metrics_listen: Option<SocketAddr>,
+    /// Give each running VMM's memory its own series, labelled with its session's uid. Off
+    /// by default: one series a session grows the scraper's store without bound, and names
+    /// every tenant's sessions to whoever reads the metrics.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub metrics_session_labels: Option<bool>,
     /// Log lines as `text` (default) or `json` (one object per line, span fields included).
     #[arg(long)]
     pub log_format: Option<LogFormat>,
@@ -251,6 +256,7 @@ impl Settings {
             listen,
             admin_listen,
             metrics_listen,
+            metrics_session_labels,
             log_format,
             harness_bin,
             vmm_binary,
@@ -335,6 +341,10 @@ impl Settings {
         );
         set("vm_uid_base", secs(u64::from(node.vm_uid_base)));
         set("vmm_pool", secs(node.vmm_pool as u64));
+        set(
+            "metrics_session_labels",
+            toml::Value::Boolean(self.metrics_session_labels.unwrap_or(false)),
+        );
         set(
             "openai_api_key_env",
             text(

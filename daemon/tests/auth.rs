@@ -1,5 +1,6 @@
 //! API security: bearer tokens and mTLS client certificates mapped to principals, per-project
-//! authorization, the principal recorded on the events it causes, TLS on TCP.
+//! authorization, operators for what acts on the whole node, the principal recorded on the
+//! events it causes, TLS on TCP and who may listen beyond loopback.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -7,7 +8,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use agentvm_proto::node::v1::node_client::NodeClient;
-use agentvm_proto::node::v1::{GetStatusRequest, ListProjectsRequest};
+use agentvm_proto::node::v1::{
+    DrainRequest, GetStatusRequest, ListNodesRequest, ListProjectsRequest,
+};
 use agentvm_proto::v1::sessions_client::SessionsClient;
 use agentvm_proto::v1::{
     CreateSessionRequest, ExecRequest, GetSessionRequest, ListSessionsRequest, ReplayRequest,
@@ -237,6 +240,207 @@ async fn tokens_principals_and_projects() {
     assert!(health.is_ok());
 }
 
+/// The events of `uid`'s log, as `token` may read them.
+async fn events(
+    c: &mut SessionsClient<Channel>,
+    uid: &str,
+    token: &str,
+) -> Vec<agentvm_proto::v1::Event> {
+    let mut replay = c
+        .replay(with_token(
+            ReplayRequest {
+                session: uid.into(),
+                ..Default::default()
+            },
+            token,
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut events = Vec::new();
+    while let Some(r) = replay.message().await.unwrap() {
+        events.push(r.event.unwrap());
+    }
+    events
+}
+
+/// Drain, the fleet's map and the node-wide status are an operator's: a tenant's token that
+/// tries them is refused and changes nothing; an operator's drain is recorded as theirs.
+#[tokio::test]
+async fn node_wide_rpcs_need_an_operator_and_record_who_drained() {
+    let dir = tempfile::tempdir().unwrap();
+    let auth = Arc::new(
+        Authenticator::load(&auth_file(
+            dir.path(),
+            &format!(
+                "\n[[principal]]\nname = \"ops\"\nprojects = [\"team-ops\"]\noperator = true\n\
+                 token_sha256 = [\"{}\"]\n",
+                sha256_hex(b"ops-token")
+            ),
+        ))
+        .unwrap(),
+    );
+    let node = support::start_with(move |cfg| cfg.auth = Some(auth)).await;
+    let mut c = node.c();
+    let bobs = c
+        .create_session(with_token(create_in("team-b"), "bob-token"))
+        .await
+        .unwrap()
+        .into_inner()
+        .metadata
+        .unwrap()
+        .uid;
+    let mut stream = c
+        .exec(with_token(
+            support::exec_text(bobs.clone(), "hi"),
+            "bob-token",
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    while stream.message().await.unwrap().is_some() {}
+    let before = events(&mut c, &bobs, "bob-token").await.len();
+
+    let mut n = NodeClient::new(node.channel().await);
+    let this_node = n
+        .list_nodes(with_token(ListNodesRequest {}, "ops-token"))
+        .await
+        .unwrap()
+        .into_inner()
+        .this_node;
+    let drain = || DrainRequest {
+        name: this_node.clone(),
+        timeout_secs: 30,
+    };
+    // Alice is a tenant: every node-wide call is refused, naming why.
+    for (rpc, status) in [
+        (
+            "Drain",
+            n.drain(with_token(drain(), "alice-token")).await.map(drop),
+        ),
+        (
+            "ListNodes",
+            n.list_nodes(with_token(ListNodesRequest {}, "alice-token"))
+                .await
+                .map(drop),
+        ),
+        (
+            "GetStatus",
+            n.get_status(with_token(GetStatusRequest {}, "alice-token"))
+                .await
+                .map(drop),
+        ),
+    ] {
+        let status = status.unwrap_err();
+        assert_eq!(status.code(), Code::PermissionDenied, "{rpc}: {status:?}");
+        assert!(status.message().contains("operator"), "{rpc}: {status:?}");
+    }
+    // ...and changed nothing: Bob's session has no new record, and the node still serves.
+    assert_eq!(events(&mut c, &bobs, "bob-token").await.len(), before);
+    let mut stream = c
+        .exec(with_token(
+            support::exec_text(bobs.clone(), "again"),
+            "bob-token",
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    while stream.message().await.unwrap().is_some() {}
+
+    // Reflection tells an anonymous caller nothing on a node with auth.
+    let mut reflection =
+        tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient::new(
+            node.channel().await,
+        );
+    let request = tonic_reflection::pb::v1::ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(
+            tonic_reflection::pb::v1::server_reflection_request::MessageRequest::ListServices(
+                String::new(),
+            ),
+        ),
+    };
+    let refused = match reflection
+        .server_reflection_info(tokio_stream::once(request))
+        .await
+    {
+        Err(status) => status,
+        Ok(response) => response.into_inner().message().await.unwrap_err(),
+    };
+    assert_eq!(refused.code(), Code::Unauthenticated, "{refused:?}");
+
+    // The operator drains; Bob's SUSPEND names the operator.
+    let drained = n
+        .drain(with_token(drain(), "ops-token"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(drained.suspended, 1, "{drained:?}");
+    let last = events(&mut c, &bobs, "bob-token").await.pop().unwrap();
+    assert_eq!(
+        last.kind,
+        agentvm_proto::v1::EventKind::EventLifecycle as i32,
+        "{last:?}"
+    );
+    assert_eq!(last.actor.unwrap().principal, "ops");
+}
+
+/// Beyond loopback someone is asked who they are: TLS alone (it proves the server, not the
+/// client) is refused without an auth file or a client CA, and so are metrics beyond
+/// loopback without an auth file.
+#[test]
+fn network_listeners_need_a_way_to_tell_callers_apart() {
+    if Command::new("openssl").arg("version").output().is_err() {
+        eprintln!("SKIPPED: the openssl command mints this test's certificates and is missing");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    certificates(d);
+    let check = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_agentvmd"))
+            .arg("--state-dir")
+            .arg(d.join("state"))
+            .args(["--tls-cert", "server.pem", "--tls-key", "server.key"])
+            .args(extra)
+            .arg("--check-config")
+            .current_dir(d)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, stderr) = check(&["--listen", "0.0.0.0:7443"]);
+    assert!(
+        !ok && stderr.contains("neither auth_file nor tls_client_ca"),
+        "{stderr}"
+    );
+    let auth = auth_file(d, "");
+    let auth = auth.to_str().unwrap();
+    let (ok, stderr) = check(&["--listen", "0.0.0.0:7443", "--auth-file", auth]);
+    assert!(ok, "{stderr}");
+    let (ok, stderr) = check(&["--listen", "0.0.0.0:7443", "--tls-client-ca", "ca.pem"]);
+    assert!(ok, "{stderr}");
+    let (ok, stderr) = check(&[
+        "--listen",
+        "127.0.0.1:7443",
+        "--metrics-listen",
+        "0.0.0.0:9464",
+    ]);
+    assert!(!ok && stderr.contains("metrics_listen"), "{stderr}");
+    let (ok, stderr) = check(&[
+        "--listen",
+        "127.0.0.1:7443",
+        "--metrics-listen",
+        "0.0.0.0:9464",
+        "--auth-file",
+        auth,
+    ]);
+    assert!(ok, "{stderr}");
+}
+
 // ---------- TLS ----------
 
 fn openssl(dir: &Path, args: &[&str]) {
@@ -378,7 +582,8 @@ async fn mutual_tls_on_tcp_maps_client_certificates_to_principals() {
     let auth = auth_file(
         d,
         &format!(
-            "\n[[principal]]\nname = \"ops\"\nprojects = [\"*\"]\nclient_cert_sha256 = [\"{}\"]\n",
+            "\n[[principal]]\nname = \"ops\"\nprojects = [\"*\"]\noperator = true\n\
+             client_cert_sha256 = [\"{}\"]\n",
             der_sha256(&d.join("client.pem"))
         ),
     );

@@ -378,3 +378,57 @@ fn a_harness_the_node_cannot_run_is_refused_at_create() {
     let (ok, _, err) = cli(&d, &["create", "--harness", "echo"]);
     assert!(ok, "{err}");
 }
+
+/// A failed `S=$(agentvm create -q)` leaves `$S` empty: `exec "$S"` must not quietly make a
+/// new session, and an empty `-i` is not an empty message to journal. Both are refused before
+/// the daemon is asked anything.
+#[test]
+fn an_empty_session_or_input_is_refused_and_creates_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = start_daemon(dir.path());
+    let uid = create_echo(&d);
+    let sessions = |d: &Daemon| {
+        let (ok, out, err) = cli(d, &["--json", "list"]);
+        assert!(ok, "{err}");
+        out.matches("\"uid\"").count()
+    };
+    let before = sessions(&d);
+    for args in [
+        &["exec", "", "-i", "tick"][..],
+        &["exec", "--session", "", "-i", "tick"],
+        &["get", ""],
+        &["exec", &uid, "-i", ""],
+    ] {
+        let (ok, _, err) = cli(&d, args);
+        assert!(!ok && err.contains("empty"), "{args:?}: {err}");
+    }
+    assert_eq!(sessions(&d), before, "a refused command made a session");
+}
+
+/// `agentvm replay S | head -1`: the reader going away ends the CLI as it ends Unix tools
+/// (status 141, as if by SIGPIPE), with no panic on stderr.
+#[test]
+fn a_reader_that_stops_reading_ends_the_cli_quietly() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = start_daemon(dir.path());
+    let uid = create_echo(&d);
+    for _ in 0..3 {
+        let (ok, _, err) = cli(&d, &["exec", &uid, "-i", &"x".repeat(4096)]);
+        assert!(ok, "{err}");
+    }
+    for args in [&["replay", &uid][..], &["--json", "replay", &uid]] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_agentvm"))
+            .env("AGENTVM_ADDR", d.addr())
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The reader is gone before the first line is written.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(141), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}

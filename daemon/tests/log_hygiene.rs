@@ -173,7 +173,7 @@ async fn scenario_72_log_hygiene() {
         .fork(with_id(
             ForkRequest {
                 session: uid.clone(),
-                count: 0,
+                count: -1,
                 ..Default::default()
             },
             "req-fork0",

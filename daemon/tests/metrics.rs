@@ -51,7 +51,8 @@ async fn metrics_are_scraped_and_move_with_sessions_turns_and_forks() {
     let addr = listener.local_addr().unwrap();
     tokio::spawn(agentvmd::metrics::server::serve(
         listener,
-        node.node.state_fn(),
+        node.node.state_fn(false),
+        None,
     ));
     let before = scrape(addr).await;
     assert_eq!(get(&before, "agentvm_build_info{version=\"0.1.0\"}"), 1.0);

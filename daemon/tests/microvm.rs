@@ -1106,7 +1106,7 @@ async fn image_bundles_in_the_image_dir_are_served_as_harnesses() {
         .unwrap();
     assert_eq!(info.config.memory.size, 96 << 20);
     // The metrics see the VM and what it costs.
-    let state = (node.node.state_fn())();
+    let state = (node.node.state_fn(true))();
     assert!(
         state
             .vmms
@@ -1659,7 +1659,14 @@ async fn suspend_all_covers_fork_children_and_every_session_goes_on() {
     for s in &all {
         assert!(vm_dir(&node, s).exists(), "{s} runs in a VMM of its own");
     }
-    let (suspended, failed) = node.node.host.suspend_all(Duration::from_secs(60)).await;
+    let (suspended, failed) = node
+        .node
+        .host
+        .suspend_all(
+            Duration::from_secs(60),
+            agentvmd::api::auth::node_actor(None, "test"),
+        )
+        .await;
     assert!(failed.is_empty(), "{failed:?}");
     assert_eq!(suspended, all.len());
     for s in &all {

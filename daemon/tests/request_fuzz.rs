@@ -4,8 +4,12 @@
 //! past the lookup), each answered within its deadline with a proper status — never a panic,
 //! a dropped connection or a hang — and the node still serving afterwards.
 //!
-//! The seed is printed; `AGENTVM_FUZZ_SEED=<n>` replays a run, `AGENTVM_FUZZ_CASES` sets its
-//! length.
+//! Which seeds run: `AGENTVM_FUZZ_SEED=<n>` replays that one run. Otherwise every seed in
+//! `request_fuzz_seeds.txt` runs (each one that ever found a bug stays there), and outside CI
+//! (`CI` unset) one fresh random seed after them, printed so a failure can be replayed. CI runs
+//! the fixed list only, so a run fails on what its change did, never on a seed drawn by chance;
+//! `scripts/fuzz.sh` is the separate, reported run of fresh seeds. `AGENTVM_FUZZ_CASES` sets a
+//! run's length.
 
 mod support;
 
@@ -187,18 +191,47 @@ async fn drain<T>(
     Ok(())
 }
 
+/// The seeds every run replays, one per line (`#` starts a comment).
+const FIXED_SEEDS: &str = include_str!("request_fuzz_seeds.txt");
+
+fn seeds() -> Vec<u64> {
+    if let Some(seed) = std::env::var("AGENTVM_FUZZ_SEED")
+        .ok()
+        .filter(|s| !s.is_empty())
+    {
+        return vec![
+            seed.trim()
+                .parse()
+                .expect("AGENTVM_FUZZ_SEED is an unsigned integer"),
+        ];
+    }
+    let mut seeds: Vec<u64> = FIXED_SEEDS
+        .lines()
+        .map(|l| l.split('#').next().unwrap_or("").trim())
+        .filter(|l| !l.is_empty())
+        .map(|l| l.parse().expect("request_fuzz_seeds.txt holds integers"))
+        .collect();
+    if std::env::var_os("CI").is_none() {
+        seeds.push(rand::random());
+    }
+    seeds
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_requests_get_a_proper_answer_and_the_node_keeps_serving() {
-    let node: TestNode = start().await;
-    let seed = std::env::var("AGENTVM_FUZZ_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random::<u64>);
     let cases: usize = std::env::var("AGENTVM_FUZZ_CASES")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(400);
-    println!("request fuzz: AGENTVM_FUZZ_SEED={seed} AGENTVM_FUZZ_CASES={cases}");
+    for seed in seeds() {
+        println!("request fuzz: AGENTVM_FUZZ_SEED={seed} AGENTVM_FUZZ_CASES={cases}");
+        fuzz_one_node(seed, cases).await;
+    }
+}
+
+/// One run: a fresh node, `cases` random requests drawn from `seed`.
+async fn fuzz_one_node(seed: u64, cases: usize) {
+    let node: TestNode = start().await;
     let mut g = Gen {
         rng: StdRng::seed_from_u64(seed),
         uids: Vec::new(),

@@ -1997,6 +1997,115 @@ async fn fork_children_have_no_identity_and_a_supplied_identity_is_refused_first
     assert_eq!(n.replay(&id).await, log, "the parent's log is unchanged");
 }
 
+/// A config the built-in `chat` cannot take (not JSON, not an object, an unknown key) is
+/// INVALID_ARGUMENT naming the field, and changes nothing: no record on the session, no new
+/// session for an Exec that names none (request fuzz seed 401050968944503328 found it
+/// answering INTERNAL after journaling EXECUTION_START).
+#[tokio::test]
+async fn a_config_the_harness_cannot_take_is_refused_before_anything_is_written() {
+    let n = start().await;
+    let mut c = n.c();
+    let id = uid(&c
+        .create_session(CreateSessionRequest {
+            session: Some(Session {
+                harness: "chat".into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner());
+    assert_eq!(exec(&mut c, exec_req(&id, "hi")).await.code(), Code::Ok);
+    let log = n.replay(&id).await;
+    let listed = |c: &mut SessionsClient<Channel>| {
+        let mut c = c.clone();
+        async move {
+            c.list_sessions(ListSessionsRequest::default())
+                .await
+                .unwrap()
+                .into_inner()
+                .sessions
+                .len()
+        }
+    };
+    let sessions = listed(&mut c).await;
+    for config in [&b"not json"[..], b"[1]", br#"{"modl": "echo"}"#] {
+        for session in [id.as_str(), ""] {
+            let mut req = exec_req(session, "again");
+            req.config = config.to_vec();
+            if session.is_empty() {
+                req.harness = "chat".into();
+            }
+            let result = exec(&mut c, req).await;
+            assert_eq!(
+                result.code(),
+                Code::InvalidArgument,
+                "{config:?}: {result:?}"
+            );
+            assert!(
+                result
+                    .end
+                    .as_ref()
+                    .unwrap()
+                    .message()
+                    .starts_with("config:"),
+                "{result:?}"
+            );
+            assert!(result.records().is_empty(), "{result:?}");
+        }
+    }
+    assert_eq!(n.replay(&id).await, log, "the session's log is unchanged");
+    assert_eq!(listed(&mut c).await, sessions, "no session was created");
+    // A config it takes still runs.
+    let mut req = exec_req(&id, "ok");
+    req.config = br#"{"system_prompt": "be brief"}"#.to_vec();
+    assert_eq!(exec(&mut c, req).await.code(), Code::Ok);
+}
+
+/// Upstream's Go SDK forks with `ForkOptions{}`, leaving `count` unset: one child, as
+/// upstream's server takes it. A negative or too large count is still refused, changing
+/// nothing.
+#[tokio::test]
+async fn fork_with_count_unset_makes_one_child() {
+    let n = start().await;
+    let mut c = n.c();
+    let id = uid(&c
+        .create_session(CreateSessionRequest {
+            session: Some(Session {
+                harness: "echo".into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner());
+    assert_eq!(exec(&mut c, exec_req(&id, "hi")).await.code(), Code::Ok);
+    let children = c
+        .fork(ForkRequest {
+            session: id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .children;
+    assert_eq!(children.len(), 1);
+    let log = n.replay(&id).await;
+    for count in [-1, 129] {
+        let err = c
+            .fork(ForkRequest {
+                session: id.clone(),
+                count,
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{count}: {err:?}");
+        assert!(err.message().contains("count"), "{err:?}");
+    }
+    assert_eq!(n.replay(&id).await, log, "the parent's log is unchanged");
+}
+
 /// Upstream keeps the harness SPI and the admin HarnessRegistry off its Sessions listener;
 /// reflection there lists only what the listener serves.
 #[tokio::test]

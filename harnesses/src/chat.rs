@@ -35,6 +35,14 @@ fn parse_config(config: &[u8]) -> Result<ChatConfig, HarnessFailure> {
     let obj = value
         .as_object()
         .ok_or_else(|| HarnessFailure::new("chat config must be a JSON object"))?;
+    if let Some(unknown) = obj
+        .keys()
+        .find(|k| !matches!(k.as_str(), "system_prompt" | "model"))
+    {
+        return Err(HarnessFailure::new(format!(
+            "chat config: unknown key {unknown:?} (known: system_prompt, model)"
+        )));
+    }
     if let Some(p) = obj.get("system_prompt") {
         let p = p
             .as_str()
@@ -66,6 +74,10 @@ impl Harness for Chat {
         }
     }
 
+    fn check_config(&self, config: &[u8]) -> Result<(), HarnessFailure> {
+        parse_config(config).map(drop)
+    }
+
     async fn run(&self, exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure> {
         let config = parse_config(&exec.start.config)?;
         let mut messages = Vec::new();
@@ -87,5 +99,35 @@ impl Harness for Chat {
         })
         .await?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn configs_chat_cannot_take_are_refused_naming_why() {
+        let chat = Chat;
+        for ok in [
+            &b""[..],
+            b"{}",
+            br#"{"system_prompt": "be brief", "model": "echo"}"#,
+        ] {
+            chat.check_config(ok).unwrap();
+        }
+        for (bad, why) in [
+            (&b"\xff not json"[..], "not JSON"),
+            (b"[1]", "JSON object"),
+            (br#"{"modl": "x"}"#, "unknown key \"modl\""),
+            (br#"{"model": 3}"#, "model must be a string"),
+            (
+                br#"{"system_prompt": null}"#,
+                "system_prompt must be a string",
+            ),
+        ] {
+            let err = chat.check_config(bad).unwrap_err().description;
+            assert!(err.contains(why), "{bad:?}: {err}");
+        }
     }
 }

@@ -76,6 +76,13 @@ impl From<SinkError> for HarnessFailure {
 pub trait Harness: Send + Sync {
     fn descriptor(&self) -> HarnessDescriptor;
 
+    /// Whether this harness can take an execution's `config` at all. A host that knows the
+    /// harness asks before it journals anything, so a config the harness would only fail on
+    /// is refused up front (INVALID_ARGUMENT) instead of costing a failed turn.
+    fn check_config(&self, _config: &[u8]) -> Result<(), HarnessFailure> {
+        Ok(())
+    }
+
     /// Runs one execution. `Ok` ends the stream with END{COMPLETED}; a [`SinkError::Parked`]
     /// returned (or swallowed) ends it with the park acknowledgement only.
     async fn run(&self, exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure>;

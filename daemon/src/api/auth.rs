@@ -8,12 +8,16 @@
 //! projects = ["team-a", "team-b"]   # or ["*"] for every project
 //! token_sha256 = ["9f86d081…"]      # `Authorization: Bearer <token>`; only its SHA-256 is kept
 //! client_cert_sha256 = ["ab12…"]    # or an mTLS client certificate, by the SHA-256 of its DER
+//! operator = true                   # may drain the node, list the fleet, read node-wide
+//!                                   # status and /metrics (default false)
 //! ```
 //!
-//! With a file every Sessions and Node RPC must present one of those credentials
-//! (UNAUTHENTICATED otherwise); without one the API trusts whoever can reach it, which is why
-//! it then listens on a unix socket or loopback only. The principal is recorded as the actor
-//! of the events its requests cause.
+//! With a file every Sessions and Node RPC, and reflection, must present one of those
+//! credentials (UNAUTHENTICATED otherwise); the node-wide RPCs also need an operator
+//! (PERMISSION_DENIED otherwise): a tenant's token reaches its own projects and nothing that
+//! acts on, or tells about, the whole node. Without a file the API trusts whoever can reach
+//! it, which is why it then listens on a unix socket, loopback, or TLS with client
+//! certificates only. The principal is recorded as the actor of the events its requests cause.
 
 use std::path::Path;
 
@@ -29,6 +33,8 @@ pub struct Principal {
     projects: Vec<String>,
     /// How it proved itself: "token" or "client-certificate".
     pub method: &'static str,
+    /// May act on the whole node (drain, fleet listing, node-wide status, metrics).
+    pub operator: bool,
 }
 
 impl Principal {
@@ -55,6 +61,8 @@ struct PrincipalEntry {
     token_sha256: Vec<String>,
     #[serde(default)]
     client_cert_sha256: Vec<String>,
+    #[serde(default)]
+    operator: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -152,28 +160,32 @@ impl Authenticator {
             name: p.name.clone(),
             projects: p.projects.clone(),
             method,
+            operator: p.operator,
         }
+    }
+
+    /// The principal of an `authorization` header's value (`Bearer <token>`); the error says
+    /// what was wrong with it, for a gRPC status or an HTTP 401 alike.
+    pub fn bearer(&self, value: Option<&str>) -> Result<Principal, &'static str> {
+        let token = value
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .ok_or("authorization: expected `Bearer <token>`")?;
+        let digest = sha256_hex(token.as_bytes());
+        self.principals
+            .iter()
+            .find(|p| p.token_sha256.contains(&digest))
+            .map(|p| Self::principal(p, "token"))
+            .ok_or("the bearer token is not known here")
     }
 
     /// The caller of `req`, by its bearer token or else its TLS client certificate.
     pub fn authenticate<T>(&self, req: &Request<T>) -> Result<Principal, Status> {
         if let Some(value) = req.metadata().get("authorization") {
-            let token = value
-                .to_str()
-                .ok()
-                .and_then(|v| v.strip_prefix("Bearer "))
-                .map(str::trim)
-                .filter(|t| !t.is_empty())
-                .ok_or_else(|| {
-                    Status::unauthenticated("authorization: expected `Bearer <token>`")
-                })?;
-            let digest = sha256_hex(token.as_bytes());
             return self
-                .principals
-                .iter()
-                .find(|p| p.token_sha256.contains(&digest))
-                .map(|p| Self::principal(p, "token"))
-                .ok_or_else(|| Status::unauthenticated("the bearer token is not known here"));
+                .bearer(Some(value.to_str().unwrap_or("")))
+                .map_err(Status::unauthenticated);
         }
         if let Some(certs) = req.peer_certs()
             && let Some(leaf) = certs.first()
@@ -204,6 +216,32 @@ tokio::task_local! {
 /// The principal a request was authenticated as (None when the node has no auth file).
 pub fn principal_of<T>(req: &Request<T>) -> Option<Principal> {
     req.extensions().get::<Principal>().cloned()
+}
+
+/// Refuses a principal that is not an operator: `what` acts on, or tells about, the whole
+/// node. Without an auth file there are no principals and whoever reaches the API may.
+pub fn require_operator(principal: Option<&Principal>, what: &str) -> Result<(), Status> {
+    match principal {
+        Some(p) if !p.operator => Err(Status::permission_denied(format!(
+            "{what} acts on the whole node: principal {:?} is not an operator (`operator = true` \
+             in the auth file)",
+            p.name
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// The actor of what the node does on its own or for an unauthenticated caller (a drain or a
+/// shutdown's suspends), so no lifecycle record is left without one.
+pub fn node_actor(principal: Option<&Principal>, what: &str) -> IdentityRef {
+    match principal {
+        Some(p) => p.actor(),
+        None => IdentityRef {
+            principal: "agentvmd".into(),
+            issuer: "agentvmd".into(),
+            subject: what.into(),
+        },
+    }
 }
 
 /// Refuses a principal that may not touch `project`.
@@ -239,6 +277,11 @@ mod tests {
         let p = a.authenticate(&req).unwrap();
         assert_eq!((p.name.as_str(), p.method), ("alice", "token"));
         assert!(p.allows("team-a") && !p.allows("team-b"));
+        assert!(!p.operator);
+        assert_eq!(
+            require_operator(Some(&p), "Drain").unwrap_err().code(),
+            tonic::Code::PermissionDenied
+        );
         assert_eq!(
             authorize(Some(&p), "team-b").unwrap_err().code(),
             tonic::Code::PermissionDenied
@@ -294,5 +337,32 @@ mod tests {
             let err = file(&text).unwrap_err().to_string();
             assert!(err.contains(key), "{text}: {err}");
         }
+    }
+}
+
+#[cfg(test)]
+mod operator_tests {
+    use super::*;
+
+    #[test]
+    fn only_operators_act_on_the_whole_node() {
+        let a = crate::toml_file::load_written(
+            "auth.toml",
+            &format!(
+                "[[principal]]\nname = \"ops\"\nprojects = [\"*\"]\noperator = true\n\
+                 token_sha256 = [\"{}\"]\n",
+                sha256_hex(b"root-ish")
+            ),
+            Authenticator::load,
+        )
+        .unwrap();
+        let ops = a.bearer(Some("Bearer root-ish")).unwrap();
+        assert!(ops.operator);
+        require_operator(Some(&ops), "Drain").unwrap();
+        require_operator(None, "Drain").unwrap();
+        assert_eq!(node_actor(Some(&ops), "drain").principal, "ops");
+        assert_eq!(node_actor(None, "drain").subject, "drain");
+        assert!(a.bearer(Some("Bearer other")).is_err());
+        assert!(a.bearer(None).is_err());
     }
 }

@@ -10,6 +10,7 @@ use agentvm_proto::node::v1::{
 use agentvm_proto::v1::ComputeState;
 use tonic::{Request, Response, Status};
 
+use crate::api::auth::{node_actor, principal_of, require_operator};
 use crate::api::status::journal_status;
 use crate::journal::Journal;
 use crate::registry::{Entry, Registry, entry_name};
@@ -228,15 +229,19 @@ impl NodeService {
 impl NodeApi for NodeService {
     async fn get_status(
         &self,
-        _request: Request<GetStatusRequest>,
+        request: Request<GetStatusRequest>,
     ) -> Result<Response<NodeStatus>, Status> {
+        // Every figure is node-wide: other projects' sessions, VMMs and capacity.
+        require_operator(principal_of(&request).as_ref(), "GetStatus")?;
         Ok(Response::new(self.status()?))
     }
 
     async fn list_nodes(
         &self,
-        _request: Request<ListNodesRequest>,
+        request: Request<ListNodesRequest>,
     ) -> Result<Response<ListNodesResponse>, Status> {
+        // Every node's address: the map of the fleet.
+        require_operator(principal_of(&request).as_ref(), "ListNodes")?;
         let journal = self.journal.clone();
         let nodes = tokio::task::spawn_blocking(move || journal.nodes())
             .await
@@ -261,7 +266,7 @@ impl NodeApi for NodeService {
         &self,
         request: Request<ListProjectsRequest>,
     ) -> Result<Response<ListProjectsResponse>, Status> {
-        let principal = crate::api::auth::principal_of(&request);
+        let principal = principal_of(&request);
         let journal = self.journal.clone();
         let projects = tokio::task::spawn_blocking(move || journal.projects())
             .await
@@ -281,6 +286,8 @@ impl NodeApi for NodeService {
         &self,
         request: Request<DrainRequest>,
     ) -> Result<Response<DrainResponse>, Status> {
+        let principal = principal_of(&request);
+        require_operator(principal.as_ref(), "Drain")?;
         let req = request.into_inner();
         if req.name != self.name {
             return Err(Status::failed_precondition(format!(
@@ -295,7 +302,8 @@ impl NodeApi for NodeService {
         });
         self.host.start_draining();
         tracing::warn!(node = %self.name, "draining: new work is refused, running sessions are suspended");
-        let (suspended, failed) = self.host.suspend_all(budget).await;
+        let actor = node_actor(principal.as_ref(), "drain");
+        let (suspended, failed) = self.host.suspend_all(budget, actor).await;
         let journal = self.journal.clone();
         let released = tokio::task::spawn_blocking(move || journal.release_held())
             .await

@@ -351,11 +351,16 @@ impl Sessions for SessionsService {
 
     async fn fork(&self, request: Request<ForkRequest>) -> Result<Response<ForkResponse>, Status> {
         let principal = principal_of(&request);
-        let req = request.into_inner();
+        let mut req = request.into_inner();
         // Checked before anything else, with upstream's exact message (its clients match it),
         // and without echoing what was supplied.
         if req.identity.is_some() {
             return Err(Status::invalid_argument(FORK_IDENTITY_UNSUPPORTED));
+        }
+        // Unset is one child, as upstream's server takes it: its Go SDK sends
+        // `ForkOptions{}` with no count for a single fork.
+        if req.count == 0 {
+            req.count = 1;
         }
         required("session", &req.session)?;
         self.authorize_session(principal.as_ref(), &req.session)?;

@@ -159,8 +159,9 @@ fn node_config(s: &Settings) -> anyhow::Result<(NodeConfig, ListenAddr, ListenAd
     Ok((node_config, listen, admin_listen))
 }
 
-/// TLS for the Sessions listener, and the rule that without it nothing listens beyond
-/// loopback (the admin listener never does).
+/// TLS for the Sessions listener, and the rules of who may listen where: nothing plaintext
+/// beyond loopback (the admin listener never does), no network listener that asks nobody who
+/// they are, and metrics beyond loopback only where scrapes authenticate.
 fn listener_tls(
     s: &Settings,
     listen: &ListenAddr,
@@ -196,7 +197,27 @@ fn listener_tls(
             anyhow::bail!("tls_cert: TLS is for a TCP listen address; {listen} is a unix socket")
         }
         (_, None) => listen.check_plaintext().context("listen")?,
+        // TLS proves the server to the client, not the client to the server: beyond
+        // loopback, someone must be asked who they are.
+        (ListenAddr::Tcp(addr), Some(_))
+            if !addr.ip().is_loopback() && s.auth_file.is_none() && s.tls_client_ca.is_none() =>
+        {
+            anyhow::bail!(
+                "listen: {listen} is reachable from the network, and with neither auth_file nor \
+                 tls_client_ca every caller there could use every project; give one of them \
+                 (or listen on loopback)"
+            )
+        }
         _ => {}
+    }
+    if let Some(addr) = s.metrics_listen
+        && !addr.ip().is_loopback()
+        && s.auth_file.is_none()
+    {
+        anyhow::bail!(
+            "metrics_listen: {addr} is reachable from the network; metrics there need an \
+             auth_file (scrapers then send an operator's bearer token), or listen on loopback"
+        )
     }
     Ok(tls)
 }
@@ -286,6 +307,7 @@ fn run(s: Settings) -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| listen.to_string());
     let metrics_listen = s.metrics_listen;
+    let metrics_session_labels = s.metrics_session_labels.unwrap_or(false);
     let shutdown_policy = s.shutdown_policy.unwrap_or_default();
     let shutdown_budget = std::time::Duration::from_secs(
         s.shutdown_timeout_secs
@@ -331,7 +353,11 @@ fn run(s: Settings) -> anyhow::Result<()> {
                 .await
                 .with_context(|| format!("binding --metrics-listen {addr}"))?;
             info!(%addr, "metrics at /metrics");
-            tokio::spawn(agentvmd::metrics::server::serve(listener, node.state_fn()));
+            tokio::spawn(agentvmd::metrics::server::serve(
+                listener,
+                node.state_fn(metrics_session_labels),
+                node.auth.clone(),
+            ));
         }
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
@@ -380,7 +406,8 @@ fn run(s: Settings) -> anyhow::Result<()> {
         });
         tokio::try_join!(api, admin)?;
         if shutdown_policy == ShutdownPolicy::Suspend {
-            let (suspended, failed) = node.host.suspend_all(shutdown_budget).await;
+            let actor = agentvmd::api::auth::node_actor(None, "shutdown");
+            let (suspended, failed) = node.host.suspend_all(shutdown_budget, actor).await;
             info!(
                 suspended,
                 failed = failed.len(),

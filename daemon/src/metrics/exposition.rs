@@ -12,6 +12,8 @@ pub struct NodeState {
     pub sessions: Vec<(String, u64)>,
     /// Running VMMs: (session, proportional set size in bytes).
     pub vmms: Vec<(String, u64)>,
+    /// Each VMM's memory as a series of its own, labelled with its session (opt-in).
+    pub per_session: bool,
     /// Free bytes of the directories the node writes (`state`, `ram`).
     pub disk_free: Vec<(&'static str, u64)>,
 }
@@ -79,14 +81,24 @@ pub fn render(m: &Metrics, state: &NodeState) -> String {
         &mut out,
         "agentvm_vmm_memory_pss_bytes",
         "gauge",
-        "Proportional set size of each session's VMM (guest RAM it touched included).",
+        "Proportional set size of every running VMM together (guest RAM they touched included).",
     );
-    for (session, pss) in &state.vmms {
-        let _ = writeln!(
-            out,
-            "agentvm_vmm_memory_pss_bytes{{session=\"{}\"}} {pss}",
-            escape(session)
+    let total: u64 = state.vmms.iter().map(|(_, pss)| pss).sum();
+    let _ = writeln!(out, "agentvm_vmm_memory_pss_bytes {total}");
+    if state.per_session {
+        family(
+            &mut out,
+            "agentvm_vmm_session_memory_pss_bytes",
+            "gauge",
+            "Proportional set size of each session's VMM (metrics_session_labels).",
         );
+        for (session, pss) in &state.vmms {
+            let _ = writeln!(
+                out,
+                "agentvm_vmm_session_memory_pss_bytes{{session=\"{}\"}} {pss}",
+                escape(session)
+            );
+        }
     }
     family(
         &mut out,
@@ -175,14 +187,20 @@ mod tests {
         m.executions.inc("completed");
         m.journal_append
             .observe(std::time::Duration::from_millis(2));
-        let text = render(
-            &m,
-            &NodeState {
-                sessions: vec![("live".into(), 2)],
-                vmms: vec![("we\"ird\\".into(), 1024)],
-                disk_free: vec![("state", 4096)],
-            },
+        let mut state = NodeState {
+            sessions: vec![("live".into(), 2)],
+            vmms: vec![("we\"ird\\".into(), 1024), ("b".into(), 1)],
+            disk_free: vec![("state", 4096)],
+            per_session: false,
+        };
+        let text = render(&m, &state);
+        assert!(text.contains("agentvm_vmm_memory_pss_bytes 1025"), "{text}");
+        assert!(
+            !text.contains("session="),
+            "no session labels unless asked: {text}"
         );
+        state.per_session = true;
+        let text = render(&m, &state);
         assert!(text.contains("agentvm_sessions{compute_state=\"live\"} 2"));
         assert!(text.contains("agentvm_disk_free_bytes{dir=\"state\"} 4096"));
         assert!(text.contains("session=\"we\\\"ird\\\\\"} 1024"), "{text}");

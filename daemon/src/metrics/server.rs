@@ -1,4 +1,6 @@
-//! The `/metrics` endpoint: plain HTTP/1.1, GET only.
+//! The `/metrics` endpoint: plain HTTP/1.1, GET only. On a node with an auth file a scrape
+//! must carry an operator's bearer token (401 without a known one, 403 for a tenant's): the
+//! figures are node-wide.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -10,12 +12,17 @@ use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 
 use super::exposition::{NodeState, render};
+use crate::api::auth::Authenticator;
 
 pub type StateFn = Arc<dyn Fn() -> NodeState + Send + Sync>;
 
 const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
-fn respond(req: &Request<hyper::body::Incoming>, state: &StateFn) -> Response<Full<Bytes>> {
+fn respond<B>(
+    req: &Request<B>,
+    state: &StateFn,
+    auth: Option<&Authenticator>,
+) -> Response<Full<Bytes>> {
     let plain = |status: StatusCode, body: &'static str| {
         Response::builder()
             .status(status)
@@ -23,6 +30,32 @@ fn respond(req: &Request<hyper::body::Incoming>, state: &StateFn) -> Response<Fu
             .body(Full::new(Bytes::from_static(body.as_bytes())))
             .expect("static response")
     };
+    if let Some(auth) = auth {
+        let header = req
+            .headers()
+            .get(hyper::header::AUTHORIZATION)
+            .map(|v| v.to_str().unwrap_or(""));
+        match auth.bearer(header) {
+            Err(_) => {
+                let mut refused = plain(
+                    StatusCode::UNAUTHORIZED,
+                    "this node requires an operator's `authorization: Bearer <token>`\n",
+                );
+                refused.headers_mut().insert(
+                    hyper::header::WWW_AUTHENTICATE,
+                    hyper::header::HeaderValue::from_static("Bearer"),
+                );
+                return refused;
+            }
+            Ok(p) if !p.operator => {
+                return plain(
+                    StatusCode::FORBIDDEN,
+                    "metrics are node-wide: the principal is not an operator\n",
+                );
+            }
+            Ok(_) => {}
+        }
+    }
     if req.uri().path() != "/metrics" {
         return plain(
             StatusCode::NOT_FOUND,
@@ -41,7 +74,11 @@ fn respond(req: &Request<hyper::body::Incoming>, state: &StateFn) -> Response<Fu
 
 /// Serves until the listener fails. Binding is the caller's, so a bad address is reported
 /// before the daemon says it is ready.
-pub async fn serve(listener: tokio::net::TcpListener, state: StateFn) -> std::io::Result<()> {
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: StateFn,
+    auth: Option<Arc<Authenticator>>,
+) -> std::io::Result<()> {
     loop {
         let (stream, peer): (_, SocketAddr) = match listener.accept().await {
             Ok(c) => c,
@@ -54,9 +91,10 @@ pub async fn serve(listener: tokio::net::TcpListener, state: StateFn) -> std::io
         // Small responses, each written at once: no waiting on Nagle.
         let _ = stream.set_nodelay(true);
         let state = state.clone();
+        let auth = auth.clone();
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {
-                let response = respond(&req, &state);
+                let response = respond(&req, &state, auth.as_deref());
                 async move { Ok::<_, Infallible>(response) }
             });
             if let Err(e) = hyper::server::conn::http1::Builder::new()
@@ -66,5 +104,43 @@ pub async fn serve(listener: tokio::net::TcpListener, state: StateFn) -> std::io
                 tracing::debug!(%peer, error = %e, "metrics connection");
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn with_an_auth_file_only_an_operator_scrapes() {
+        let token_sha256 = |t: &str| {
+            use sha2::Digest;
+            hex::encode(sha2::Sha256::digest(t.as_bytes()))
+        };
+        let auth = crate::toml_file::load_written(
+            "auth.toml",
+            &format!(
+                "[[principal]]\nname = \"ops\"\nprojects = [\"*\"]\noperator = true\n\
+                 token_sha256 = [\"{}\"]\n\n[[principal]]\nname = \"alice\"\n\
+                 projects = [\"team-a\"]\ntoken_sha256 = [\"{}\"]\n",
+                token_sha256("ops"),
+                token_sha256("alice")
+            ),
+            Authenticator::load,
+        )
+        .unwrap();
+        let state: StateFn = Arc::new(NodeState::default);
+        let scrape = |token: Option<&str>, auth: Option<&Authenticator>| {
+            let mut req = Request::builder().uri("/metrics");
+            if let Some(t) = token {
+                req = req.header("authorization", format!("Bearer {t}"));
+            }
+            respond(&req.body(()).unwrap(), &state, auth).status()
+        };
+        assert_eq!(scrape(None, Some(&auth)), StatusCode::UNAUTHORIZED);
+        assert_eq!(scrape(Some("guess"), Some(&auth)), StatusCode::UNAUTHORIZED);
+        assert_eq!(scrape(Some("alice"), Some(&auth)), StatusCode::FORBIDDEN);
+        assert_eq!(scrape(Some("ops"), Some(&auth)), StatusCode::OK);
+        assert_eq!(scrape(None, None), StatusCode::OK);
     }
 }

@@ -62,6 +62,23 @@ fn parse_log(records: Vec<agentvm_proto::v1::LogRecord>) -> Result<SessionLog, S
 /// few enough not to flood the disk or starve the turns still finishing.
 const DRAIN_PARALLELISM: usize = 8;
 
+/// A config the built-in harness would only fail on is refused before anything is journaled
+/// or started. Registered harnesses are asked nothing: their config is theirs to judge.
+fn check_config(placement: &Placement, config: &[u8]) -> Result<(), Status> {
+    if placement.registered {
+        return Ok(());
+    }
+    match agentvm_harnesses::builtin(&placement.harness) {
+        Some(harness) => harness.check_config(config).map_err(|e| {
+            Status::invalid_argument(format!(
+                "config: harness {:?} cannot take it: {}",
+                placement.harness, e.description
+            ))
+        }),
+        None => Ok(()),
+    }
+}
+
 impl SessionHost {
     /// The harness a new execution runs on: the session's, or the request's where the
     /// session allows switching (built-in process harnesses only; a registered harness pins
@@ -89,6 +106,13 @@ impl SessionHost {
     pub async fn exec(&self, req: ExecRequest, updates: &Updates) -> Result<(), Status> {
         self.refuse_if_draining()?;
         let row = if req.session.is_empty() {
+            // A new session's turn is never a recovery: its config is judged before the
+            // session is created, so a refused Exec leaves no session behind.
+            let harness = match req.harness.as_str() {
+                "" => super::DEFAULT_HARNESS,
+                named => named,
+            };
+            check_config(&self.place(harness)?, &req.config)?;
             self.create_row(NewSession {
                 harness: req.harness.clone(),
                 ..Default::default()
@@ -172,6 +196,9 @@ impl SessionHost {
                 s
             }
         })?;
+        if !recovering {
+            check_config(&placement, &req.config)?;
+        }
         let turn = self
             .admit(&row, &placement, &held, deadline, Some(updates.clone()))
             .await?;
@@ -571,7 +598,13 @@ impl SessionHost {
     /// just stopped. Fork children count too: they read COLD but run in VMMs of their own
     /// until their first turn. Several at a time, since each mostly waits on its VMM writing
     /// a snapshot. Returns how many were suspended and the failures.
-    pub async fn suspend_all(&self, budget: std::time::Duration) -> (usize, Vec<(String, String)>) {
+    /// Every suspend is recorded with `actor`: the operator who drained the node, or the node
+    /// itself at shutdown.
+    pub async fn suspend_all(
+        &self,
+        budget: std::time::Duration,
+        actor: agentvm_proto::v1::IdentityRef,
+    ) -> (usize, Vec<(String, String)>) {
         use futures_util::StreamExt;
         let deadline = tokio::time::Instant::now() + budget;
         let mut failed = Vec::new();
@@ -585,9 +618,13 @@ impl SessionHost {
             }
         }
         let outcomes: Vec<_> = futures_util::stream::iter(running)
-            .map(|uid| async move {
-                let outcome = tokio::time::timeout_at(deadline, self.suspend(&uid)).await;
-                (uid, outcome)
+            .map(|uid| {
+                let actor = actor.clone();
+                async move {
+                    let suspend = crate::api::auth::ACTOR.scope(actor, self.suspend(&uid));
+                    let outcome = tokio::time::timeout_at(deadline, suspend).await;
+                    (uid, outcome)
+                }
             })
             .buffer_unordered(DRAIN_PARALLELISM)
             .collect()

@@ -39,14 +39,14 @@ pub fn build(
     let manifest = agentvmd::image::build(config, output, &inputs)
         .with_context(|| format!("building the image of {}", config.display()))?;
     if json {
-        println!(
+        outln!(
             "{}",
             serde_json::to_string(&manifest).context("rendering the manifest")?
         );
         return Ok(());
     }
     for (name, d) in &manifest.files {
-        println!("{name:16} {:>10} bytes  sha256:{}", d.size, d.sha256);
+        outln!("{name:16} {:>10} bytes  sha256:{}", d.size, d.sha256);
     }
     Ok(())
 }

@@ -2,6 +2,17 @@
 
 #![forbid(unsafe_code)]
 
+/// Like `println!`, but a reader that stopped reading (`agentvm replay S | head -1`) ends the
+/// program quietly, as it ends Unix tools, instead of a panic.
+macro_rules! outln {
+    () => {
+        $crate::write_stdout(format_args!("\n"))
+    };
+    ($($arg:tt)*) => {
+        $crate::write_stdout(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+
 mod connection;
 mod harness_cmd;
 mod image_cmd;
@@ -162,10 +173,40 @@ enum JournalCommand {
     },
 }
 
+/// The exit status of a program that wrote to a pipe its reader closed (killed by SIGPIPE,
+/// as a shell reports it).
+const CLOSED_STDOUT: u8 = 128 + 13;
+
+fn write_stdout(args: std::fmt::Arguments) {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    match stdout.write_fmt(args).and_then(|()| stdout.flush()) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+            std::process::exit(i32::from(CLOSED_STDOUT))
+        }
+        Err(e) => {
+            eprintln!("agentvm: writing to stdout: {e}");
+            std::process::exit(2)
+        }
+    }
+}
+
+/// Whether `e` is the reader of stdout having gone away (from a writer other than
+/// [`write_stdout`], such as an export streamed to stdout).
+fn closed_stdout(e: &anyhow::Error) -> bool {
+    e.chain().any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(&cli) {
         Ok(code) => code,
+        Err(e) if closed_stdout(&e) => ExitCode::from(CLOSED_STDOUT),
         Err(e) => {
             let (code, message) = match e.downcast_ref::<tonic::Status>() {
                 Some(status) => (format!("{:?}", status.code()), status.message().to_owned()),
@@ -380,9 +421,9 @@ fn verify(
 fn report(json: bool, ok: bool, seq: Option<i64>, message: &str) {
     if json {
         let v = serde_json::json!({"ok": ok, "bad_seq": seq, "message": message});
-        println!("{v}");
+        outln!("{v}");
     } else if ok {
-        println!("{message}");
+        outln!("{message}");
     } else {
         eprintln!("{message}");
     }

@@ -26,19 +26,22 @@ pub async fn list(conn: &Connection, json: bool) -> anyhow::Result<()> {
         .await?
         .into_inner();
     if json {
-        println!("{}", to_proto_json(&fleet).context("rendering JSON")?);
+        outln!("{}", to_proto_json(&fleet).context("rendering JSON")?);
         return Ok(());
     }
     if fleet.nodes.is_empty() {
-        println!(
+        outln!(
             "node {} keeps a journal of its own: it is not part of a fleet",
             fleet.this_node
         );
         return Ok(());
     }
-    println!(
+    outln!(
         "{:<20} {:<6} {:>10}  {:<12} address",
-        "node", "alive", "heartbeat", "sessions"
+        "node",
+        "alive",
+        "heartbeat",
+        "sessions"
     );
     for n in &fleet.nodes {
         let status: serde_json::Value = serde_json::from_str(&n.status_json).unwrap_or_default();
@@ -54,7 +57,7 @@ pub async fn list(conn: &Connection, json: bool) -> anyhow::Result<()> {
         } else {
             ""
         };
-        println!(
+        outln!(
             "{:<20} {:<6} {:>8.1} s  {:<12} {}{marker}",
             n.name,
             if n.alive { "yes" } else { "no" },
@@ -100,14 +103,15 @@ pub async fn drain(
         .await?
         .into_inner();
     if json {
-        println!("{}", to_proto_json(&drained).context("rendering JSON")?);
+        outln!("{}", to_proto_json(&drained).context("rendering JSON")?);
     } else {
-        println!(
+        outln!(
             "node {name} drained: {} suspended, {} released to the fleet",
-            drained.suspended, drained.released
+            drained.suspended,
+            drained.released
         );
         for failed in &drained.failed {
-            println!("not suspended: {failed}");
+            outln!("not suspended: {failed}");
         }
     }
     anyhow::ensure!(
@@ -125,29 +129,30 @@ pub async fn status(conn: &Connection, json: bool) -> anyhow::Result<()> {
         .await?
         .into_inner();
     if json {
-        println!("{}", to_proto_json(&s).context("rendering JSON")?);
+        outln!("{}", to_proto_json(&s).context("rendering JSON")?);
         return Ok(());
     }
-    println!(
+    outln!(
         "node        {} (agentvmd {})",
-        s.hostname, s.agentvmd_version
+        s.hostname,
+        s.agentvmd_version
     );
-    println!("kvm         {}", s.kvm_flavour);
+    outln!("kvm         {}", s.kvm_flavour);
     if s.microvm_unavailable.is_empty() {
-        println!("vmm         {} ({})", s.vmm_flavour, s.vmm_version);
+        outln!("vmm         {} ({})", s.vmm_flavour, s.vmm_version);
     } else {
-        println!("vmm         none: {}", s.microvm_unavailable);
+        outln!("vmm         none: {}", s.microvm_unavailable);
     }
     if s.microvm_unavailable.is_empty() {
         let isolation = match s.vmm_isolation.is_empty() {
             true => "none".to_owned(),
             false => s.vmm_isolation.join(", "),
         };
-        println!("isolation   {isolation}");
-        println!("restore     {}", s.vmm_restore);
+        outln!("isolation   {isolation}");
+        outln!("restore     {}", s.vmm_restore);
     }
-    println!("cpus        {}", s.cpus);
-    println!(
+    outln!("cpus        {}", s.cpus);
+    outln!(
         "memory      {} available of {}",
         mib(s.memory_available_bytes),
         mib(s.memory_total_bytes)
@@ -156,35 +161,37 @@ pub async fn status(conn: &Connection, json: bool) -> anyhow::Result<()> {
         true => format!(", ram {}", mib(s.ram_dir_free_bytes)),
         false => String::new(),
     };
-    println!(
+    outln!(
         "disk free   state {}{ram} (reserve {})",
         mib(s.state_dir_free_bytes),
         mib(s.min_free_disk_bytes)
     );
-    println!(
+    outln!(
         "sessions    {} in the journal ({} recorded live)",
-        s.sessions, s.sessions_live
+        s.sessions,
+        s.sessions_live
     );
     let mut running: Vec<_> = s.running_sessions.iter().collect();
     running.sort();
     let total: u64 = running.iter().map(|(_, n)| **n).sum();
     let by_runtime: Vec<String> = running.iter().map(|(r, n)| format!("{n} {r}")).collect();
     match by_runtime.is_empty() {
-        true => println!("running     0 here"),
-        false => println!("running     {total} here: {}", by_runtime.join(", ")),
+        true => outln!("running     0 here"),
+        false => outln!("running     {total} here: {}", by_runtime.join(", ")),
     }
-    println!("vmms        {} holding {}", s.vmms, mib(s.vmm_memory_bytes));
+    outln!("vmms        {} holding {}", s.vmms, mib(s.vmm_memory_bytes));
     if s.vmms_without_session > 0 {
-        println!(
+        outln!(
             "            {} of them serve no running session (adopted after a restart, or \
              stopping)",
             s.vmms_without_session
         );
     }
-    println!(
+    outln!(
         "capacity    ~{} more idle microVM sessions ({})",
-        s.capacity_sessions, s.capacity_basis
+        s.capacity_sessions,
+        s.capacity_basis
     );
-    println!("harnesses   {}", s.harnesses.join(", "));
+    outln!("harnesses   {}", s.harnesses.join(", "));
     Ok(())
 }

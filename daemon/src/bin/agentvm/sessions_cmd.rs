@@ -26,15 +26,34 @@ use crate::connection::Connection;
 #[derive(clap::Args, Debug, Clone)]
 pub struct SessionArg {
     /// The session's uid.
-    #[arg(value_name = "SESSION", required_unless_present = "session_flag")]
+    #[arg(
+        value_name = "SESSION",
+        required_unless_present = "session_flag",
+        value_parser = session_uid
+    )]
     positional: Option<String>,
     /// The session's uid (the same as the positional argument).
     #[arg(
         long = "session",
         value_name = "SESSION",
-        conflicts_with = "positional"
+        conflicts_with = "positional",
+        value_parser = session_uid
     )]
     session_flag: Option<String>,
+}
+
+/// A session uid as given on the command line: never empty. An empty one is almost always a
+/// shell variable that the command meant to set it failed (`S=$(agentvm create -q)`), and
+/// sent on it would mean "a new session" to Exec.
+fn session_uid(s: &str) -> Result<String, String> {
+    match s.trim() {
+        "" => Err(
+            "the session is empty (did the command that set it fail?); to run a turn \
+                   on a new session, leave the session out"
+                .into(),
+        ),
+        uid => Ok(uid.to_owned()),
+    }
 }
 
 impl SessionArg {
@@ -97,17 +116,18 @@ pub enum SessionCommand {
     /// not finish (interrupted or FAILED); a session whose last turn completed is refused.
     Exec {
         /// The session's uid. Omitted: a new session with the server's defaults.
-        #[arg(value_name = "SESSION")]
+        #[arg(value_name = "SESSION", value_parser = session_uid)]
         positional: Option<String>,
         /// The session's uid (the same as the positional argument).
         #[arg(
             long = "session",
             value_name = "SESSION",
-            conflicts_with = "positional"
+            conflicts_with = "positional",
+            value_parser = session_uid
         )]
         session_flag: Option<String>,
         /// User input text; repeatable (one INPUT each).
-        #[arg(long = "input", short = 'i', value_name = "TEXT")]
+        #[arg(long = "input", short = 'i', value_name = "TEXT", value_parser = input_text)]
         inputs: Vec<String>,
         /// User input read from a file (`-`: standard input), uncapped by the command line;
         /// repeatable, each one INPUT after those of -i.
@@ -258,6 +278,15 @@ impl SessionCommand {
     }
 }
 
+/// An input as given with -i: not empty (an empty shell variable, most likely), which would
+/// be journaled as an empty user message.
+fn input_text(s: &str) -> Result<String, String> {
+    match s.is_empty() {
+        true => Err("an input may not be empty; leave -i out to re-drive a turn".into()),
+        false => Ok(s.to_owned()),
+    }
+}
+
 fn key_value(s: &str) -> Result<(String, String), String> {
     s.split_once('=')
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
@@ -276,7 +305,7 @@ fn user_text(text: &str) -> Message {
 
 fn print_json<M: prost::Message + prost::Name>(m: &M) -> anyhow::Result<()> {
     let v = to_proto_json(m).context("rendering JSON")?;
-    println!("{v}");
+    outln!("{v}");
     Ok(())
 }
 
@@ -351,7 +380,7 @@ fn show_session(s: &Session, json: bool, full: bool) -> anyhow::Result<()> {
     if json {
         print_json(s)
     } else {
-        println!("{}", session_line(s, full));
+        outln!("{}", session_line(s, full));
         Ok(())
     }
 }
@@ -483,7 +512,7 @@ pub async fn run(output: Output, cmd: SessionCommand) -> anyhow::Result<()> {
                 .await?
                 .into_inner();
             if quiet {
-                println!("{}", uid_of(&s));
+                outln!("{}", uid_of(&s));
                 return Ok(());
             }
             show_session(&s, json, full)
@@ -509,7 +538,7 @@ pub async fn run(output: Output, cmd: SessionCommand) -> anyhow::Result<()> {
             }
             for s in &sessions {
                 let project = s.metadata.as_ref().map_or("", |m| m.project.as_str());
-                println!("{}  project={project}", session_line(s, full));
+                outln!("{}  project={project}", session_line(s, full));
             }
             Ok(())
         }
@@ -531,10 +560,10 @@ pub async fn run(output: Output, cmd: SessionCommand) -> anyhow::Result<()> {
                 return print_json(&r);
             }
             for s in &r.sessions {
-                println!("{}", session_line(s, full));
+                outln!("{}", session_line(s, full));
             }
             if !r.next_page_token.is_empty() {
-                println!("next page: --page-token {}", r.next_page_token);
+                outln!("next page: --page-token {}", r.next_page_token);
             }
             Ok(())
         }
@@ -585,7 +614,7 @@ pub async fn run(output: Output, cmd: SessionCommand) -> anyhow::Result<()> {
                 if json {
                     print_json(&r)?;
                 } else {
-                    println!("{}", record_line(&r, full));
+                    outln!("{}", record_line(&r, full));
                 }
             }
             Ok(())
@@ -612,7 +641,7 @@ pub async fn run(output: Output, cmd: SessionCommand) -> anyhow::Result<()> {
                 .into_inner();
             for s in &r.children {
                 match quiet {
-                    true => println!("{}", uid_of(s)),
+                    true => outln!("{}", uid_of(s)),
                     false => show_session(s, json, full)?,
                 }
             }
@@ -669,7 +698,7 @@ pub async fn run(output: Output, cmd: SessionCommand) -> anyhow::Result<()> {
             if json {
                 print_json(&r)?;
             } else if let Some(d) = &r.decision {
-                println!("decision committed: {}", record_line(d, full));
+                outln!("decision committed: {}", record_line(d, full));
             }
             if no_resume {
                 return Ok(());
@@ -718,9 +747,9 @@ pub async fn run(output: Output, cmd: SessionCommand) -> anyhow::Result<()> {
             match verify_chain(&records) {
                 Ok(n) => {
                     if json {
-                        println!("{}", serde_json::json!({"ok": true, "records": n}));
+                        outln!("{}", serde_json::json!({"ok": true, "records": n}));
                     } else {
-                        println!("{session}: {n} records, chain intact");
+                        outln!("{session}: {n} records, chain intact");
                     }
                     Ok(())
                 }
@@ -828,17 +857,17 @@ async fn exec(
         match update {
             Update::Session(s) => {
                 if streaming_delta {
-                    println!();
+                    outln!();
                     streaming_delta = false;
                 }
-                println!("session {}", session_line(&s, full));
+                outln!("session {}", session_line(&s, full));
             }
             Update::Record(r) => {
                 if streaming_delta {
-                    println!();
+                    outln!();
                     streaming_delta = false;
                 }
-                println!("{}", record_line(&r, full));
+                outln!("{}", record_line(&r, full));
             }
             Update::Delta(d) => {
                 let mut out = stdout.lock();

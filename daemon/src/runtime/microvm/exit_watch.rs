@@ -77,7 +77,7 @@ impl ExitWatch {
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default();
-            if lock(&this.expected).remove(&pid) || vmm_process::pid_of(&dir) != Some(pid) {
+            if lock(&this.expected).remove(&pid) || vmm_process::recorded_pid(&dir) != Some(pid) {
                 return;
             }
             let mut reason = format!("its VMM (pid {pid}) {how}");

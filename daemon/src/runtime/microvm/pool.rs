@@ -13,7 +13,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::vmm_process;
+use super::flavour::VmmFlavour;
+use super::vmm_process::{self, VmmDir};
 
 /// How long a replacement waits before it starts.
 const REFILL_DELAY: std::time::Duration = std::time::Duration::from_millis(50);
@@ -178,10 +179,10 @@ pub fn slots(run_dir: &Path) -> Vec<PathBuf> {
 /// that serves that slot's socket) and removes their slots.
 pub fn remove_leftovers(run_dir: &Path) {
     for slot in slots(run_dir) {
-        let pid = std::fs::read_to_string(slot.join("vmm.pid"))
-            .ok()
-            .and_then(|p| p.trim().parse::<u32>().ok());
-        if let Some(pid) = pid {
+        // The slot is the pooled VMM's (its uid owns it): its pid file only names a process
+        // to check, as a session's does.
+        let owner = VmmDir::new(slot.clone(), VmmFlavour::Agentvm, slot.clone(), false);
+        if let Some(pid) = vmm_process::pid_of(&owner) {
             let api = slot.join("api.sock");
             let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
             let ours = cmdline

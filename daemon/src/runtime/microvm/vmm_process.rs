@@ -96,9 +96,9 @@ impl VmmDir {
         };
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
         // A VMM from the pool was started with the pool's socket, moved here since.
-        let api = std::fs::read(self.dir.join(POOLED_API))
+        let api = read_vmm_file(&self.dir.join(POOLED_API), 4096)
             .map(|p| PathBuf::from(std::ffi::OsString::from_vec(p)))
-            .unwrap_or_else(|_| self.api());
+            .unwrap_or_else(|| self.api());
         alive(pid)
             && cmdline
                 .split(|b| *b == 0)
@@ -280,11 +280,58 @@ fn names(run_dir: &Path, keep: impl Fn(&str) -> bool) -> Vec<String> {
         .collect()
 }
 
-/// The VMM's process id, from its pid file.
+/// The VMM's process id, from its pid file, if that names a process of the VMM's own user.
+///
+/// The directory is the VMM's (its uid owns it, so it can rewrite the file), so what the file
+/// says is only a claim: root signals and adopts the process it names only if that process
+/// runs, with every one of its uids, as the user that owns the directory. A VMM that
+/// rewrites its pid file can then point root at nothing but its own processes.
 pub fn pid_of(dir: &VmmDir) -> Option<u32> {
-    std::fs::read_to_string(dir.pid_file())
-        .ok()
+    use std::os::unix::fs::MetadataExt;
+    let owner = std::fs::symlink_metadata(&dir.dir).ok()?.uid();
+    recorded_pid(dir).filter(|&pid| pid > 1 && runs_as(pid, owner))
+}
+
+/// What the pid file says, unchecked: only to tell whether a VMM that exited was the one on
+/// record (never to signal or adopt what it names).
+pub fn recorded_pid(dir: &VmmDir) -> Option<u32> {
+    read_vmm_file(&dir.pid_file(), 32)
+        .and_then(|bytes| String::from_utf8(bytes).ok())
         .and_then(|s| s.trim().parse().ok())
+}
+
+/// A small file in a directory the VMM can write: read without following a symlink it may
+/// have planted, and only if it is a regular file of at most `max` bytes (a FIFO or
+/// /dev/zero in its place must not hang or flood the daemon).
+fn read_vmm_file(path: &Path, max: u64) -> Option<Vec<u8>> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .ok()?;
+    let meta = file.metadata().ok()?;
+    if !meta.is_file() || meta.len() > max {
+        return None;
+    }
+    let mut bytes = Vec::new();
+    file.take(max).read_to_end(&mut bytes).ok()?;
+    Some(bytes)
+}
+
+/// Whether process `pid` runs as `uid`: its real, effective, saved and filesystem uids all.
+pub fn runs_as(pid: u32, uid: u32) -> bool {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return false;
+    };
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .is_some_and(|ids| {
+            let ids: Vec<&str> = ids.split_whitespace().collect();
+            ids.len() == 4 && ids.iter().all(|id| id.parse() == Ok(uid))
+        })
 }
 
 /// Whether `pid` still runs. A finished zombie does not: a VMM adopted from a dead daemon
@@ -433,4 +480,80 @@ pub fn new_disk(
         })
         .and_then(|()| std::os::unix::fs::chown(path, Some(owner.uid()), Some(owner.gid())));
     made.map_err(|e| format!("making the workspace disk {}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::CommandExt;
+
+    /// A VMM's uid can rewrite its pid file: root must then act on none of root's processes,
+    /// nor follow a link it planted, nor hang on a FIFO in its place.
+    #[test]
+    fn a_rewritten_pid_file_steers_root_to_nothing_but_the_vmms_own_processes() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("SKIPPED: needs root to give the VMM directory another owner");
+            return;
+        }
+        const VM_UID: u32 = 65534;
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = VmmDir::new(
+            tmp.path().join("sess"),
+            VmmFlavour::Agentvm,
+            tmp.path().join("ram"),
+            true,
+        );
+        std::fs::create_dir(&dir.dir).unwrap();
+        std::os::unix::fs::chown(&dir.dir, Some(VM_UID), Some(VM_UID)).unwrap();
+        let spawn = |uid: Option<u32>| {
+            let mut cmd = std::process::Command::new("sleep");
+            cmd.arg("60");
+            if let Some(uid) = uid {
+                cmd.uid(uid).gid(uid);
+            }
+            cmd.spawn().unwrap()
+        };
+        let mut roots = spawn(None);
+        let vmms = spawn(Some(VM_UID));
+
+        std::fs::write(dir.pid_file(), roots.id().to_string()).unwrap();
+        assert_eq!(pid_of(&dir), None, "root's process is not the VMM's");
+        assert!(!dir.vmm_alive());
+        std::fs::write(dir.pid_file(), "1").unwrap();
+        assert_eq!(pid_of(&dir), None);
+        std::fs::write(dir.pid_file(), vmms.id().to_string()).unwrap();
+        assert_eq!(pid_of(&dir), Some(vmms.id()));
+
+        // A link to a root-owned file naming root's process, and a FIFO: neither is read.
+        let elsewhere = tmp.path().join("root-pid");
+        std::fs::write(&elsewhere, roots.id().to_string()).unwrap();
+        std::fs::remove_file(dir.pid_file()).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, dir.pid_file()).unwrap();
+        assert_eq!(pid_of(&dir), None);
+        std::fs::remove_file(dir.pid_file()).unwrap();
+        nix::unistd::mkfifo(&dir.pid_file(), nix::sys::stat::Mode::S_IRWXU).unwrap();
+        assert_eq!(pid_of(&dir), None);
+
+        // Stopping that "VMM" kills nothing of root's.
+        std::fs::remove_file(dir.pid_file()).unwrap();
+        std::fs::write(dir.pid_file(), roots.id().to_string()).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let watch = ExitWatch::default();
+            let stopping = ask_stop(&dir, &watch).await;
+            assert_eq!(stopping.pid(), None);
+            stopping.exited().await;
+        });
+        assert!(
+            roots.try_wait().unwrap().is_none(),
+            "root's process was killed"
+        );
+        for mut child in [roots, vmms] {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+    }
 }
