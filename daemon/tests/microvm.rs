@@ -127,6 +127,65 @@ async fn counting_parent(node: &TestNode, c: &mut SessionsClient<Channel>) -> (S
     (parent.clone(), vmm_pid(node, &parent))
 }
 
+/// A turn naming another harness than a memory-tier session's (or a memory-tier harness for
+/// a stateless session) is refused before anything happens: the VM goes on running, nothing
+/// is journaled, and the next turn continues the count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_on_another_harness_than_a_memory_tier_session_s_changes_nothing() {
+    require_kvm!();
+    let node = microvm_node().await;
+    let mut c = node.c();
+    let (session, pid) = counting_parent(&node, &mut c).await;
+    assert_eq!(turn(&mut c, &session).await, "2");
+    let log = replay(&mut c, &session).await;
+    let mut other = support::exec_text(&session, "hi");
+    other.harness = "echo".into();
+    let refused = try_exec(&mut c, other).await.unwrap_err();
+    assert_eq!(
+        refused.code(),
+        tonic::Code::FailedPrecondition,
+        "{refused:?}"
+    );
+    assert!(refused.message().contains("memory"), "{refused:?}");
+    assert_eq!(replay(&mut c, &session).await, log, "nothing journaled");
+    assert_eq!(vmm_pid(&node, &session), pid);
+    assert!(
+        std::path::Path::new(&format!("/proc/{pid}")).exists(),
+        "the VM was stopped"
+    );
+    assert_eq!(compute(&mut c, &session).await, ComputeState::ComputeLive);
+    assert_eq!(turn(&mut c, &session).await, "3");
+
+    // The reverse: a stateless session is not switched onto a memory-tier harness.
+    let echo = create_for(&mut c, "echo").await;
+    try_turn(&mut c, &echo).await.unwrap();
+    let log = replay(&mut c, &echo).await;
+    let mut onto = support::exec_text(&echo, "hi");
+    onto.harness = "testguest".into();
+    let refused = try_exec(&mut c, onto).await.unwrap_err();
+    assert_eq!(
+        refused.code(),
+        tonic::Code::FailedPrecondition,
+        "{refused:?}"
+    );
+    assert_eq!(replay(&mut c, &echo).await, log, "nothing journaled");
+    for s in [session, echo] {
+        c.delete_session(agentvm_proto::v1::DeleteSessionRequest { uid: s })
+            .await
+            .unwrap();
+    }
+}
+
+/// Runs `req` to its end; the status it failed with, if it did.
+async fn try_exec(
+    c: &mut SessionsClient<Channel>,
+    req: agentvm_proto::v1::ExecRequest,
+) -> Result<(), tonic::Status> {
+    let mut stream = c.exec(req).await?.into_inner();
+    while stream.message().await?.is_some() {}
+    Ok(())
+}
+
 /// One turn, or the status it failed with.
 async fn try_turn(c: &mut SessionsClient<Channel>, session: &str) -> Result<String, tonic::Status> {
     let mut stream = c

@@ -359,7 +359,8 @@ async fn scenario_59_fork_bounds() {
         .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(err.message().contains("count"), "{}", err.message());
-    for bad in [0, -1] {
+    // (0 is unset: one child, as upstream's server and Go SDK take it.)
+    for bad in [-1, i32::MIN] {
         let err = c
             .fork(ForkRequest {
                 session: id.clone(),
@@ -2060,6 +2061,61 @@ async fn a_config_the_harness_cannot_take_is_refused_before_anything_is_written(
     let mut req = exec_req(&id, "ok");
     req.config = br#"{"system_prompt": "be brief"}"#.to_vec();
     assert_eq!(exec(&mut c, req).await.code(), Code::Ok);
+}
+
+/// A per-turn switch between stateless harnesses is answered by the harness the turn names,
+/// never by the compute still running the other one: `chat` sends the history to its model
+/// (`echo` only the last input, so its model call hashes as a fresh session's would), and
+/// EXECUTION_START names who answered.
+#[tokio::test]
+async fn a_turn_on_another_stateless_harness_is_answered_by_that_harness() {
+    let n = start().await;
+    let mut c = n.c();
+    let new_echo = |c: &mut SessionsClient<Channel>| {
+        let mut c = c.clone();
+        async move {
+            uid(&c
+                .create_session(CreateSessionRequest {
+                    session: Some(Session {
+                        harness: "echo".into(),
+                        ..Default::default()
+                    }),
+                })
+                .await
+                .unwrap()
+                .into_inner())
+        }
+    };
+    // (harness of the turn, the input hash of its model call)
+    let turn = |result: &ExecResult| {
+        assert_eq!(result.code(), Code::Ok, "{result:?}");
+        let mut harness = None;
+        let mut hash = None;
+        for r in result.records() {
+            match r.event.unwrap().body {
+                Some(Body::ExecutionStart(s)) => harness = Some(s.harness),
+                Some(Body::Model(call)) if hash.is_none() => hash = Some(call.input_hash),
+                _ => {}
+            }
+        }
+        (harness.unwrap(), hash.unwrap())
+    };
+    let id = new_echo(&mut c).await;
+    let fresh = new_echo(&mut c).await;
+    let (_, two_alone) = turn(&exec(&mut c, exec_req(&fresh, "two")).await);
+    let (_, three_alone) = turn(&exec(&mut c, exec_req(&fresh, "three")).await);
+
+    assert_eq!(turn(&exec(&mut c, exec_req(&id, "one")).await).0, "echo");
+    let mut switched = exec_req(&id, "two");
+    switched.harness = "chat".into();
+    let (harness, hash) = turn(&exec(&mut c, switched).await);
+    assert_eq!(harness, "chat");
+    assert_ne!(hash, two_alone, "echo answered a turn journaled as chat's");
+    // The next turn is the session's own harness's again.
+    assert_eq!(
+        turn(&exec(&mut c, exec_req(&id, "three")).await),
+        ("echo".to_owned(), three_alone)
+    );
 }
 
 /// Upstream's Go SDK forks with `ForkOptions{}`, leaving `count` unset: one child, as

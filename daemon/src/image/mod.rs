@@ -7,6 +7,7 @@ pub mod cpio;
 pub mod elf;
 pub mod oci;
 pub mod oci_layout;
+pub mod tree;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

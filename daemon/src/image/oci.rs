@@ -3,8 +3,11 @@
 //! directory tree, and its config says what the image runs (Entrypoint, Cmd, Env,
 //! WorkingDir, User).
 //!
-//! Everything read is checked: blobs against their digests, layer paths against escaping
-//! the tree (no `..`, no absolute link targets followed while unpacking).
+//! Everything read is checked: blobs against their digests (a `docker save` layer against
+//! its config's `diff_ids`), every size against a cap before it is read, and every file
+//! made, changed or removed goes through [`super::tree::Tree`], so nothing an image holds (a
+//! `..`, a symlink planted by an earlier entry or layer, an archive's own links) reaches a
+//! file outside the tree being built or the archive being read.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -14,7 +17,14 @@ use std::path::{Component, Path, PathBuf};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
+use super::tree::{Meta, Tree};
 use super::{ImageError, invalid, io_error};
+
+/// The most a manifest, an index or a config may be: real ones are a few KiB.
+const MAX_METADATA: u64 = 4 << 20;
+/// The most an image may unpack to, all layers together (a layer is a compressed stream: a
+/// small blob can declare files of any size).
+pub const MAX_UNPACKED: u64 = 64 << 30;
 
 /// What an image's config says it runs.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -69,6 +79,16 @@ struct DockerEntry {
 struct ImageConfigBlob {
     #[serde(default)]
     config: Option<ContainerConfig>,
+    #[serde(default)]
+    rootfs: Option<RootFs>,
+}
+
+/// The digests of the image's layers, uncompressed: what a `docker save` layer is checked
+/// against.
+#[derive(Deserialize, Default)]
+struct RootFs {
+    #[serde(default)]
+    diff_ids: Vec<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -88,23 +108,34 @@ struct ContainerConfig {
 /// Unpacks the image at `source` into `root` (an empty directory) and returns its config.
 /// `scratch` holds an archive's extracted layout while it is read.
 pub fn unpack(source: &Path, root: &Path, scratch: &Path) -> Result<RunConfig, ImageError> {
-    let layout = if source.is_dir() {
+    let layout_dir = if source.is_dir() {
         source.to_owned()
     } else {
-        let file = File::open(source).map_err(io_error(source))?;
         let dir = scratch.join("archive");
         std::fs::create_dir_all(&dir).map_err(io_error(&dir))?;
-        let mut archive = tar::Archive::new(BufReader::new(file));
-        for entry in archive.entries().map_err(io_error(source))? {
-            let mut entry = entry.map_err(io_error(source))?;
-            entry.unpack_in(&dir).map_err(io_error(source))?;
-        }
+        extract_archive(source, &dir)?;
         dir
     };
-    let (config, layers) = if layout.join("index.json").is_file() {
-        oci_layout(&layout)?
-    } else if layout.join("manifest.json").is_file() {
-        docker_save(&layout)?
+    let layout = Tree::open(&layout_dir).map_err(io_error(&layout_dir))?;
+    let read = |name: &str| -> Result<Vec<u8>, ImageError> {
+        layout
+            .read(Path::new(name), MAX_METADATA)
+            .map_err(|e| invalid("oci", format!("{}: {name}: {e}", source.display())))
+    };
+    let (config, layers) = if layout
+        .kind(Path::new("index.json"))
+        .ok()
+        .flatten()
+        .is_some()
+    {
+        oci_layout(&read("index.json")?, &layout)?
+    } else if layout
+        .kind(Path::new("manifest.json"))
+        .ok()
+        .flatten()
+        .is_some()
+    {
+        docker_save(&read("manifest.json")?, &layout)?
     } else {
         return Err(invalid(
             "oci",
@@ -115,11 +146,19 @@ pub fn unpack(source: &Path, root: &Path, scratch: &Path) -> Result<RunConfig, I
             ),
         ));
     };
-    for layer in &layers {
-        apply_layer(layer, root)?;
-    }
     let blob: ImageConfigBlob = serde_json::from_slice(&config)
         .map_err(|e| invalid("oci", format!("the image config is not JSON: {e}")))?;
+    let tree = Tree::open(root).map_err(io_error(root))?;
+    let mut budget = MAX_UNPACKED;
+    for layer in &layers {
+        let file = layout
+            .open_file(&layer.path)
+            .map_err(io_error(&layer.path))?;
+        if let Some(diff_id) = &layer.diff_id {
+            check_diff_id(&file, diff_id, &layer.path)?;
+        }
+        apply_layer(&file, &layer.path, &tree, &mut budget)?;
+    }
     let c = blob.config.unwrap_or_default();
     Ok(RunConfig {
         entrypoint: c.entrypoint.unwrap_or_default(),
@@ -130,9 +169,41 @@ pub fn unpack(source: &Path, root: &Path, scratch: &Path) -> Result<RunConfig, I
     })
 }
 
-/// The config blob and the layer files of an OCI image layout.
-fn oci_layout(layout: &Path) -> Result<(Vec<u8>, Vec<PathBuf>), ImageError> {
-    let index: Index = read_json(&layout.join("index.json"))?;
+/// One layer to apply: its file in the layout, and for `docker save` output the digest of
+/// its uncompressed tar, which nothing else vouches for.
+struct LayerFile {
+    path: PathBuf,
+    diff_id: Option<String>,
+}
+
+/// Extracts an image archive (an OCI layout or `docker save` output as a tar) into `dir`
+/// through a [`Tree`]: its symlinks are made as links (docker save links repeated layers)
+/// and never followed out of it, its devices are skipped.
+fn extract_archive(source: &Path, dir: &Path) -> Result<(), ImageError> {
+    let file = File::open(source).map_err(io_error(source))?;
+    let tree = Tree::open(dir).map_err(io_error(dir))?;
+    let mut budget = MAX_UNPACKED;
+    let corrupt = |e: std::io::Error| invalid("oci", format!("{}: {e}", source.display()));
+    let mut archive = tar::Archive::new(BufReader::new(file));
+    for entry in archive.entries().map_err(corrupt)? {
+        let mut entry = entry.map_err(corrupt)?;
+        let Some(rel) = entry_path(&entry).map_err(corrupt)? else {
+            continue;
+        };
+        write_entry(&tree, &mut entry, &rel, false, &mut budget).map_err(|e| {
+            invalid(
+                "oci",
+                format!("{}: entry {}: {e}", source.display(), rel.display()),
+            )
+        })?;
+    }
+    Ok(())
+}
+
+/// The config blob and the layer files of an OCI image layout, from its `index.json`.
+fn oci_layout(index: &[u8], layout: &Tree) -> Result<(Vec<u8>, Vec<LayerFile>), ImageError> {
+    let index: Index =
+        serde_json::from_slice(index).map_err(|e| invalid("oci", format!("index.json: {e}")))?;
     let mut descriptor = pick(index.manifests, "index.json")?;
     // A multi-platform image: an index whose entries are per-platform manifests.
     for _ in 0..4 {
@@ -150,8 +221,10 @@ fn oci_layout(layout: &Path) -> Result<(Vec<u8>, Vec<PathBuf>), ImageError> {
         .layers
         .iter()
         .map(|layer| {
-            verified_blob_path(layout, &layer.digest).inspect(|_| {
-                tracing::debug!(digest = %layer.digest, media_type = %layer.media_type, "layer");
+            tracing::debug!(digest = %layer.digest, media_type = %layer.media_type, "layer");
+            verified_blob_path(layout, &layer.digest).map(|path| LayerFile {
+                path,
+                diff_id: None,
             })
         })
         .collect::<Result<_, _>>()?;
@@ -179,9 +252,12 @@ fn pick(manifests: Vec<Descriptor>, what: &str) -> Result<Descriptor, ImageError
     }
 }
 
-/// The config blob and layer files of `docker save` output (one image).
-fn docker_save(dir: &Path) -> Result<(Vec<u8>, Vec<PathBuf>), ImageError> {
-    let entries: Vec<DockerEntry> = read_json(&dir.join("manifest.json"))?;
+/// The config blob and layer files of `docker save` output (one image), from its
+/// `manifest.json`. Nothing there carries a digest of the config or the layers but the
+/// config's own `diff_ids`: each layer is checked against its entry before it is applied.
+fn docker_save(manifest: &[u8], layout: &Tree) -> Result<(Vec<u8>, Vec<LayerFile>), ImageError> {
+    let entries: Vec<DockerEntry> = serde_json::from_slice(manifest)
+        .map_err(|e| invalid("oci", format!("manifest.json: {e}")))?;
     let [entry] = <[DockerEntry; 1]>::try_from(entries).map_err(|entries| {
         invalid(
             "oci",
@@ -193,48 +269,95 @@ fn docker_save(dir: &Path) -> Result<(Vec<u8>, Vec<PathBuf>), ImageError> {
     })?;
     let inside = |name: &str| -> Result<PathBuf, ImageError> {
         relative(name)
-            .map(|rel| dir.join(rel))
             .ok_or_else(|| invalid("oci", format!("manifest.json names {name:?} outside it")))
     };
-    let config = std::fs::read(inside(&entry.config)?).map_err(io_error(dir))?;
+    let config_path = inside(&entry.config)?;
+    let config = layout
+        .read(&config_path, MAX_METADATA)
+        .map_err(io_error(&config_path))?;
+    // Docker names the config by its digest (`<hex>.json`, or `blobs/sha256/<hex>`).
+    let named = config_path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .map(|n| n.trim_end_matches(".json"))
+        .filter(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()));
+    if let Some(hex) = named {
+        check_digest(
+            &format!("sha256:{hex}"),
+            &hex::encode(Sha256::digest(&config)),
+        )?;
+    }
+    let diff_ids = serde_json::from_slice::<ImageConfigBlob>(&config)
+        .ok()
+        .and_then(|c| c.rootfs)
+        .map(|r| r.diff_ids)
+        .unwrap_or_default();
+    if diff_ids.len() != entry.layers.len() {
+        return Err(invalid(
+            "oci",
+            format!(
+                "manifest.json lists {} layers, the image config's rootfs.diff_ids {}: \
+                 nothing vouches for the layers",
+                entry.layers.len(),
+                diff_ids.len()
+            ),
+        ));
+    }
     let layers = entry
         .layers
         .iter()
-        .map(|l| inside(l))
+        .zip(diff_ids)
+        .map(|(l, diff_id)| {
+            inside(l).map(|path| LayerFile {
+                path,
+                diff_id: Some(diff_id),
+            })
+        })
         .collect::<Result<_, _>>()?;
     Ok((config, layers))
 }
 
-fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ImageError> {
-    let bytes = std::fs::read(path).map_err(io_error(path))?;
-    serde_json::from_slice(&bytes).map_err(|e| invalid("oci", format!("{}: {e}", path.display())))
-}
-
 /// `blobs/sha256/<hex>` of `digest`, which must be a sha256 digest.
-fn blob_path(layout: &Path, digest: &str) -> Result<PathBuf, ImageError> {
+fn blob_path(digest: &str) -> Result<PathBuf, ImageError> {
     let hex = digest
         .strip_prefix("sha256:")
         .filter(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()))
         .ok_or_else(|| invalid("oci", format!("{digest:?} is not a sha256 digest")))?;
-    Ok(layout.join("blobs/sha256").join(hex))
+    Ok(Path::new("blobs/sha256").join(hex))
 }
 
 /// A small blob's bytes, checked against its digest.
-fn blob(layout: &Path, digest: &str) -> Result<Vec<u8>, ImageError> {
-    let path = blob_path(layout, digest)?;
-    let bytes = std::fs::read(&path).map_err(io_error(&path))?;
+fn blob(layout: &Tree, digest: &str) -> Result<Vec<u8>, ImageError> {
+    let path = blob_path(digest)?;
+    let bytes = layout.read(&path, MAX_METADATA).map_err(io_error(&path))?;
     check_digest(digest, &hex::encode(Sha256::digest(&bytes)))?;
     Ok(bytes)
 }
 
 /// A layer blob's path, once its contents are checked against its digest.
-fn verified_blob_path(layout: &Path, digest: &str) -> Result<PathBuf, ImageError> {
-    let path = blob_path(layout, digest)?;
-    let mut file = File::open(&path).map_err(io_error(&path))?;
+fn verified_blob_path(layout: &Tree, digest: &str) -> Result<PathBuf, ImageError> {
+    let path = blob_path(digest)?;
+    let mut file = layout.open_file(&path).map_err(io_error(&path))?;
     let mut hasher = Sha256::new();
     std::io::copy(&mut file, &mut hasher).map_err(io_error(&path))?;
     check_digest(digest, &hex::encode(hasher.finalize()))?;
     Ok(path)
+}
+
+/// A `docker save` layer's uncompressed tar against its `diff_id`, streamed.
+fn check_diff_id(file: &File, diff_id: &str, path: &Path) -> Result<(), ImageError> {
+    let mut hasher = Sha256::new();
+    let mut tar = layer_reader(file, path)?;
+    std::io::copy(&mut tar, &mut hasher).map_err(io_error(path))?;
+    check_digest(diff_id, &hex::encode(hasher.finalize())).map_err(|_| {
+        invalid(
+            "oci",
+            format!(
+                "layer {} does not match its diff_id {diff_id} in the image config",
+                path.display()
+            ),
+        )
+    })
 }
 
 fn check_digest(want: &str, got_hex: &str) -> Result<(), ImageError> {
@@ -248,12 +371,15 @@ fn check_digest(want: &str, got_hex: &str) -> Result<(), ImageError> {
     }
 }
 
-/// A layer as a tar stream: plain, gzip or zstd, told by its first bytes.
-fn layer_reader(path: &Path) -> Result<Box<dyn Read>, ImageError> {
-    let mut file = File::open(path).map_err(io_error(path))?;
+/// A layer as a tar stream from its start: plain, gzip or zstd, told by its first bytes.
+fn layer_reader(file: &File, path: &Path) -> Result<Box<dyn Read>, ImageError> {
+    use std::io::{Seek, SeekFrom};
+    let mut file = file.try_clone().map_err(io_error(path))?;
+    file.seek(SeekFrom::Start(0)).map_err(io_error(path))?;
     let mut magic = [0u8; 4];
     let n = file.read(&mut magic).map_err(io_error(path))?;
-    let file = BufReader::new(File::open(path).map_err(io_error(path))?);
+    file.seek(SeekFrom::Start(0)).map_err(io_error(path))?;
+    let file = BufReader::new(file);
     Ok(match &magic[..n] {
         [0x1f, 0x8b, ..] => Box::new(flate2::read::GzDecoder::new(file)),
         [0x28, 0xb5, 0x2f, 0xfd] => {
@@ -282,12 +408,21 @@ fn entry_path<R: Read>(entry: &tar::Entry<'_, R>) -> std::io::Result<Option<Path
     Ok(relative(&entry.path()?.to_string_lossy()))
 }
 
-/// Applies one layer over `root`: its whiteouts first (a `.wh.NAME` removes NAME from the
-/// layers below; `.wh..wh..opq` empties its directory of them), then its entries.
-fn apply_layer(path: &Path, root: &Path) -> Result<(), ImageError> {
+/// What a link entry points at.
+fn link_target<R: Read>(entry: &tar::Entry<'_, R>) -> std::io::Result<PathBuf> {
+    entry
+        .link_name()?
+        .map(|l| l.into_owned())
+        .ok_or_else(|| std::io::Error::other("a link entry without a target"))
+}
+
+/// Applies one layer over the tree: its whiteouts first (a `.wh.NAME` removes NAME from the
+/// layers below; `.wh..wh..opq` empties its directory of them), then its entries, writing
+/// at most `budget` bytes (what is left of it is returned there).
+fn apply_layer(file: &File, path: &Path, tree: &Tree, budget: &mut u64) -> Result<(), ImageError> {
     let corrupt = |e: std::io::Error| invalid("oci", format!("layer {}: {e}", path.display()));
     let mut removals: Vec<(PathBuf, bool)> = Vec::new();
-    let mut archive = tar::Archive::new(layer_reader(path)?);
+    let mut archive = tar::Archive::new(layer_reader(file, path)?);
     for entry in archive.entries().map_err(corrupt)? {
         let entry = entry.map_err(corrupt)?;
         let Some(rel) = entry_path(&entry).map_err(corrupt)? else {
@@ -303,27 +438,16 @@ fn apply_layer(path: &Path, root: &Path) -> Result<(), ImageError> {
         }
     }
     for (target, opaque) in removals {
-        let at = root.join(&target);
-        // Only what is really inside the tree: a symlinked parent must not redirect this.
-        if !inside(root, &at) {
-            continue;
-        }
-        if opaque {
-            if let Ok(children) = std::fs::read_dir(&at) {
-                for child in children.flatten() {
-                    remove(&child.path()).map_err(io_error(&child.path()))?;
-                }
-            }
-        } else if at.symlink_metadata().is_ok() {
-            remove(&at).map_err(io_error(&at))?;
-        }
+        let removed = match opaque {
+            true => tree.empty(&target),
+            false => tree.remove(&target),
+        };
+        removed
+            .map_err(|e| corrupt(std::io::Error::other(format!("{}: {e}", target.display()))))?;
     }
-    let mut archive = tar::Archive::new(layer_reader(path)?);
-    archive.set_preserve_permissions(true);
-    archive.set_preserve_ownerships(nix::unistd::geteuid().is_root());
-    archive.set_unpack_xattrs(false);
-    archive.set_overwrite(true);
+    let owners = nix::unistd::geteuid().is_root();
     let mut skipped: BTreeMap<&'static str, u64> = BTreeMap::new();
+    let mut archive = tar::Archive::new(layer_reader(file, path)?);
     for entry in archive.entries().map_err(corrupt)? {
         let mut entry = entry.map_err(corrupt)?;
         let Some(rel) = entry_path(&entry).map_err(corrupt)? else {
@@ -336,20 +460,11 @@ fn apply_layer(path: &Path, root: &Path) -> Result<(), ImageError> {
         {
             continue;
         }
-        let kind = entry.header().entry_type();
-        if kind.is_character_special() || kind.is_block_special() || kind.is_fifo() {
-            // The guest's /dev is its own devtmpfs; device nodes in an image are never used.
-            *skipped.entry("device or fifo").or_default() += 1;
-            continue;
-        }
-        // A later layer may turn a directory into a file or the other way round.
-        let at = root.join(&rel);
-        if let Ok(meta) = at.symlink_metadata()
-            && (meta.is_dir() != kind.is_dir() || meta.file_type().is_symlink())
+        if let Some(what) = write_entry(tree, &mut entry, &rel, owners, budget)
+            .map_err(|e| corrupt(std::io::Error::other(format!("{}: {e}", rel.display()))))?
         {
-            remove(&at).map_err(io_error(&at))?;
+            *skipped.entry(what).or_default() += 1;
         }
-        entry.unpack_in(root).map_err(corrupt)?;
     }
     for (what, n) in skipped {
         tracing::info!(layer = %path.display(), what, n, "skipped layer entries");
@@ -357,19 +472,48 @@ fn apply_layer(path: &Path, root: &Path) -> Result<(), ImageError> {
     Ok(())
 }
 
-/// Whether `path`'s parent, with symlinks resolved, lies inside `root`.
-fn inside(root: &Path, path: &Path) -> bool {
-    let (Ok(root), Some(parent)) = (root.canonicalize(), path.parent()) else {
-        return false;
+/// Makes one archive entry at `rel` in `tree` (owned as the entry says when `owners`),
+/// charging regular files' bytes to `budget`. `Some(what)` names an entry kind not made.
+fn write_entry<R: Read>(
+    tree: &Tree,
+    entry: &mut tar::Entry<'_, R>,
+    rel: &Path,
+    owners: bool,
+    budget: &mut u64,
+) -> std::io::Result<Option<&'static str>> {
+    let header = entry.header();
+    let kind = header.entry_type();
+    let owner = match owners {
+        true => Some((
+            u32::try_from(header.uid()?).unwrap_or(u32::MAX),
+            u32::try_from(header.gid()?).unwrap_or(u32::MAX),
+        )),
+        false => None,
     };
-    parent.canonicalize().is_ok_and(|p| p.starts_with(root))
-}
-
-fn remove(path: &Path) -> std::io::Result<()> {
-    match path.symlink_metadata()?.is_dir() {
-        true => std::fs::remove_dir_all(path),
-        false => std::fs::remove_file(path),
+    let meta = Meta {
+        mode: Some(header.mode()? & 0o7777),
+        owner,
+        mtime: header.mtime().ok(),
+    };
+    match kind {
+        tar::EntryType::Directory => tree.make_dir(rel, meta)?,
+        tar::EntryType::Regular | tar::EntryType::Continuous => {
+            let written = tree.write_file(rel, entry, *budget, meta)?;
+            *budget -= written;
+        }
+        tar::EntryType::Symlink => tree.symlink(rel, &link_target(entry)?, meta)?,
+        tar::EntryType::Link => {
+            let target = relative(&link_target(entry)?.to_string_lossy())
+                .ok_or_else(|| std::io::Error::other("a hard link to outside the tree"))?;
+            tree.hard_link(rel, &target)?;
+        }
+        // The guest's /dev is its own devtmpfs; device nodes in an image are never used.
+        k if k.is_character_special() || k.is_block_special() || k.is_fifo() => {
+            return Ok(Some("device or fifo"));
+        }
+        _ => return Ok(Some("other entry type")),
     }
+    Ok(None)
 }
 
 #[cfg(test)]
@@ -513,5 +657,164 @@ mod tests {
         let _ = unpack(&layout, &root, tmp.path());
         assert!(!outside.join("planted").exists());
         assert!(!tmp.path().join("planted-too").exists());
+    }
+
+    /// A host directory a hostile image aims at: `dirA/a`, `dirB/b`, `precious.txt`.
+    fn victim(tmp: &Path) -> PathBuf {
+        let v = tmp.join("victim");
+        for (path, data) in [("dirA/a", "a"), ("dirB/b", "b"), ("precious.txt", "p")] {
+            std::fs::create_dir_all(v.join(path).parent().unwrap()).unwrap();
+            std::fs::write(v.join(path), data).unwrap();
+        }
+        v
+    }
+
+    fn victim_untouched(v: &Path) {
+        for (path, data) in [("dirA/a", "a"), ("dirB/b", "b"), ("precious.txt", "p")] {
+            assert_eq!(
+                std::fs::read_to_string(v.join(path)).unwrap_or_default(),
+                data,
+                "{path} was touched"
+            );
+        }
+    }
+
+    /// The reproductions of the security review: removals and replacements that followed
+    /// symlinks planted by earlier entries or layers. Each leaves the host tree as it was.
+    #[test]
+    fn hostile_layers_never_remove_or_replace_host_files() {
+        let tmp = tempfile::tempdir().unwrap();
+        let v = victim(tmp.path());
+        let dir_a = v.join("dirA");
+        let climbing = format!("up{}", v.join("precious.txt").display());
+        let cases: Vec<Vec<Vec<LayerEntry<'_>>>> = vec![
+            // An opaque whiteout through a link to a host directory.
+            vec![
+                vec![LayerEntry::Symlink("evil", dir_a.to_str().unwrap())],
+                vec![LayerEntry::File("evil/.wh..wh..opq", 0o644, b"")],
+            ],
+            // A whiteout of a host file through a link.
+            vec![
+                vec![LayerEntry::Symlink("evil", v.to_str().unwrap())],
+                vec![LayerEntry::File("evil/.wh.precious.txt", 0o644, b"")],
+            ],
+            // A directory entry replacing a host file, a file entry replacing a host
+            // directory, both through a link planted in the same layer.
+            vec![vec![
+                LayerEntry::Symlink("evil", v.to_str().unwrap()),
+                LayerEntry::Dir("evil/precious.txt", 0o755),
+                LayerEntry::File("evil/dirB", 0o644, b"replaced"),
+                LayerEntry::Symlink("evil/dirA", "/"),
+            ]],
+            // The same through a relative link that climbs.
+            vec![vec![
+                LayerEntry::Symlink("up", "../../../../../../../../.."),
+                LayerEntry::File(&climbing, 0o644, b"x"),
+            ]],
+        ];
+        for (i, layers) in cases.iter().enumerate() {
+            let layout = tmp.path().join(format!("layout-{i}"));
+            let tars: Vec<Vec<u8>> = layers
+                .iter()
+                .map(|l| oci_layout::layer(l).unwrap())
+                .collect();
+            oci_layout::write(&layout, &tars, serde_json::json!({"Cmd": ["/x"]})).unwrap();
+            let root = tmp.path().join(format!("root-{i}"));
+            std::fs::create_dir(&root).unwrap();
+            let _ = unpack(&layout, &root, tmp.path());
+            victim_untouched(&v);
+        }
+    }
+
+    /// `docker save` output as a tar: a manifest.json, a config named by its digest with the
+    /// layers' diff_ids, and the layers.
+    fn docker_archive(path: &Path, layers: &[Vec<u8>], diff_ids: &[String]) {
+        let config = serde_json::to_vec(&serde_json::json!({
+            "config": {"Cmd": ["/x"]},
+            "rootfs": {"type": "layers", "diff_ids": diff_ids},
+        }))
+        .unwrap();
+        let config_name = format!("{}.json", hex::encode(Sha256::digest(&config)));
+        let names: Vec<String> = (0..layers.len())
+            .map(|i| format!("l{i}/layer.tar"))
+            .collect();
+        let manifest = serde_json::to_vec(&serde_json::json!([
+            {"Config": config_name, "RepoTags": ["x:latest"], "Layers": names}
+        ]))
+        .unwrap();
+        let mut entries = vec![
+            LayerEntry::File("manifest.json", 0o644, &manifest),
+            LayerEntry::File(&config_name, 0o644, &config),
+        ];
+        for (name, layer) in names.iter().zip(layers) {
+            entries.push(LayerEntry::File(name, 0o644, layer));
+        }
+        std::fs::write(path, oci_layout::layer(&entries).unwrap()).unwrap();
+    }
+
+    fn sha256_of(bytes: &[u8]) -> String {
+        format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
+    }
+
+    #[test]
+    fn docker_save_layers_are_checked_against_diff_ids_and_archive_links_stay_inside() {
+        let tmp = tempfile::tempdir().unwrap();
+        let layer = oci_layout::layer(&[LayerEntry::File("app", 0o755, b"app")]).unwrap();
+        let unpack_archive = |name: &str, diff_ids: &[String], layers: &[Vec<u8>]| {
+            let archive = tmp.path().join(format!("{name}.tar"));
+            docker_archive(&archive, layers, diff_ids);
+            let root = tmp.path().join(format!("root-{name}"));
+            std::fs::create_dir(&root).unwrap();
+            let scratch = tmp.path().join(format!("scratch-{name}"));
+            std::fs::create_dir(&scratch).unwrap();
+            (unpack(&archive, &root, &scratch), root)
+        };
+        let (ok, root) = unpack_archive("good", &[sha256_of(&layer)], std::slice::from_ref(&layer));
+        ok.unwrap();
+        assert_eq!(std::fs::read(root.join("app")).unwrap(), b"app");
+
+        // A layer swapped after the config was made.
+        let other = oci_layout::layer(&[LayerEntry::File("app", 0o755, b"evil")]).unwrap();
+        let (err, _) = unpack_archive("swapped", &[sha256_of(&layer)], &[other]);
+        let err = err.unwrap_err().to_string();
+        assert!(err.contains("diff_id"), "{err}");
+        let (err, _) = unpack_archive("no-diff-ids", &[], std::slice::from_ref(&layer));
+        assert!(err.unwrap_err().to_string().contains("diff_ids"));
+
+        // An archive link to the host's root, and a manifest naming a layer through it: the
+        // host file is never read into the image.
+        let host = tmp.path().join("host-secret");
+        std::fs::write(
+            &host,
+            oci_layout::layer(&[LayerEntry::File("stolen", 0o644, b"secret")]).unwrap(),
+        )
+        .unwrap();
+        let archive = tmp.path().join("linked.tar");
+        let via_link = format!("root{}", host.display());
+        let config = serde_json::to_vec(&serde_json::json!({
+            "config": {"Cmd": ["/x"]},
+            "rootfs": {"diff_ids": [sha256_of(&std::fs::read(&host).unwrap())]},
+        }))
+        .unwrap();
+        let manifest = serde_json::to_vec(&serde_json::json!([
+            {"Config": "config.json", "Layers": [via_link]}
+        ]))
+        .unwrap();
+        std::fs::write(
+            &archive,
+            oci_layout::layer(&[
+                LayerEntry::Symlink("root", "/"),
+                LayerEntry::File("manifest.json", 0o644, &manifest),
+                LayerEntry::File("config.json", 0o644, &config),
+            ])
+            .unwrap(),
+        )
+        .unwrap();
+        let root = tmp.path().join("root-linked");
+        std::fs::create_dir(&root).unwrap();
+        let scratch = tmp.path().join("scratch-linked");
+        std::fs::create_dir(&scratch).unwrap();
+        assert!(unpack(&archive, &root, &scratch).is_err());
+        assert!(!root.join("stolen").exists());
     }
 }

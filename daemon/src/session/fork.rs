@@ -202,7 +202,7 @@ impl SessionHost {
         let mut children = Vec::with_capacity(count);
         for (child, inc) in provisioned {
             if let Some(inc) = inc {
-                self.live_put(&child, inc, placement.runtime.clone());
+                self.live_put(&child, inc, &placement);
             }
             children.push(self.view(&child)?);
         }

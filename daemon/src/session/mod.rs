@@ -63,6 +63,8 @@ impl Placement {
 struct Live {
     incarnation: Incarnation,
     runtime: Arc<dyn Runtime>,
+    /// The harness it serves: a turn for another one must not be answered by it.
+    harness: String,
     /// The harness channel, dialed once per incarnation and reused by every turn.
     endpoint: Option<Arc<dyn HarnessEndpoint>>,
 }
@@ -194,15 +196,26 @@ impl SessionHost {
             .map(|l| (l.incarnation.clone(), l.runtime.clone()))
     }
 
-    fn live_put(&self, uid: &str, incarnation: Incarnation, runtime: Arc<dyn Runtime>) {
+    /// `incarnation` is `uid`'s compute, serving `placement`'s harness.
+    fn live_put(&self, uid: &str, incarnation: Incarnation, placement: &Placement) {
         self.live.lock().unwrap_or_else(|p| p.into_inner()).insert(
             uid.to_owned(),
             Live {
                 incarnation,
-                runtime,
+                runtime: placement.runtime.clone(),
+                harness: placement.harness.clone(),
                 endpoint: None,
             },
         );
+    }
+
+    /// The harness `uid`'s live compute serves.
+    fn live_harness(&self, uid: &str) -> Option<String> {
+        self.live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(uid)
+            .map(|l| l.harness.clone())
     }
 
     fn live_take(&self, uid: &str) -> Option<(Incarnation, Arc<dyn Runtime>)> {
@@ -230,7 +243,7 @@ impl SessionHost {
             .map_err(|e| runtime_status(&e))?
         {
             tracing::info!(session = %uid, "re-adopted running compute");
-            self.live_put(uid, inc, placement.runtime);
+            self.live_put(uid, inc, &placement);
         }
         Ok(())
     }

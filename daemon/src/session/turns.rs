@@ -81,21 +81,32 @@ fn check_config(placement: &Placement, config: &[u8]) -> Result<(), Status> {
 
 impl SessionHost {
     /// The harness a new execution runs on: the session's, or the request's where the
-    /// session allows switching (built-in process harnesses only; a registered harness pins
-    /// the session, and none can be switched to).
+    /// session allows switching (built-in stateless harnesses only; a registered harness
+    /// pins the session, and none can be switched to). A harness whose state is its
+    /// compute's memory is never switched from or to: the turn would run without that
+    /// memory, or leave it behind. Refused here, before any compute is touched.
     fn turn_harness(&self, row: &SessionRow, requested: &str) -> Result<String, Status> {
         if requested.is_empty() || requested == row.harness {
             return Ok(row.harness.clone());
         }
         let over = self.place(requested)?;
-        let pinned = self
-            .place(&row.harness)
-            .map(|p| p.registered)
-            .unwrap_or(true);
-        if over.registered || pinned {
+        let current = self.place(&row.harness).ok();
+        if over.registered || current.as_ref().is_none_or(|p| p.registered) {
             return Err(Status::failed_precondition(format!(
                 "harness: session {} is pinned to {:?}; a registered harness cannot be switched per turn",
                 row.uid, row.harness
+            )));
+        }
+        if let Some(memory) = [current.as_ref(), Some(&over)]
+            .into_iter()
+            .flatten()
+            .find(|p| p.memory_tier())
+        {
+            return Err(Status::failed_precondition(format!(
+                "harness: session {} runs {:?}; a turn cannot run on {requested:?} instead, \
+                 because {:?} keeps its state in its compute's memory (fork the session, or \
+                 create one for {requested:?})",
+                row.uid, row.harness, memory.harness
             )));
         }
         Ok(requested.to_owned())
@@ -400,12 +411,25 @@ impl SessionHost {
         placement: &Placement,
     ) -> Result<(Incarnation, &'static str), Status> {
         if let Some((inc, runtime)) = self.live_get(&row.uid) {
-            if runtime.alive(&inc) {
+            let serves = self.live_harness(&row.uid);
+            if serves.as_deref() != Some(placement.harness.as_str()) {
+                // It serves another harness than this turn's (a per-turn switch, which only
+                // stateless harnesses make: their state is the log, so nothing is lost).
+                // Answered by it, the turn would be journaled as the other's.
+                tracing::info!(session = %row.uid, from = ?serves, to = %placement.harness,
+                    "switching harness: stopping the compute of the other one");
+                self.live_take(&row.uid);
+                if let Err(e) = runtime.stop(&inc).await {
+                    tracing::warn!(session = %row.uid, error = %e, "stopping the other harness's compute");
+                }
+            } else if runtime.alive(&inc) {
                 return Ok((inc, "attached"));
+            } else {
+                // Died since the last turn, before its exit was recorded: record it here, so
+                // this turn goes on from the session's last state instead of failing on a
+                // dead VM.
+                self.live_take(&row.uid);
             }
-            // Died since the last turn, before its exit was recorded: record it here, so this
-            // turn goes on from the session's last state instead of failing on a dead VM.
-            self.live_take(&row.uid);
         }
         if let Some(inc) = placement
             .runtime
@@ -413,7 +437,7 @@ impl SessionHost {
             .await
             .map_err(|e| runtime_status(&e))?
         {
-            self.live_put(&row.uid, inc.clone(), placement.runtime.clone());
+            self.live_put(&row.uid, inc.clone(), placement);
             return Ok((inc, "re-adopted"));
         }
         let spec = SessionSpec {
@@ -452,7 +476,7 @@ impl SessionHost {
         };
         let inc = inc.map_err(|e| runtime_status(&e))?;
         crash_point::reached(crash_point::START_READY);
-        self.live_put(&row.uid, inc.clone(), placement.runtime.clone());
+        self.live_put(&row.uid, inc.clone(), placement);
         Ok((inc, how))
     }
 
