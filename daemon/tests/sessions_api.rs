@@ -522,7 +522,35 @@ async fn scenario_62_session_frame_first_even_on_error() {
     assert_eq!(r.code(), Code::Aborted);
     let ok = exec(&mut c, exec_req(&id, "y")).await;
     assert!(matches!(ok.frames.first(), Some(Update::Session(s)) if s.last_seq == 0));
-    assert!(matches!(ok.frames.last(), Some(Update::Session(s)) if s.last_seq == 5));
+    // As upstream's: a completed turn ends with its last record, not a second Session
+    // (agentctl prints a line for every Session frame), and the echo model sends no deltas.
+    assert_eq!(ok.sessions().len(), 1, "{:?}", ok.frames);
+    assert_eq!(ok.frames.len(), 1 + 5, "{:?}", ok.frames);
+    assert!(matches!(ok.frames.last(), Some(Update::Record(r)) if r.seq == 5));
+}
+
+/// A request error (an unknown or pinned harness, a config the harness cannot take) is the
+/// stream's status on the first receive, before any frame, as upstream answers it.
+#[tokio::test]
+async fn a_request_error_is_the_stream_s_status_before_any_frame() {
+    let n = start().await;
+    let mut c = n.c();
+    let id = uid(&n.create("echo").await);
+    let mut unknown = exec_req(&id, "x");
+    unknown.harness = "no-such-harness".into();
+    let mut bad_config = exec_req(&id, "x");
+    bad_config.harness = "chat".into();
+    bad_config.config = b"not json".to_vec();
+    for (req, code) in [
+        (unknown, Code::InvalidArgument),
+        (bad_config, Code::InvalidArgument),
+        (exec_req("sess-does-not-exist", "x"), Code::NotFound),
+    ] {
+        let r = exec(&mut c, req).await;
+        assert_eq!(r.code(), code, "{r:?}");
+        assert!(r.frames.is_empty(), "{:?}", r.frames);
+    }
+    assert_eq!(n.get(&id).await.last_seq, 0);
 }
 
 #[tokio::test]

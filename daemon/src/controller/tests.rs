@@ -635,10 +635,65 @@ async fn scenario_10_replay_never_reaches_the_provider() {
     assert_eq!(f.records(), before);
 }
 
+/// The echo model, streamed in word-sized chunks (the built-in one answers whole, as
+/// upstream's): a streaming provider for the paths that carry deltas.
+struct ChunkedEcho;
+
+#[async_trait::async_trait]
+impl ModelProvider for ChunkedEcho {
+    fn name(&self) -> &'static str {
+        "chunked-echo"
+    }
+
+    async fn complete(
+        &self,
+        call: &ModelCall,
+        stream: Option<mpsc::Sender<Chunk>>,
+    ) -> Result<Completion, ProviderError> {
+        let completion = EchoProvider.complete(call, None).await?;
+        if let Some(tx) = stream {
+            let text: String = completion
+                .message
+                .parts
+                .iter()
+                .filter_map(|p| match &p.part {
+                    Some(agentvm_proto::v1::part::Part::Text(t)) => Some(t.text.as_str()),
+                    _ => None,
+                })
+                .collect();
+            let mut rest = text.as_str();
+            while !rest.is_empty() {
+                let cut = rest
+                    .char_indices()
+                    .skip(1)
+                    .find(|(_, c)| *c == ' ' || *c == ':')
+                    .map_or(rest.len(), |(i, _)| i);
+                let (head, tail) = rest.split_at(cut);
+                let _ = tx
+                    .send(Chunk {
+                        part_index: 0,
+                        text: head.to_owned(),
+                        done: false,
+                    })
+                    .await;
+                rest = tail;
+            }
+            let _ = tx
+                .send(Chunk {
+                    part_index: 0,
+                    text: String::new(),
+                    done: true,
+                })
+                .await;
+        }
+        Ok(completion)
+    }
+}
+
 #[tokio::test]
 async fn scenario_11_and_12_streaming_changes_nothing_and_replay_has_no_deltas() {
     let f = Fixture::new();
-    let c = controller(f.journal.clone(), Arc::new(EchoProvider));
+    let c = controller(f.journal.clone(), Arc::new(ChunkedEcho));
     let (tx, mut rx) = mpsc::channel(256);
     let mut t = f.turn(echo());
     t.observer = Some(tx);

@@ -72,10 +72,12 @@ impl ModelProvider for EchoProvider {
         "builtin"
     }
 
+    /// Answers whole, never streamed, as upstream's echo model: its deltas would be frames
+    /// upstream's clients do not expect (agentctl prints each as a line of its own).
     async fn complete(
         &self,
         call: &ModelCall,
-        stream: Option<mpsc::Sender<Chunk>>,
+        _stream: Option<mpsc::Sender<Chunk>>,
     ) -> Result<Completion, ProviderError> {
         if call.model != "echo" {
             return Err(ProviderError::UnknownModel {
@@ -85,34 +87,6 @@ impl ModelProvider for EchoProvider {
         }
         let input = call.messages.last().map(message_text).unwrap_or_default();
         let text = format!("echo:{input}");
-        if let Some(tx) = stream {
-            // Word-sized chunks, so streaming paths see more than one delta. A closed receiver
-            // only means nobody watches the stream; the completion still stands.
-            let mut rest = text.as_str();
-            while !rest.is_empty() {
-                let cut = rest
-                    .char_indices()
-                    .skip(1)
-                    .find(|(_, c)| *c == ' ' || *c == ':')
-                    .map_or(rest.len(), |(i, _)| i);
-                let (head, tail) = rest.split_at(cut);
-                let _ = tx
-                    .send(Chunk {
-                        part_index: 0,
-                        text: head.to_owned(),
-                        done: false,
-                    })
-                    .await;
-                rest = tail;
-            }
-            let _ = tx
-                .send(Chunk {
-                    part_index: 0,
-                    text: String::new(),
-                    done: true,
-                })
-                .await;
-        }
         Ok(Completion {
             message: Message {
                 role: "assistant".into(),
@@ -186,26 +160,17 @@ mod tests {
         assert_eq!(message_text(&empty.message), "echo:");
     }
 
+    /// Upstream's echo model answers whole: asked to stream, it sends no chunk (each would be
+    /// a Delta frame upstream's agentctl prints as a line of its own).
     #[tokio::test]
-    async fn streamed_chunks_add_up_to_the_completion() {
+    async fn the_echo_model_answers_whole_even_when_asked_to_stream() {
         let (tx, mut rx) = mpsc::channel(64);
         let c = EchoProvider
             .complete(&call("echo", &["hello big world"]), Some(tx))
             .await
             .unwrap();
-        let mut chunks = Vec::new();
-        while let Some(ch) = rx.recv().await {
-            chunks.push(ch);
-        }
-        assert!(chunks.len() > 2, "{chunks:?}");
-        assert!(chunks.last().unwrap().done);
-        assert!(
-            chunks[..chunks.len() - 1]
-                .iter()
-                .all(|c| !c.done && !c.text.is_empty())
-        );
-        let joined: String = chunks.iter().map(|c| c.text.as_str()).collect();
-        assert_eq!(joined, message_text(&c.message));
+        assert_eq!(message_text(&c.message), "echo:hello big world");
+        assert!(rx.recv().await.is_none(), "no chunk");
     }
 
     #[tokio::test]

@@ -112,8 +112,44 @@ impl SessionHost {
         Ok(requested.to_owned())
     }
 
-    /// Exec: streams the Session first, then records and deltas, then the final Session.
-    /// An error after the first frame is returned for the caller to send as the stream's end.
+    /// Where a new turn runs, and whether the request may run there: the recorded harness of
+    /// an interrupted execution being recovered, else the session's or the request's (with
+    /// its config judged).
+    fn turn_placement(
+        &self,
+        row: &SessionRow,
+        req: &ExecRequest,
+        pending: Option<&crate::controller::log::ExecutionLog>,
+        recovering: bool,
+    ) -> Result<Placement, Status> {
+        let harness = match pending
+            .filter(|_| recovering)
+            .and_then(|x| x.start.as_ref())
+        {
+            Some(start) if !start.harness.is_empty() => start.harness.clone(),
+            _ if recovering => row.harness.clone(),
+            _ => self.turn_harness(row, &req.harness)?,
+        };
+        let placement = self.place(&harness).map_err(|s| {
+            if recovering {
+                Status::failed_precondition(format!(
+                    "the interrupted execution's harness is not served here: {}",
+                    s.message()
+                ))
+            } else {
+                s
+            }
+        })?;
+        if !recovering {
+            check_config(&placement, &req.config)?;
+        }
+        Ok(placement)
+    }
+
+    /// Exec: streams the Session first, then records (and a streaming model's deltas); a
+    /// Session again at the end only after an approval park, as upstream. What the request
+    /// itself gets wrong is returned before the first frame; an error after it is returned
+    /// for the caller to send as the stream's end.
     pub async fn exec(&self, req: ExecRequest, updates: &Updates) -> Result<(), Status> {
         self.refuse_if_draining()?;
         let row = if req.session.is_empty() {
@@ -140,11 +176,22 @@ impl SessionHost {
             "exec"
         );
         let records = self.records(&uid)?;
-        if updates
-            .send(session_frame(view_of(&row, &records)))
-            .await
-            .is_err()
-        {
+        let first = session_frame(view_of(&row, &records));
+        let log = parse_log(records)?;
+        let pending = log.pending().filter(|x| !x.is_legacy());
+        // An inputless Exec on a turn parked at an approval only reports the session.
+        let waiting = req.inputs.is_empty()
+            && pending.is_some_and(|x| matches!(gate_state(x), GateState::Pending(_)));
+        // Recovery takes the route the interrupted execution recorded, whatever harness the
+        // request names (as upstream: its config, cursor and harness are ignored).
+        let recovering = req.inputs.is_empty() && pending.is_some();
+        // What the request itself gets wrong (an unknown or pinned harness, a config the
+        // harness cannot take) is the stream's status before any frame, as upstream answers.
+        let placement = match waiting {
+            true => None,
+            false => Some(self.turn_placement(&row, &req, pending, recovering)?),
+        };
+        if updates.send(first).await.is_err() {
             return Ok(());
         }
 
@@ -167,8 +214,6 @@ impl SessionHost {
                 )
             }
         };
-        let log = parse_log(records)?;
-        let pending = log.pending().filter(|x| !x.is_legacy());
         if let Some(x) = pending {
             match gate_state(x) {
                 GateState::Clear => {}
@@ -186,30 +231,10 @@ impl SessionHost {
                 _ => {}
             }
         }
-        // Recovery takes the route the interrupted execution recorded, whatever harness the
-        // request names (as upstream: its config, cursor and harness are ignored).
-        let recovering = req.inputs.is_empty() && pending.is_some();
-        let harness = match pending
-            .filter(|_| recovering)
-            .and_then(|x| x.start.as_ref())
-        {
-            Some(start) if !start.harness.is_empty() => start.harness.clone(),
-            _ if recovering => row.harness.clone(),
-            _ => self.turn_harness(&row, &req.harness)?,
+        let Some(placement) = placement else {
+            // Only a waiting turn has none, and it returned above.
+            return Err(Status::internal("no harness resolved for the turn"));
         };
-        let placement = self.place(&harness).map_err(|s| {
-            if recovering {
-                Status::failed_precondition(format!(
-                    "the interrupted execution's harness is not served here: {}",
-                    s.message()
-                ))
-            } else {
-                s
-            }
-        })?;
-        if !recovering {
-            check_config(&placement, &req.config)?;
-        }
         let turn = self
             .admit(&row, &placement, &held, deadline, Some(updates.clone()))
             .await?;
@@ -237,12 +262,13 @@ impl SessionHost {
             Ok(outcome) => outcome,
             Err(e) => return Err(self.turn_failed(&row, &placement, e).await),
         };
-        match outcome {
+        let parked = match outcome {
             Some(TurnOutcome::Parked { head, .. }) => {
                 self.park_handoff(&uid, head, fence).await?;
+                true
             }
-            Some(TurnOutcome::Completed { .. }) | None => {}
-        }
+            Some(TurnOutcome::Completed { .. }) | None => false,
+        };
         drop(held);
         let view = self.view(&uid)?;
         tracing::info!(
@@ -251,7 +277,12 @@ impl SessionHost {
             ms = started.elapsed().as_millis() as u64,
             "exec finished"
         );
-        let _ = updates.send(session_frame(view)).await;
+        // Only a park ends with the session (awaiting, cold, its pending approval): upstream
+        // sends no trailing frame after a completed turn, and its agentctl prints a line for
+        // every Session frame.
+        if parked {
+            let _ = updates.send(session_frame(view)).await;
+        }
         Ok(())
     }
 

@@ -846,8 +846,22 @@ async fn exec(
     let mut stream = c.exec(req).await?.into_inner();
     let mut streaming_delta = false;
     let stdout = std::io::stdout();
+    // The session, and whether the stream ended with it (it does only after an approval
+    // park, as upstream's): otherwise its state after the turn is asked for, so the output
+    // always ends with where the session stands.
+    let mut session: Option<String> = None;
+    let mut ended_with_session = false;
     while let Some(u) = stream.message().await? {
         let Some(update) = u.update else { continue };
+        if let Update::Session(s) = &update {
+            session.get_or_insert_with(|| {
+                s.metadata
+                    .as_ref()
+                    .map(|m| m.uid.clone())
+                    .unwrap_or_default()
+            });
+        }
+        ended_with_session = matches!(update, Update::Session(_));
         if json {
             print_json(&agentvm_proto::v1::ExecUpdate {
                 update: Some(update),
@@ -878,6 +892,15 @@ async fn exec(
                     writeln!(out)?;
                 }
             }
+        }
+    }
+    if let (false, Some(uid)) = (ended_with_session, session) {
+        let s = c.get_session(GetSessionRequest { uid }).await?.into_inner();
+        match json {
+            true => print_json(&agentvm_proto::v1::ExecUpdate {
+                update: Some(Update::Session(s)),
+            })?,
+            false => outln!("session {}", session_line(&s, full)),
         }
     }
     Ok(())
