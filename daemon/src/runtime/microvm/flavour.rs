@@ -47,6 +47,17 @@ impl RestoreMemory {
     }
 }
 
+/// What a restored VM attaches from the host, as the daemon's own record of its image says.
+/// Never as the snapshot's `config.json` says: whoever wrote the snapshot (its VMM, anyone
+/// who can write the fleet's store) would choose which host files enter the VM's jail.
+#[derive(Debug, Clone, Default)]
+pub struct Attachments {
+    pub kernel: Option<PathBuf>,
+    pub initramfs: Option<PathBuf>,
+    /// The image's read-only root filesystem, the only read-only disk a VM has.
+    pub rootfs: Option<PathBuf>,
+}
+
 /// The new session a snapshot is restored as, and where its VM lives.
 pub struct RestoreTarget<'a> {
     pub session: &'a str,
@@ -57,6 +68,8 @@ pub struct RestoreTarget<'a> {
     pub serial: &'a Path,
     /// Where the restored VM's copy of its workspace disk goes (a snapshot with one).
     pub workspace: &'a Path,
+    /// What the VM attaches from the host.
+    pub attach: &'a Attachments,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -143,17 +156,19 @@ impl VmmFlavour {
     }
 
     /// Every host file restoring `snapshot` opens, for its VMM's jail: the snapshot and the
-    /// bases under it, and for Cloud Hypervisor, which creates the VM its `config.json`
-    /// describes, the payload and disks named there too.
-    pub fn restore_files(self, snapshot: &Path) -> Result<Vec<PathBuf>, String> {
+    /// bases under it, the image's root filesystem, and for Cloud Hypervisor (which reopens
+    /// its payload) the image's kernel and initramfs. All from `attach`, none from the
+    /// snapshot's own files.
+    pub fn restore_files(self, snapshot: &Path, attach: &Attachments) -> Vec<PathBuf> {
         let mut files = agentvm_snapshot::store::LocalStore::chain(snapshot);
-        match self {
-            Self::CloudHypervisor => files.extend(files_named(&read_config(snapshot)?)),
-            // agentvm-vmm copies writable disks out of the snapshot; read-only ones are
-            // images it opens where they are.
-            Self::Agentvm => files.extend(read_only_disks(&read_config(snapshot)?)),
+        // agentvm-vmm copies writable disks out of the snapshot; the read-only one is the
+        // image's, opened where it is.
+        files.extend(attach.rootfs.clone());
+        if self == Self::CloudHypervisor {
+            files.extend(attach.kernel.clone());
+            files.extend(attach.initramfs.clone());
         }
-        Ok(files)
+        files
     }
 
     /// The `vm.restore` request that brings `snapshot` up as the VM of `target`, with its
@@ -191,8 +206,10 @@ impl VmmFlavour {
     }
 }
 
-/// Where each disk of a restored VM is: a writable one (the workspace) is copied from the
-/// snapshot into the VM's own directory; a read-only one is the image it names.
+/// Where each disk of a restored VM is, in the order of the snapshot's config: the writable
+/// one (the workspace) is the VM's own copy in its directory, the read-only one the image's
+/// root filesystem (`target.attach`). What paths the config names is never used: it only
+/// says how many disks of each kind the VM had, and more than its image gives is refused.
 fn disk_paths(config: &serde_json::Value, target: &RestoreTarget) -> Result<Vec<PathBuf>, String> {
     let disks = config["disks"].as_array().map(Vec::as_slice).unwrap_or(&[]);
     let writable = disks.iter().filter(|d| d["readonly"] != true).count();
@@ -201,54 +218,36 @@ fn disk_paths(config: &serde_json::Value, target: &RestoreTarget) -> Result<Vec<
             "the snapshot's VM has {writable} writable disks; agentvmd gives a VM one (its workspace)"
         ));
     }
-    disks
+    let read_only = disks.len() - writable;
+    match (read_only, &target.attach.rootfs) {
+        (0, _) | (1, Some(_)) => {}
+        (1, None) => {
+            return Err(
+                "the snapshot's VM has a read-only disk, and its image has no root filesystem \
+                 to attach as one (a snapshot does not choose host files)"
+                    .into(),
+            );
+        }
+        (n, _) => {
+            return Err(format!(
+                "the snapshot's VM has {n} read-only disks; its image gives a VM one (its root \
+                 filesystem)"
+            ));
+        }
+    }
+    Ok(disks
         .iter()
-        .map(
-            |disk| match (disk["readonly"] == true, disk["path"].as_str()) {
-                (true, Some(path)) => Ok(PathBuf::from(path)),
-                (true, None) => {
-                    Err("a read-only disk of the snapshot's VM names no path".to_owned())
-                }
-                (false, _) => Ok(target.workspace.to_owned()),
-            },
-        )
-        .collect()
+        .map(|disk| match disk["readonly"] == true {
+            true => target.attach.rootfs.clone().unwrap_or_default(),
+            false => target.workspace.to_owned(),
+        })
+        .collect())
 }
 
 fn read_config(snapshot: &Path) -> Result<serde_json::Value, String> {
     let path = snapshot.join(CH_CONFIG_FILE);
     let text = std::fs::read(&path).map_err(|e| format!("reading {}: {e}", path.display()))?;
     serde_json::from_slice(&text).map_err(|e| format!("{} is not JSON: {e}", path.display()))
-}
-
-/// The images a VM config's read-only disks name.
-fn read_only_disks(config: &serde_json::Value) -> Vec<PathBuf> {
-    config["disks"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|disk| disk["readonly"] == true)
-        .filter_map(|disk| disk["path"].as_str())
-        .map(PathBuf::from)
-        .collect()
-}
-
-/// The host files a Cloud Hypervisor VM config names: its payload's kernel, initramfs and
-/// firmware, and its disks' images.
-fn files_named(config: &serde_json::Value) -> Vec<PathBuf> {
-    let payload = ["kernel", "initramfs", "firmware"]
-        .into_iter()
-        .filter_map(|key| config["payload"][key].as_str());
-    let disks = config["disks"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|disk| disk["path"].as_str());
-    payload
-        .chain(disks)
-        .filter(|path| path.starts_with('/'))
-        .map(PathBuf::from)
-        .collect()
 }
 
 impl std::str::FromStr for VmmFlavour {
@@ -296,8 +295,42 @@ pub fn prepare_clone_source(snapshot: &Path, target: &RestoreTarget) -> Result<(
 }
 
 /// Points the config's vsock device and a file-backed serial port at `target`'s, and its
-/// kernel command line at `target`'s session.
+/// kernel command line at `target`'s session; its payload and disks become what the daemon's
+/// records say (`target.attach`), and every other device that names a host path goes.
 fn rewrite_for(config: &mut serde_json::Value, target: &RestoreTarget) -> Result<(), String> {
+    let disks = disk_paths(config, target)?;
+    if let Some(list) = config.get_mut("disks").and_then(|d| d.as_array_mut()) {
+        for (disk, path) in list.iter_mut().zip(disks) {
+            disk["path"] = path_value(&path);
+        }
+    }
+    if let Some(payload) = config.get_mut("payload").and_then(|p| p.as_object_mut()) {
+        payload.remove("firmware");
+        for (key, path) in [
+            ("kernel", &target.attach.kernel),
+            ("initramfs", &target.attach.initramfs),
+        ] {
+            match path {
+                Some(path) => payload.insert(key.into(), path_value(path)),
+                None => payload.remove(key),
+            };
+        }
+    }
+    if let Some(sections) = config.as_object_mut() {
+        for section in ["fs", "pmem", "devices", "user_devices", "vdpa"] {
+            sections.remove(section);
+        }
+    }
+    if let Some(console) = config.get_mut("console").and_then(|c| c.as_object_mut())
+        && console
+            .get("mode")
+            .and_then(|m| m.as_str())
+            .is_some_and(|m| matches!(m, "File" | "Socket"))
+    {
+        console.insert("mode".into(), "Off".into());
+        console.remove("file");
+        console.remove("socket");
+    }
     let vsock_section = config
         .get_mut("vsock")
         .and_then(|v| v.as_object_mut())
@@ -390,6 +423,7 @@ mod tests {
             vsock: Path::new("/vm/vsock.sock"),
             serial: Path::new("/vm/serial.log"),
             workspace: Path::new("/vm/workspace.img"),
+            attach: &image_files(),
         };
         let flavour = VmmFlavour::CloudHypervisor;
         for (userfaultfd, mode) in [(false, "Copy"), (true, "OnDemand")] {
@@ -417,39 +451,74 @@ mod tests {
         );
     }
 
+    /// What the daemon's record of the image says a VM attaches.
+    fn image_files() -> Attachments {
+        Attachments {
+            kernel: Some("/images/guest".into()),
+            initramfs: Some("/images/initrd".into()),
+            rootfs: Some("/images/rootfs.erofs".into()),
+        }
+    }
+
+    /// A snapshot whose config.json names host files (the node's journal, another session's
+    /// disk, firmware): the jail is shown the snapshot and the image's files, none of those.
     #[test]
-    fn a_restore_jail_is_shown_every_file_the_snapshot_config_names() {
+    fn a_restore_jail_is_shown_the_image_s_files_never_what_the_snapshot_names() {
         let tmp = tempfile::tempdir().unwrap();
         let snap = tmp.path().join("snap");
         ch_snapshot(&snap);
         let mut config: serde_json::Value =
             serde_json::from_slice(&std::fs::read(snap.join("config.json")).unwrap()).unwrap();
         config["payload"]["firmware"] = json!("/images/hypervisor-fw");
+        config["payload"]["kernel"] = json!("/etc/shadow");
         config["disks"] = json!([
-            {"path": "/images/rootfs.erofs", "readonly": true},
-            {"path": "/var/lib/agentvm/workspaces/s1.img"},
+            {"path": "/var/lib/agentvm/journal.db", "readonly": true},
+            {"path": "/var/lib/agentvm/vms/other/workspace.img"},
         ]);
         std::fs::write(snap.join("config.json"), config.to_string()).unwrap();
-        let files = VmmFlavour::CloudHypervisor.restore_files(&snap).unwrap();
-        for wanted in [
-            snap.as_path(),
-            Path::new("/images/guest"),
-            Path::new("/images/initrd"),
-            Path::new("/images/hypervisor-fw"),
-            Path::new("/images/rootfs.erofs"),
-            Path::new("/var/lib/agentvm/workspaces/s1.img"),
-        ] {
-            assert!(
-                files.iter().any(|f| f == wanted),
-                "{wanted:?} missing from {files:?}"
-            );
-        }
-        assert_eq!(files.len(), 6, "{files:?}");
-        // agentvm-vmm reads the snapshot chain and its read-only disks' images on restore
+        let files = VmmFlavour::CloudHypervisor.restore_files(&snap, &image_files());
+        assert_eq!(
+            files,
+            [
+                snap.clone(),
+                PathBuf::from("/images/rootfs.erofs"),
+                PathBuf::from("/images/guest"),
+                PathBuf::from("/images/initrd"),
+            ]
+        );
+        // agentvm-vmm reads the snapshot chain and the image's root filesystem on restore
         // (it copies writable disks out of the snapshot).
         assert_eq!(
-            VmmFlavour::Agentvm.restore_files(&snap).unwrap(),
-            [snap, PathBuf::from("/images/rootfs.erofs")]
+            VmmFlavour::Agentvm.restore_files(&snap, &image_files()),
+            [snap.clone(), PathBuf::from("/images/rootfs.erofs")]
+        );
+        assert_eq!(
+            VmmFlavour::Agentvm.restore_files(&snap, &Attachments::default()),
+            [snap.clone()]
+        );
+        // What Cloud Hypervisor restores from names only the image's and the VM's own files.
+        let scratch = tmp.path().join("vm/restore");
+        let target = RestoreTarget {
+            session: "child",
+            scratch: &scratch,
+            vsock: Path::new("/vm/vsock.sock"),
+            serial: Path::new("/vm/serial.log"),
+            workspace: Path::new("/vm/workspace.img"),
+            attach: &image_files(),
+        };
+        prepare_clone_source(&snap, &target).unwrap();
+        let rewritten = std::fs::read_to_string(scratch.join("config.json")).unwrap();
+        for named in ["journal.db", "shadow", "hypervisor-fw", "vms/other"] {
+            assert!(!rewritten.contains(named), "{named}: {rewritten}");
+        }
+        let rewritten: serde_json::Value = serde_json::from_str(&rewritten).unwrap();
+        assert_eq!(rewritten["payload"]["kernel"], json!("/images/guest"));
+        assert_eq!(
+            rewritten["disks"],
+            json!([
+                {"path": "/images/rootfs.erofs", "readonly": true},
+                {"path": "/vm/workspace.img"},
+            ])
         );
     }
 
@@ -469,6 +538,7 @@ mod tests {
                 vsock: &vsock,
                 serial: &serial,
                 workspace: Path::new("/vm/workspace.img"),
+                attach: &image_files(),
             };
             prepare_clone_source(&snap, &target).unwrap();
             let config: serde_json::Value =
@@ -516,6 +586,7 @@ mod tests {
             vsock: Path::new("/v"),
             serial: Path::new("/s"),
             workspace: Path::new("/w"),
+            attach: &Attachments::default(),
         };
         let snap = tmp.path().join("snap");
         let err = prepare_clone_source(&snap, &target).unwrap_err();
@@ -541,8 +612,9 @@ mod tests {
             )
             .unwrap();
         };
+        // Whatever read-only path the snapshot names, the image's root filesystem is attached.
         config(json!([
-            {"path": "/images/rootfs.erofs", "readonly": true},
+            {"path": "/var/lib/agentvm/journal.db", "readonly": true},
             {"path": "/old-vm/workspace.img"}
         ]));
         let target = RestoreTarget {
@@ -551,6 +623,7 @@ mod tests {
             vsock: Path::new("/vm/vsock.sock"),
             serial: Path::new("/vm/serial.log"),
             workspace: Path::new("/vm/workspace.img"),
+            attach: &image_files(),
         };
         let request = VmmFlavour::Agentvm
             .restore_request(&snap, &target, RestoreMemory::MapPrivate)
@@ -584,6 +657,24 @@ mod tests {
             .restore_request(&snap, &target, RestoreMemory::MapPrivate)
             .unwrap_err();
         assert!(err.contains("2 writable disks"), "{err}");
+        // More read-only disks than the image has, or one where it has none: refused.
+        config(json!([
+            {"path": "/images/rootfs.erofs", "readonly": true},
+            {"path": "/var/lib/agentvm/journal.db", "readonly": true}
+        ]));
+        let err = VmmFlavour::Agentvm
+            .restore_request(&snap, &target, RestoreMemory::MapPrivate)
+            .unwrap_err();
+        assert!(err.contains("2 read-only disks"), "{err}");
+        config(json!([{"path": "/var/lib/agentvm/journal.db", "readonly": true}]));
+        let bare = RestoreTarget {
+            attach: &Attachments::default(),
+            ..target
+        };
+        let err = VmmFlavour::Agentvm
+            .restore_request(&snap, &bare, RestoreMemory::MapPrivate)
+            .unwrap_err();
+        assert!(err.contains("no root filesystem"), "{err}");
     }
 
     #[test]

@@ -367,6 +367,18 @@ impl MicrovmRuntime {
         self.config.images.iter().find(|i| i.harness == harness)
     }
 
+    /// What a VM of `harness` attaches from the host: its image's files, by this daemon's
+    /// own record of the image (a restore never takes them from the snapshot).
+    fn attachments(&self, harness: &str) -> flavour::Attachments {
+        self.image(harness)
+            .map(|image| flavour::Attachments {
+                kernel: Some(image.kernel.clone()),
+                initramfs: image.initramfs.clone(),
+                rootfs: image.rootfs.clone(),
+            })
+            .unwrap_or_default()
+    }
+
     /// Whether the VM in `dir` runs a harness whose state lives in RAM. A VM restored from a
     /// snapshot (no harness file) always does: only memory-tier sessions are snapshotted.
     fn keeps_memory(&self, dir: &VmmDir) -> bool {
@@ -648,11 +660,8 @@ impl MicrovmRuntime {
             .unwrap_or_default()
             .to_owned();
         let started = std::time::Instant::now();
-        let files = self
-            .config
-            .flavour
-            .restore_files(&source)
-            .map_err(|e| failed(session, e))?;
+        let attach = self.attachments(&spec.harness);
+        let files = self.config.flavour.restore_files(&source, &attach);
         let memory = self.restore_memory();
         let inc = self
             .start(session, files, |dir, confined| async move {
@@ -663,6 +672,7 @@ impl MicrovmRuntime {
                     vsock: &dir.vsock(),
                     serial: &dir.serial(),
                     workspace: &dir.workspace(),
+                    attach: &attach,
                 };
                 let mut request = dir.flavour.restore_request(&source, &target, memory)?;
                 let slot = self.attach_network(session, &dir, network.as_ref()).await?;
