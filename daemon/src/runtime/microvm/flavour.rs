@@ -494,7 +494,7 @@ mod tests {
         );
         assert_eq!(
             VmmFlavour::Agentvm.restore_files(&snap, &Attachments::default()),
-            [snap.clone()]
+            std::slice::from_ref(&snap)
         );
         // What Cloud Hypervisor restores from names only the image's and the VM's own files.
         let scratch = tmp.path().join("vm/restore");
