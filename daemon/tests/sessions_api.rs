@@ -2146,6 +2146,133 @@ async fn a_turn_on_another_stateless_harness_is_answered_by_that_harness() {
     );
 }
 
+/// Labels, annotations, origin, names and configs are bounded, each refused naming its
+/// field before anything is written; a fork whose children together would outgrow one
+/// response is refused before any child exists.
+#[tokio::test]
+async fn oversized_metadata_is_refused_before_anything_is_written() {
+    use std::collections::HashMap;
+    let n = start().await;
+    let mut c = n.c();
+    let count = |c: &mut SessionsClient<Channel>| {
+        let mut c = c.clone();
+        async move {
+            c.list_sessions(ListSessionsRequest::default())
+                .await
+                .unwrap()
+                .into_inner()
+                .sessions
+                .len()
+        }
+    };
+    let big = "x".repeat(100 << 10);
+    let with = |labels: HashMap<String, String>, annotations: HashMap<String, String>| {
+        CreateSessionRequest {
+            session: Some(Session {
+                harness: "echo".into(),
+                labels,
+                annotations,
+                ..Default::default()
+            }),
+        }
+    };
+    for (req, field) in [
+        (
+            with(HashMap::from([("k".into(), big.clone())]), HashMap::new()),
+            "session.labels",
+        ),
+        (
+            with(HashMap::new(), HashMap::from([("k".into(), big.clone())])),
+            "session.annotations",
+        ),
+        (
+            with(
+                HashMap::from([("k".repeat(300), "v".into())]),
+                HashMap::new(),
+            ),
+            "session.labels",
+        ),
+    ] {
+        let err = c.create_session(req).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+        assert!(err.message().starts_with(field), "{err:?}");
+    }
+    assert_eq!(count(&mut c).await, 0, "nothing was created");
+
+    // 40 KiB of annotations is allowed; 128 children of it would answer 5 MiB.
+    let parent = uid(&c
+        .create_session(with(
+            HashMap::new(),
+            HashMap::from([("note".into(), "y".repeat(40 << 10))]),
+        ))
+        .await
+        .unwrap()
+        .into_inner());
+    assert_eq!(exec(&mut c, exec_req(&parent, "hi")).await.code(), Code::Ok);
+    let err = c
+        .fork(ForkRequest {
+            session: parent.clone(),
+            count: 128,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().starts_with("count:"), "{err:?}");
+    assert_eq!(count(&mut c).await, 1, "no child was created");
+    // A config over its limit.
+    let mut req = exec_req(&parent, "again");
+    req.config = vec![b' '; (256 << 10) + 1];
+    let r = exec(&mut c, req).await;
+    assert_eq!(r.code(), Code::InvalidArgument, "{r:?}");
+}
+
+/// A page of sessions ends before it outgrows one response (4 MiB by default), and the
+/// pages together still list every session once.
+#[tokio::test]
+async fn a_page_of_large_sessions_stops_short_of_a_response_s_limit() {
+    let n = start().await;
+    let mut c = n.c();
+    for _ in 0..60 {
+        c.create_session(CreateSessionRequest {
+            session: Some(Session {
+                harness: "echo".into(),
+                annotations: std::collections::HashMap::from([(
+                    "note".into(),
+                    "z".repeat(60 << 10),
+                )]),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap();
+    }
+    let mut seen = std::collections::HashSet::new();
+    let mut token = String::new();
+    let mut pages = 0;
+    loop {
+        let page = c
+            .list_sessions(ListSessionsRequest {
+                page_size: 500,
+                page_token: token.clone(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        pages += 1;
+        assert!(page.sessions.len() < 60 || pages > 1);
+        for s in &page.sessions {
+            assert!(seen.insert(uid(s)), "listed twice");
+        }
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        token = page.next_page_token;
+    }
+    assert_eq!((seen.len(), pages), (60, 2));
+}
+
 /// Upstream's Go SDK forks with `ForkOptions{}`, leaving `count` unset: one child, as
 /// upstream's server takes it. A negative or too large count is still refused, changing
 /// nothing.

@@ -3,6 +3,7 @@
 //! pieces as the session host lands.
 
 pub mod auth;
+pub mod metadata_limits;
 pub mod node_service;
 pub mod page_token;
 pub mod registry_service;

@@ -19,6 +19,7 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use super::auth::{self, Principal, principal_of};
+use super::metadata_limits as limits;
 use super::{page_token, request_id};
 use crate::session::{NewSession, SessionHost};
 
@@ -119,16 +120,6 @@ fn check_egress_annotation(
     Ok(())
 }
 
-fn check_labels(
-    field: &str,
-    labels: &std::collections::HashMap<String, String>,
-) -> Result<(), Status> {
-    if labels.keys().any(String::is_empty) {
-        return Err(invalid(field, "keys may not be empty"));
-    }
-    Ok(())
-}
-
 type Stream_<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
 #[tonic::async_trait]
@@ -152,7 +143,15 @@ impl Sessions for SessionsService {
         if !s.parent_uid.is_empty() || s.fork_seq != 0 {
             return Err(invalid("session.parent_uid", "is set only by Fork"));
         }
-        check_labels("session.labels", &s.labels)?;
+        limits::check_map("session.labels", &s.labels, limits::MAX_LABELS_BYTES)?;
+        limits::check_map(
+            "session.annotations",
+            &s.annotations,
+            limits::MAX_ANNOTATIONS_BYTES,
+        )?;
+        limits::check_origin("session.origin", s.origin.as_ref())?;
+        limits::check_name("session.metadata.name", &meta.name)?;
+        limits::check_name("session.model", &s.model)?;
         check_egress_annotation(&s.annotations)?;
         let created = self.host.create(NewSession {
             project: meta.project.clone(),
@@ -236,6 +235,7 @@ impl Sessions for SessionsService {
             self.authorize_session(principal.as_ref(), &req.session)?;
         }
         check_messages("inputs", &req.inputs)?;
+        limits::check_config("config", &req.config)?;
         if req.resume_from_seq < 0 {
             return Err(invalid("resume_from_seq", "may not be negative"));
         }
@@ -383,7 +383,10 @@ impl Sessions for SessionsService {
         if req.at_seq < 0 {
             return Err(invalid("at_seq", "may not be negative"));
         }
-        check_labels("labels", &req.labels)?;
+        limits::check_map("labels", &req.labels, limits::MAX_LABELS_BYTES)?;
+        for name in &req.child_names {
+            limits::check_name("child_names", name)?;
+        }
         let children = as_actor(principal.as_ref(), self.host.fork(req)).await?;
         Ok(Response::new(ForkResponse { children }))
     }

@@ -44,6 +44,14 @@ impl SessionHost {
         self.refuse_if_draining()?;
         let parent = self.active_row(&req.session)?;
         let uid = parent.uid.clone();
+        // Every child carries the parent's annotations and origin, and the request's labels
+        // and a name: all of them come back in this one response.
+        let inherited = child_row(&parent, "", &req, 0, 0);
+        let name = req.child_names.iter().map(String::len).max().unwrap_or(0);
+        crate::api::metadata_limits::check_fork_fan_out(
+            req.count.max(1) as usize,
+            metadata_bytes(&inherited) + name,
+        )?;
         self.admit_disk("a fork")?;
         let placement = self.place(&parent.harness)?;
         can_place(
@@ -325,4 +333,19 @@ fn child_row(
         updated_at: now,
         ..Default::default()
     }
+}
+
+/// What of a session's row its Session view carries beyond a fixed few hundred bytes: its
+/// labels, annotations, origin and names.
+fn metadata_bytes(row: &SessionRow) -> usize {
+    use prost::Message as _;
+    let map = |m: &std::collections::BTreeMap<String, String>| -> usize {
+        m.iter().map(|(k, v)| k.len() + v.len() + 8).sum()
+    };
+    512 + map(&row.labels)
+        + map(&row.annotations)
+        + row.origin.as_ref().map_or(0, |o| o.encoded_len())
+        + row.name.len()
+        + row.model.len()
+        + row.harness.len()
 }

@@ -441,19 +441,32 @@ impl SessionHost {
             .journal
             .list_sessions(project, after, page_size + 1)
             .map_err(|e| journal_status(&e))?;
-        let next = if rows.len() > page_size {
-            rows.truncate(page_size);
-            rows.last().map(|r| ListCursor {
-                created_at: r.created_at,
-                uid: r.uid.clone(),
-            })
-        } else {
-            None
+        let mut full = rows.len() > page_size;
+        rows.truncate(page_size);
+        // A page also ends where it would outgrow one response (sessions stored before
+        // metadata had limits may be large): the next one starts after its last session.
+        let mut sessions = Vec::with_capacity(rows.len());
+        let mut bytes = 0;
+        for r in &rows {
+            let view = view_of(r, &self.records(&r.uid)?);
+            bytes += prost::Message::encoded_len(&view);
+            if !sessions.is_empty() && bytes > crate::api::metadata_limits::MAX_PAGE_BYTES {
+                full = true;
+                break;
+            }
+            sessions.push(view);
+        }
+        let next = match full {
+            true => sessions
+                .len()
+                .checked_sub(1)
+                .and_then(|last| rows.get(last))
+                .map(|r| ListCursor {
+                    created_at: r.created_at,
+                    uid: r.uid.clone(),
+                }),
+            false => None,
         };
-        let sessions = rows
-            .iter()
-            .map(|r| Ok(view_of(r, &self.records(&r.uid)?)))
-            .collect::<Result<Vec<_>, Status>>()?;
         Ok((sessions, next))
     }
 
