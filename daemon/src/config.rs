@@ -100,17 +100,18 @@ pub fn default_listen() -> ListenAddr {
 }
 
 /// The admin (HarnessRegistry) listener: `admin.sock` beside a unix API socket, else in the
-/// default runtime directory.
-pub fn default_admin_listen(api: &ListenAddr) -> ListenAddr {
+/// node's state directory, so two nodes on one host that each have their own state
+/// directory and API address never share one (a shared runtime directory made the second
+/// fail with "admin.sock is in use").
+pub fn default_admin_listen(api: &ListenAddr, state_dir: &Path) -> ListenAddr {
     let dir = match api {
         ListenAddr::Unix(p) => p.parent().map(Path::to_path_buf),
         ListenAddr::Tcp(_) => None,
     };
-    let dir = dir.unwrap_or_else(|| match default_listen() {
-        ListenAddr::Unix(p) => p.parent().map(Path::to_path_buf).unwrap_or_default(),
-        ListenAddr::Tcp(_) => std::env::temp_dir(),
-    });
-    ListenAddr::Unix(dir.join("admin.sock"))
+    ListenAddr::Unix(
+        dir.unwrap_or_else(|| state_dir.to_owned())
+            .join("admin.sock"),
+    )
 }
 
 /// The journal database inside a state directory.

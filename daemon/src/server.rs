@@ -35,7 +35,8 @@ fn clear_stale_socket(path: &Path) -> anyhow::Result<()> {
                 && std::os::unix::net::UnixStream::connect(path).is_ok() =>
         {
             anyhow::bail!(
-                "{} is in use: another process (another agentvmd?) answers on it",
+                "{} is in use: another process (another agentvmd?) answers on it; a second \
+                 node on this host needs its own (--listen, --admin-listen)",
                 path.display()
             )
         }

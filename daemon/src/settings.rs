@@ -102,7 +102,8 @@ pub struct Settings {
     #[serde(default, deserialize_with = "parsed")]
     pub listen: Option<ListenAddr>,
     /// Admin listener for the HarnessRegistry API (unix socket or loopback TCP).
-    /// Default: admin.sock beside the API socket.
+    /// Default: admin.sock beside the API socket (in the state directory when the API
+    /// listens on TCP).
     #[arg(long)]
     #[serde(default, deserialize_with = "parsed")]
     pub admin_listen: Option<ListenAddr>,
@@ -551,7 +552,7 @@ mod tests {
         assert_eq!(s.openai_timeout_secs, Some(30));
         let node = crate::node::NodeConfig::new(s.state_dir.clone().unwrap());
         let listen = s.listen.clone().unwrap();
-        let admin = crate::config::default_admin_listen(&listen);
+        let admin = crate::config::default_admin_listen(&listen, &node.state_dir);
         let effective = s.effective_toml(&node, &listen, &admin);
         assert!(
             effective.contains("listen = \"unix:/tmp/b.sock\""),
@@ -571,7 +572,7 @@ mod tests {
         let s = Settings::default();
         let node = crate::node::NodeConfig::new(PathBuf::from("/var/lib/agentvm"));
         let listen = crate::config::default_listen();
-        let admin = crate::config::default_admin_listen(&listen);
+        let admin = crate::config::default_admin_listen(&listen, &node.state_dir);
         let effective = s.effective_toml(&node, &listen, &admin);
         for arg in Settings::command().get_arguments() {
             let key = arg.get_id().as_str();

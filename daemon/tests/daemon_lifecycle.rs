@@ -168,6 +168,48 @@ fn a_second_agentvmd_on_the_same_state_dir_or_socket_is_refused() {
     stop(second);
 }
 
+/// Two nodes on one host, each with its own state directory and TCP address and nothing
+/// else said: their admin sockets do not collide (they did, both in the runtime directory).
+#[test]
+fn two_nodes_with_their_own_state_and_address_share_no_default_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut nodes = Vec::new();
+    for name in ["a", "b"] {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let state = dir.path().join(name);
+        let mut child = KillOnDrop(
+            Command::new(env!("CARGO_BIN_EXE_agentvmd"))
+                .arg("--state-dir")
+                .arg(&state)
+                .arg("--listen")
+                .arg(format!("127.0.0.1:{port}"))
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "node {name} never listened");
+            if child.try_wait().unwrap().is_some() {
+                let mut err = String::new();
+                std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+                panic!("node {name} exited: {err}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(
+            state.join("admin.sock").exists(),
+            "node {name}'s admin socket"
+        );
+        nodes.push(child);
+    }
+}
+
 /// The sd_notify protocol against a fake NOTIFY_SOCKET: READY once both sockets accept,
 /// watchdog pings at half of WATCHDOG_USEC, STOPPING on SIGTERM.
 #[test]

@@ -66,7 +66,7 @@ fn node_config(s: &Settings) -> anyhow::Result<(NodeConfig, ListenAddr, ListenAd
     let admin_listen = s
         .admin_listen
         .clone()
-        .unwrap_or_else(|| config::default_admin_listen(&listen));
+        .unwrap_or_else(|| config::default_admin_listen(&listen, &state_dir));
     let mut node_config = NodeConfig::new(state_dir);
     node_config.journal_url = s.journal_url.clone();
     if let Some(url) = &s.snapshot_url {
