@@ -432,3 +432,19 @@ fn a_reader_that_stops_reading_ends_the_cli_quietly() {
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
     }
 }
+
+/// Connection options go before the command too, as the README's fleet example writes them.
+#[test]
+fn connection_options_go_anywhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = start_daemon(dir.path());
+    let uid = create_echo(&d);
+    let addr = d.addr();
+    let (ok, out, err) = agentvm(&["--addr", &addr, "get", &uid]);
+    assert!(ok && out.contains(&uid), "{out}{err}");
+    let (ok, out, err) = agentvm(&["--json", &format!("--addr={addr}"), "list"]);
+    assert!(ok && out.contains(&uid), "{out}{err}");
+    // A command that talks to no daemon still refuses them by name.
+    let (ok, _, err) = agentvm(&["--addr", &addr, "completions", "bash"]);
+    assert!(!ok && err.contains("--addr"), "{err}");
+}

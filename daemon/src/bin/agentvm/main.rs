@@ -202,8 +202,43 @@ fn closed_stdout(e: &anyhow::Error) -> bool {
     })
 }
 
+/// The connection options, which only the commands that talk to a daemon take.
+const CONNECTION_OPTIONS: [&str; 5] = ["--addr", "--token", "--tls-ca", "--tls-cert", "--tls-key"];
+
+/// `args` with the connection options given before the command (`agentvm --addr A node
+/// list`, as the fleet examples write it) moved after it, where the command takes them: a
+/// global option goes anywhere, and a command that takes none still refuses them by name.
+fn connection_options_last(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    let mut kept = Vec::with_capacity(args.len());
+    let mut moved = Vec::new();
+    let mut args = args.into_iter();
+    kept.extend(args.next());
+    while let Some(arg) = args.next() {
+        let text = arg.to_string_lossy();
+        let option = text.split_once('=').map_or(&*text, |(name, _)| name);
+        if CONNECTION_OPTIONS.contains(&option) {
+            let takes_next = !text.contains('=');
+            moved.push(arg);
+            if takes_next {
+                moved.extend(args.next());
+            }
+        } else if text.starts_with('-') && text != "--" {
+            kept.push(arg);
+        } else {
+            // The command: everything from here is its own.
+            kept.push(arg);
+            break;
+        }
+    }
+    let mut rest: Vec<std::ffi::OsString> = args.collect();
+    let at = rest.iter().position(|a| a == "--").unwrap_or(rest.len());
+    rest.splice(at..at, moved);
+    kept.extend(rest);
+    kept
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(connection_options_last(std::env::args_os().collect()));
     match run(&cli) {
         Ok(code) => code,
         Err(e) if closed_stdout(&e) => ExitCode::from(CLOSED_STDOUT),
@@ -426,5 +461,38 @@ fn report(json: bool, ok: bool, seq: Option<i64>, message: &str) {
         outln!("{message}");
     } else {
         eprintln!("{message}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn moved(args: &[&str]) -> Vec<String> {
+        connection_options_last(args.iter().map(Into::into).collect())
+            .into_iter()
+            .map(|a| a.into_string().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn connection_options_before_the_command_go_after_it() {
+        assert_eq!(
+            moved(&["agentvm", "--addr", "10.0.0.11:7443", "node", "list"]),
+            ["agentvm", "node", "list", "--addr", "10.0.0.11:7443"]
+        );
+        assert_eq!(
+            moved(&["agentvm", "--json", "--token=t", "get", "S"]),
+            ["agentvm", "--json", "get", "S", "--token=t"]
+        );
+        // After the command they are the command's already; a `--` still ends options.
+        assert_eq!(
+            moved(&["agentvm", "exec", "S", "--addr", "A"]),
+            ["agentvm", "exec", "S", "--addr", "A"]
+        );
+        assert_eq!(
+            moved(&["agentvm", "--addr", "A", "exec", "S", "--", "-i"]),
+            ["agentvm", "exec", "S", "--addr", "A", "--", "-i"]
+        );
     }
 }
