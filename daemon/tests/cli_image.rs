@@ -237,6 +237,19 @@ fn image_build_refuses_what_cannot_run() {
         &format!("harness_binary = {:?}", env!("CARGO_BIN_EXE_agentvm")),
     );
     refused(&img, "dynamically linked");
+    // A dynamically linked agent (as `cargo build` makes it): the error says how to get the
+    // static one.
+    std::fs::copy(env!("CARGO_BIN_EXE_agentvm"), img.dir.path().join("agent")).unwrap();
+    img.config(
+        r#"command = ["/opt/harness/bin/python3"]"#,
+        r#"harness_dir = "harness""#,
+    );
+    refused(&img, "scripts/build-guest.sh");
+    std::fs::write(
+        img.dir.path().join("agent"),
+        agentvm_testguest::TESTGUEST_ELF,
+    )
+    .unwrap();
     // An invalid image.toml names the field.
     std::fs::write(
         img.dir.path().join("image.toml"),

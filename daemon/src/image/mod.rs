@@ -429,8 +429,17 @@ pub fn build(
             )
         })?;
     let agent = std::fs::read(&agent_path).map_err(io_error(&agent_path))?;
-    elf::check_static(&agent)
-        .map_err(|why| invalid("build.agent", format!("{}: {why}", agent_path.display())))?;
+    elf::check_static(&agent).map_err(|why| {
+        invalid(
+            "build.agent",
+            format!(
+                "{}: {why}; the agent runs as the guest's /init with no libraries: build it \
+                 static with scripts/build-guest.sh and pass --agent \
+                 target/x86_64-unknown-linux-gnu/release/agentvm-guest",
+                agent_path.display()
+            ),
+        )
+    })?;
 
     let mut entries = base_entries();
     entries.push(Entry {

@@ -30,12 +30,7 @@ pub fn build(
     mut inputs: agentvmd::image::BuildInputs,
     json: bool,
 ) -> anyhow::Result<()> {
-    inputs.agent = inputs.agent.or_else(|| {
-        let sibling = std::env::current_exe()
-            .ok()?
-            .with_file_name("agentvm-guest");
-        sibling.exists().then_some(sibling)
-    });
+    inputs.agent = inputs.agent.or_else(default_agent);
     let manifest = agentvmd::image::build(config, output, &inputs)
         .with_context(|| format!("building the image of {}", config.display()))?;
     if json {
@@ -49,4 +44,25 @@ pub fn build(
         outln!("{name:16} {:>10} bytes  sha256:{}", d.size, d.sha256);
     }
     Ok(())
+}
+
+/// The agent an image gets when none is named: the statically linked `agentvm-guest` beside
+/// this binary, or where `scripts/build-guest.sh` builds it for a binary in `target/release`;
+/// else the one beside this binary (dynamically linked, as `cargo build` makes it), which the
+/// build then refuses saying how to get the static one.
+fn default_agent() -> Option<std::path::PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let beside = exe.with_file_name("agentvm-guest");
+    let built = exe
+        .parent()?
+        .parent()?
+        .join("x86_64-unknown-linux-gnu/release/agentvm-guest");
+    let is_static = |p: &std::path::Path| {
+        std::fs::read(p).is_ok_and(|bytes| agentvmd::image::elf::check_static(&bytes).is_ok())
+    };
+    [&beside, &built]
+        .into_iter()
+        .find(|p| is_static(p))
+        .or_else(|| beside.exists().then_some(&beside))
+        .cloned()
 }
