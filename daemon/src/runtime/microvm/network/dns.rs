@@ -3,6 +3,13 @@
 //! the VM's network device to let those addresses through on the allowed ports; every other
 //! name is REFUSED, so a guest learns nothing through it and cannot tunnel out over it.
 //! Queries are served one at a time per VM: a flood costs the host one lookup at a time.
+//!
+//! An allowed name's answer comes from DNS, which whoever controls that name (or a wildcard
+//! under an allowed domain) writes: it must never open what is not the internet. Addresses
+//! that are the host's own, the whole guest pool (other VMs, their gateways and resolvers),
+//! loopback, link-local (cloud metadata), unspecified, multicast, broadcast and reserved are
+//! dropped from every answer and never let through; a query's type is checked before any
+//! lookup, and names are looked up fully qualified (the host's search domains add nothing).
 
 use std::collections::HashSet;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -39,6 +46,8 @@ pub struct Resolver {
     socket: tokio::net::UdpSocket,
     allow: Vec<AllowEntry>,
     vmm: VmmClient,
+    /// What an answer may never open.
+    never: NeverOpen,
     /// (address, ports) already let through.
     learned: HashSet<(Ipv4Addr, Option<String>)>,
 }
@@ -57,15 +66,21 @@ struct Question {
 }
 
 impl Resolver {
+    /// `pool` is the first address of the guest network pool this VM's slot is in.
     pub fn new(
         socket: std::net::UdpSocket,
         allow: Vec<AllowEntry>,
         vmm: VmmClient,
+        pool: Ipv4Addr,
     ) -> std::io::Result<Self> {
         Ok(Self {
             socket: tokio::net::UdpSocket::from_std(socket)?,
             allow,
             vmm,
+            never: NeverOpen {
+                pool,
+                host: host_addresses(),
+            },
             learned: HashSet::new(),
         })
     }
@@ -104,14 +119,21 @@ impl Resolver {
             tracing::debug!(name = %question.name, "guest resolver refused a name");
             return Some(reply(query, &question, rcode::REFUSED, &[]));
         }
+        if question.qtype != TYPE_A {
+            // The guest network is IPv4 only: no records of this type, and no lookup (a TXT
+            // or any other query must not reach the name's servers: no tunnel through them).
+            return Some(reply(query, &question, rcode::NOERROR, &[]));
+        }
         let ports: Vec<Option<String>> = entries.iter().map(|e| e.ports_text()).collect();
-        let addresses = match lookup(&question.name).await {
+        let mut addresses = match lookup(&question.name).await {
             Ok(a) => a,
             Err(code) => return Some(reply(query, &question, code, &[])),
         };
-        if question.qtype != TYPE_A {
-            // The name exists, but the guest network is IPv4 only: no records of this type.
-            return Some(reply(query, &question, rcode::NOERROR, &[]));
+        let before = addresses.len();
+        addresses.retain(|a| self.never.allows(*a));
+        if addresses.len() < before {
+            tracing::warn!(name = %question.name, dropped = before - addresses.len(),
+                "guest resolver dropped addresses that are not the internet from an answer");
         }
         if let Err(e) = self.let_through(&addresses, &ports).await {
             tracing::warn!(name = %question.name, error = %e, "guest resolver could not open the device");
@@ -167,10 +189,15 @@ async fn lookup(name: &str) -> Result<Vec<Ipv4Addr>, u8> {
     if !listed.is_empty() {
         return Ok(listed);
     }
-    let found = tokio::time::timeout(LOOKUP_TIMEOUT, tokio::net::lookup_host((name, 0)))
-        .await
-        .map_err(|_| rcode::SERVFAIL)?
-        .map_err(|_| rcode::NXDOMAIN)?;
+    // Fully qualified: the host's search domains must not answer for the guest.
+    let absolute = format!("{name}.");
+    let found = tokio::time::timeout(
+        LOOKUP_TIMEOUT,
+        tokio::net::lookup_host((absolute.as_str(), 0)),
+    )
+    .await
+    .map_err(|_| rcode::SERVFAIL)?
+    .map_err(|_| rcode::NXDOMAIN)?;
     let mut addresses: Vec<Ipv4Addr> = found
         .filter_map(|a| match a {
             SocketAddr::V4(v4) => Some(*v4.ip()),
@@ -184,6 +211,56 @@ async fn lookup(name: &str) -> Result<Vec<Ipv4Addr>, u8> {
 }
 
 const HOSTS_FILE: &str = "/etc/hosts";
+
+/// What no answer may open, whatever name it is for.
+struct NeverOpen {
+    /// The guest pool's first address: every VM's address, gateway and resolver are in it.
+    pool: Ipv4Addr,
+    /// The host's own addresses.
+    host: Vec<Ipv4Addr>,
+}
+
+impl NeverOpen {
+    fn allows(&self, a: Ipv4Addr) -> bool {
+        let [a0, ..] = a.octets();
+        let in_pool = u32::from(a).wrapping_sub(u32::from(self.pool)) < super::SLOTS * 8;
+        !(a.is_loopback()
+            || a.is_unspecified()
+            || a0 == 0
+            || a.is_link_local()
+            || a.is_multicast()
+            || a.is_broadcast()
+            // 240.0.0.0/4: reserved.
+            || a0 >= 240
+            || in_pool
+            || self.host.contains(&a))
+    }
+}
+
+/// The host's own IPv4 addresses (its network namespace's LOCAL routes).
+fn host_addresses() -> Vec<Ipv4Addr> {
+    std::fs::read_to_string("/proc/net/fib_trie")
+        .map(|text| local_addresses(&text))
+        .unwrap_or_default()
+}
+
+/// The addresses `/proc/net/fib_trie` gives a `/32 host LOCAL` route.
+fn local_addresses(fib_trie: &str) -> Vec<Ipv4Addr> {
+    let mut out = Vec::new();
+    let mut last: Option<Ipv4Addr> = None;
+    for line in fib_trie.lines() {
+        let line = line.trim();
+        if let Some(address) = line.strip_prefix("|-- ") {
+            last = address.parse().ok();
+        } else if line.starts_with("/32 host LOCAL")
+            && let Some(a) = last
+            && !out.contains(&a)
+        {
+            out.push(a);
+        }
+    }
+    out
+}
 
 /// The IPv4 addresses `hosts` (the text of an /etc/hosts) gives `name`.
 fn hosts_file_addresses(hosts: &str, name: &str) -> Vec<Ipv4Addr> {
@@ -326,6 +403,48 @@ mod tests {
         assert_eq!(answers.len(), 2 * 16);
         assert_eq!(&answers[12..16], &[10, 78, 1, 2]);
         assert_eq!(&answers[16 + 12..32], &[10, 78, 1, 3]);
+    }
+
+    #[test]
+    fn answers_never_open_what_is_not_the_internet() {
+        let never = NeverOpen {
+            pool: Ipv4Addr::new(10, 77, 0, 0),
+            host: vec![Ipv4Addr::new(192, 0, 2, 2)],
+        };
+        for refused in [
+            "127.0.0.1",
+            "127.3.4.5",
+            "0.0.0.0",
+            "0.1.2.3",
+            "169.254.169.254",
+            "10.77.0.5",
+            "10.77.0.10",
+            "10.77.255.254",
+            "224.0.0.1",
+            "239.255.255.250",
+            "255.255.255.255",
+            "240.0.0.1",
+            "192.0.2.2",
+        ] {
+            assert!(!never.allows(refused.parse().unwrap()), "{refused}");
+        }
+        for allowed in ["93.184.216.34", "10.78.1.2", "8.8.8.8", "192.0.2.3"] {
+            assert!(never.allows(allowed.parse().unwrap()), "{allowed}");
+        }
+    }
+
+    #[test]
+    fn the_host_s_addresses_are_its_local_routes() {
+        let trie = "Main:\n  +-- 0.0.0.0/0 3 0 5\n     |-- 0.0.0.0\n        /0 universe UNICAST\n\
+                    |-- 127.0.0.1\n              /32 host LOCAL\n\
+                    |-- 192.0.2.0\n              /24 link UNICAST\n\
+                    |-- 192.0.2.2\n              /32 host LOCAL\n\
+                    |-- 192.0.2.255\n           /32 link BROADCAST\n\
+                    Local:\n           |-- 192.0.2.2\n              /32 host LOCAL\n";
+        assert_eq!(
+            local_addresses(trie),
+            [Ipv4Addr::new(127, 0, 0, 1), Ipv4Addr::new(192, 0, 2, 2)]
+        );
     }
 
     #[test]

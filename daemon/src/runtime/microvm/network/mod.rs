@@ -351,8 +351,13 @@ impl Networks {
         allow: Vec<AllowEntry>,
         api: &Path,
     ) -> Result<(), String> {
-        let resolver = dns::Resolver::new(socket, allow, agentvm_vmm_api::VmmClient::new(api))
-            .map_err(|e| format!("the guest's resolver: {e}"))?;
+        let resolver = dns::Resolver::new(
+            socket,
+            allow,
+            agentvm_vmm_api::VmmClient::new(api),
+            self.pool,
+        )
+        .map_err(|e| format!("the guest's resolver: {e}"))?;
         let task = tokio::spawn(tracing::Instrument::in_current_span(resolver.serve()));
         if let Some(old) = self
             .resolvers
