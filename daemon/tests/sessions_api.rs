@@ -2378,6 +2378,45 @@ async fn an_absent_remote_harness_is_unavailable_naming_its_address() {
     assert!(n.replay(&id).await.is_empty(), "nothing journaled");
 }
 
+/// Forking a session whose registered harness is down is UNAVAILABLE naming the harness's
+/// address, before anything is written (upstream refuses it so): no child exists.
+#[tokio::test]
+async fn a_fork_of_a_session_whose_harness_is_down_writes_nothing() {
+    let n = start().await;
+    let mut c = n.c();
+    let socket = n.dir.join("absent.sock");
+    let spec = HarnessSpec {
+        placement: Some(Placement::Remote(RemotePlacement {
+            address: format!("unix://{}", socket.display()),
+        })),
+        capabilities: agentvm_harnesses::echo::Echo.descriptor().capabilities,
+        descriptor_id: String::new(),
+    };
+    n.node.registry.register("absent", Some(spec)).unwrap();
+    let id = uid(&n.create("absent").await);
+    let err = c
+        .fork(ForkRequest {
+            session: id.clone(),
+            count: 2,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert!(
+        err.message().contains(&socket.display().to_string()),
+        "{err:?}"
+    );
+    let listed = c
+        .list_sessions(ListSessionsRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .sessions;
+    assert_eq!(listed.len(), 1, "no child: {listed:?}");
+    assert!(n.replay(&id).await.is_empty());
+}
+
 /// Upstream's Resume re-drives an interrupted turn and then appends RESUME, whether or not
 /// the session was cold (semantics.md, Resume step 6): the log ends `END, LIFECYCLE(RESUME)`.
 #[tokio::test]

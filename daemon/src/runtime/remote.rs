@@ -12,7 +12,7 @@ use super::{
 use crate::client::connect_address;
 use crate::controller::endpoint::{GrpcEndpoint, HarnessEndpoint};
 
-const NAME: &str = "remote";
+pub const NAME: &str = "remote";
 
 pub struct RemoteRuntime {
     address: String,

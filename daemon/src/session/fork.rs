@@ -60,6 +60,22 @@ impl SessionHost {
             &placement.runtime.capabilities(),
         )
         .map_err(|e| Status::failed_precondition(e.to_string()))?;
+        if placement.runtime.name() == crate::runtime::remote::NAME {
+            // As upstream: the harness is asked before a fork writes anything, so one that is
+            // down is UNAVAILABLE and no child exists. (Reaching it costs a Describe; every
+            // other runtime proves itself when it starts the children.)
+            let spec = SessionSpec {
+                session_uid: uid.clone(),
+                harness: placement.harness.clone(),
+                ..Default::default()
+            };
+            let incarnation = placement
+                .runtime
+                .create(&spec)
+                .await
+                .map_err(|e| runtime_status(&e))?;
+            self.describe(&placement, &incarnation).await?;
+        }
         let head = parent.last_seq;
         let at_seq = if req.at_seq == 0 { head } else { req.at_seq };
         if at_seq > head {
