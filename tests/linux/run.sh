@@ -29,7 +29,8 @@ log() { echo "lane: $*" >&2; }
 
 # ---- packages
 # erofs-utils and e2fsprogs: the images with a container root or an ext4 workspace.
-packages=(qemu-system-x86 busybox-static cpio erofs-utils e2fsprogs iproute2)
+# kmod: depmod, which writes the L1 kernel's modules.dep (a fresh machine may lack it).
+packages=(qemu-system-x86 busybox-static cpio erofs-utils e2fsprogs iproute2 kmod)
 if ! dpkg -s "${packages[@]}" >/dev/null 2>&1; then
     log "installing ${packages[*]}"
     apt-get update -qq
@@ -46,20 +47,25 @@ l1_kernel() {
     fi
     [ -n "$name" ] || { log "no linux-image-6.* package in apt's lists"; return 1; }
     dir=$cache/$name
-    if [ ! -f "$dir/done" ]; then
+    # A cache entry is complete only with its modules.dep (an earlier run without depmod
+    # left entries that had none).
+    if [ ! -f "$dir/done" ] || ! ls "$dir"/x/lib/modules/*/modules.dep >/dev/null 2>&1; then
         log "fetching $name-unsigned for the L1"
         rm -rf "$dir" && mkdir -p "$dir/deb"
-        (cd "$dir/deb" && apt-get download "$name-unsigned" >/dev/null 2>&1)
+        (cd "$dir/deb" && apt-get download "$name-unsigned" >/dev/null 2>&1) ||
+            { log "apt-get download $name-unsigned failed"; return 1; }
         deb=$(ls "$dir"/deb/*.deb)
-        dpkg-deb -x "$deb" "$dir/x"
+        dpkg-deb -x "$deb" "$dir/x" || { log "unpacking $deb failed"; return 1; }
         rm -f "$deb"
-        # The package leaves modules.dep to its install scripts.
-        depmod -b "$dir/x" "$(basename "$(ls -d "$dir"/x/lib/modules/*)")"
+        # The package leaves modules.dep to its install scripts. (This runs inside a command
+        # substitution, where `set -e` does not stop the script: every step says so itself.)
+        depmod -b "$dir/x" "$(basename "$(ls -d "$dir"/x/lib/modules/*)")" ||
+            { log "depmod failed for $name"; return 1; }
         touch "$dir/done"
     fi
     echo "$dir/x"
 }
-l1=$(l1_kernel)
+l1=$(l1_kernel) || { log "no L1 kernel"; exit 1; }
 l1_vmlinuz=$(ls "$l1"/boot/vmlinuz-*)
 l1_modules=$(ls -d "$l1"/lib/modules/*)
 
