@@ -362,9 +362,13 @@ fn record_line(r: &LogRecord, full: bool) -> String {
         Some(Body::Model(m)) => format!("model={}", m.model),
         Some(Body::Approval(a)) => format!("call={}", a.tool_call_id),
         Some(Body::ApprovalResult(a)) => format!("call={} approved={}", a.tool_call_id, a.approved),
-        Some(Body::Lifecycle(l)) => agentvm_proto::v1::lifecycle::Kind::try_from(l.kind)
-            .map(|k| k.as_str_name().trim_start_matches("LIFECYCLE_").to_owned())
-            .unwrap_or_default(),
+        // Its detail too: a loss notice, a fork's parent, why it was suspended.
+        Some(Body::Lifecycle(l)) => {
+            let kind = agentvm_proto::v1::lifecycle::Kind::try_from(l.kind)
+                .map(|k| k.as_str_name().trim_start_matches("LIFECYCLE_").to_owned())
+                .unwrap_or_default();
+            format!("{kind} {}", l.detail)
+        }
         _ => String::new(),
     };
     format!("{:>5}  {kind:<16} {}", r.seq, shown(&detail, full))
