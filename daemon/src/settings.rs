@@ -174,6 +174,7 @@ pub struct Settings {
     /// the listener may be on any address; without, TCP is loopback only.
     #[arg(long)]
     pub tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert.
     #[arg(long)]
     pub tls_key: Option<PathBuf>,
     /// Require TLS client certificates signed by this CA (PEM): mutual TLS.

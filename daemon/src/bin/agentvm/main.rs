@@ -124,7 +124,8 @@ enum ImageCommand {
     },
     /// Build a Linux guest image bundle (vmlinux, initramfs.cpio, image.toml, manifest.json).
     Build {
-        /// The image configuration (see agentvm_guest::image).
+        /// The image's image.toml: [harness], [vm], [network] and [build] (docs/harness-protocol.md,
+        /// "Running a harness inside a microVM").
         #[arg(long)]
         config: PathBuf,
         /// The bundle directory.

@@ -139,7 +139,8 @@ pub enum SessionCommand {
         /// Opaque harness config, journaled verbatim.
         #[arg(long)]
         config: Option<String>,
-        /// Run the turn over the log as it was at this seq (it must exist).
+        /// An opaque cursor for the harness (Start.resume_from_seq), journaled with the turn;
+        /// the host does not interpret it. Not negative.
         #[arg(long, value_name = "SEQ")]
         resume_from_seq: Option<i64>,
         /// Compare-and-swap on the head (0 = "no events yet").
