@@ -95,15 +95,7 @@ async fn tokens_principals_and_projects() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
-    let mut stream = c
-        .exec(with_token(
-            support::exec_text(uid.clone(), "hi"),
-            "alice-token",
-        ))
-        .await
-        .unwrap()
-        .into_inner();
-    while stream.message().await.unwrap().is_some() {}
+    turn_as(&mut c, &uid, "hi", "alice-token").await;
 
     // Bob sees neither the session nor the project.
     for code in [
@@ -240,6 +232,16 @@ async fn tokens_principals_and_projects() {
     assert!(health.is_ok());
 }
 
+/// One turn on `uid` as `token`'s principal, run to its end.
+async fn turn_as(c: &mut SessionsClient<Channel>, uid: &str, text: &str, token: &str) {
+    let mut stream = c
+        .exec(with_token(support::exec_text(uid.to_owned(), text), token))
+        .await
+        .unwrap()
+        .into_inner();
+    while stream.message().await.unwrap().is_some() {}
+}
+
 /// The events of `uid`'s log, as `token` may read them.
 async fn events(
     c: &mut SessionsClient<Channel>,
@@ -290,15 +292,7 @@ async fn node_wide_rpcs_need_an_operator_and_record_who_drained() {
         .metadata
         .unwrap()
         .uid;
-    let mut stream = c
-        .exec(with_token(
-            support::exec_text(bobs.clone(), "hi"),
-            "bob-token",
-        ))
-        .await
-        .unwrap()
-        .into_inner();
-    while stream.message().await.unwrap().is_some() {}
+    turn_as(&mut c, &bobs, "hi", "bob-token").await;
     let before = events(&mut c, &bobs, "bob-token").await.len();
 
     let mut n = NodeClient::new(node.channel().await);
@@ -337,15 +331,7 @@ async fn node_wide_rpcs_need_an_operator_and_record_who_drained() {
     }
     // ...and changed nothing: Bob's session has no new record, and the node still serves.
     assert_eq!(events(&mut c, &bobs, "bob-token").await.len(), before);
-    let mut stream = c
-        .exec(with_token(
-            support::exec_text(bobs.clone(), "again"),
-            "bob-token",
-        ))
-        .await
-        .unwrap()
-        .into_inner();
-    while stream.message().await.unwrap().is_some() {}
+    turn_as(&mut c, &bobs, "again", "bob-token").await;
 
     // Reflection tells an anonymous caller nothing on a node with auth.
     let mut reflection =

@@ -95,6 +95,16 @@ fn exec_req(session: &str, input: &str) -> ExecRequest {
     }
 }
 
+/// How many sessions the default project lists (one page).
+async fn session_count(c: &mut SessionsClient<Channel>) -> usize {
+    c.list_sessions(ListSessionsRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .sessions
+        .len()
+}
+
 /// Everything an Exec stream delivered, and how it ended.
 #[derive(Debug, Default)]
 struct ExecResult {
@@ -2034,30 +2044,10 @@ async fn fork_children_have_no_identity_and_a_supplied_identity_is_refused_first
 async fn a_config_the_harness_cannot_take_is_refused_before_anything_is_written() {
     let n = start().await;
     let mut c = n.c();
-    let id = uid(&c
-        .create_session(CreateSessionRequest {
-            session: Some(Session {
-                harness: "chat".into(),
-                ..Default::default()
-            }),
-        })
-        .await
-        .unwrap()
-        .into_inner());
+    let id = uid(&n.create("chat").await);
     assert_eq!(exec(&mut c, exec_req(&id, "hi")).await.code(), Code::Ok);
     let log = n.replay(&id).await;
-    let listed = |c: &mut SessionsClient<Channel>| {
-        let mut c = c.clone();
-        async move {
-            c.list_sessions(ListSessionsRequest::default())
-                .await
-                .unwrap()
-                .into_inner()
-                .sessions
-                .len()
-        }
-    };
-    let sessions = listed(&mut c).await;
+    let sessions = session_count(&mut c).await;
     for config in [&b"not json"[..], b"[1]", br#"{"modl": "echo"}"#] {
         for session in [id.as_str(), ""] {
             let mut req = exec_req(session, "again");
@@ -2084,7 +2074,11 @@ async fn a_config_the_harness_cannot_take_is_refused_before_anything_is_written(
         }
     }
     assert_eq!(n.replay(&id).await, log, "the session's log is unchanged");
-    assert_eq!(listed(&mut c).await, sessions, "no session was created");
+    assert_eq!(
+        session_count(&mut c).await,
+        sessions,
+        "no session was created"
+    );
     // A config it takes still runs.
     let mut req = exec_req(&id, "ok");
     req.config = br#"{"system_prompt": "be brief"}"#.to_vec();
@@ -2099,21 +2093,6 @@ async fn a_config_the_harness_cannot_take_is_refused_before_anything_is_written(
 async fn a_turn_on_another_stateless_harness_is_answered_by_that_harness() {
     let n = start().await;
     let mut c = n.c();
-    let new_echo = |c: &mut SessionsClient<Channel>| {
-        let mut c = c.clone();
-        async move {
-            uid(&c
-                .create_session(CreateSessionRequest {
-                    session: Some(Session {
-                        harness: "echo".into(),
-                        ..Default::default()
-                    }),
-                })
-                .await
-                .unwrap()
-                .into_inner())
-        }
-    };
     // (harness of the turn, the input hash of its model call)
     let turn = |result: &ExecResult| {
         assert_eq!(result.code(), Code::Ok, "{result:?}");
@@ -2128,8 +2107,8 @@ async fn a_turn_on_another_stateless_harness_is_answered_by_that_harness() {
         }
         (harness.unwrap(), hash.unwrap())
     };
-    let id = new_echo(&mut c).await;
-    let fresh = new_echo(&mut c).await;
+    let id = uid(&n.create("echo").await);
+    let fresh = uid(&n.create("echo").await);
     let (_, two_alone) = turn(&exec(&mut c, exec_req(&fresh, "two")).await);
     let (_, three_alone) = turn(&exec(&mut c, exec_req(&fresh, "three")).await);
 
@@ -2154,17 +2133,6 @@ async fn oversized_metadata_is_refused_before_anything_is_written() {
     use std::collections::HashMap;
     let n = start().await;
     let mut c = n.c();
-    let count = |c: &mut SessionsClient<Channel>| {
-        let mut c = c.clone();
-        async move {
-            c.list_sessions(ListSessionsRequest::default())
-                .await
-                .unwrap()
-                .into_inner()
-                .sessions
-                .len()
-        }
-    };
     let big = "x".repeat(100 << 10);
     let with = |labels: HashMap<String, String>, annotations: HashMap<String, String>| {
         CreateSessionRequest {
@@ -2197,7 +2165,7 @@ async fn oversized_metadata_is_refused_before_anything_is_written() {
         assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
         assert!(err.message().starts_with(field), "{err:?}");
     }
-    assert_eq!(count(&mut c).await, 0, "nothing was created");
+    assert_eq!(session_count(&mut c).await, 0, "nothing was created");
 
     // 40 KiB of annotations is allowed; 128 children of it would answer 5 MiB.
     let parent = uid(&c
@@ -2219,7 +2187,7 @@ async fn oversized_metadata_is_refused_before_anything_is_written() {
         .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
     assert!(err.message().starts_with("count:"), "{err:?}");
-    assert_eq!(count(&mut c).await, 1, "no child was created");
+    assert_eq!(session_count(&mut c).await, 1, "no child was created");
     // A config over its limit.
     let mut req = exec_req(&parent, "again");
     req.config = vec![b' '; (256 << 10) + 1];
@@ -2280,16 +2248,7 @@ async fn a_page_of_large_sessions_stops_short_of_a_response_s_limit() {
 async fn fork_with_count_unset_makes_one_child() {
     let n = start().await;
     let mut c = n.c();
-    let id = uid(&c
-        .create_session(CreateSessionRequest {
-            session: Some(Session {
-                harness: "echo".into(),
-                ..Default::default()
-            }),
-        })
-        .await
-        .unwrap()
-        .into_inner());
+    let id = uid(&n.create("echo").await);
     assert_eq!(exec(&mut c, exec_req(&id, "hi")).await.code(), Code::Ok);
     let children = c
         .fork(ForkRequest {
@@ -2407,13 +2366,7 @@ async fn a_fork_of_a_session_whose_harness_is_down_writes_nothing() {
         err.message().contains(&socket.display().to_string()),
         "{err:?}"
     );
-    let listed = c
-        .list_sessions(ListSessionsRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .sessions;
-    assert_eq!(listed.len(), 1, "no child: {listed:?}");
+    assert_eq!(session_count(&mut c).await, 1, "no child");
     assert!(n.replay(&id).await.is_empty());
 }
 
