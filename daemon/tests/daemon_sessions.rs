@@ -107,14 +107,14 @@ async fn sessions(d: &Daemon) -> SessionsClient<tonic::transport::Channel> {
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kill_9_during_a_turn_then_exec_without_inputs_completes_it() {
-    let dir = tempfile::tempdir().unwrap();
+/// A daemon in `dir` with the harness `gate` registered: each turn's run waits for a permit
+/// of the returned gate (and says it started).
+async fn gated_daemon(dir: &Path) -> (Daemon, Arc<Gate>) {
     let gate = Arc::new(Gate {
         permits: Arc::new(Semaphore::new(0)),
         started: Arc::new(Semaphore::new(0)),
     });
-    let harness_sock = dir.path().join("gate.sock");
+    let harness_sock = dir.join("gate.sock");
     let listener = tokio::net::UnixListener::bind(&harness_sock).unwrap();
     tokio::spawn(
         tonic::transport::Server::builder()
@@ -122,9 +122,9 @@ async fn kill_9_during_a_turn_then_exec_without_inputs_completes_it() {
             .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
     );
 
-    let mut daemon = start_daemon(dir.path());
+    let daemon = start_daemon(dir);
     let mut admin = HarnessRegistryClient::new(
-        agentvmd::client::connect(&ListenAddr::Unix(dir.path().join("run/admin.sock")))
+        agentvmd::client::connect(&ListenAddr::Unix(dir.join("run/admin.sock")))
             .await
             .unwrap(),
     );
@@ -141,6 +141,13 @@ async fn kill_9_during_a_turn_then_exec_without_inputs_completes_it() {
         })
         .await
         .unwrap();
+    (daemon, gate)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_during_a_turn_then_exec_without_inputs_completes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut daemon, gate) = gated_daemon(dir.path()).await;
     let mut c = sessions(&daemon).await;
     let s = c
         .create_session(CreateSessionRequest {
@@ -222,6 +229,43 @@ async fn kill_9_during_a_turn_then_exec_without_inputs_completes_it() {
         .unwrap()
         .into_inner();
     assert_eq!(s.last_seq, 5);
+}
+
+/// The CLI streaming a turn when agentvmd is killed says the turn was interrupted and how
+/// to re-drive it, not "Unknown: h2 protocol error".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_says_a_turn_was_interrupted_and_how_to_go_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut daemon, gate) = gated_daemon(dir.path()).await;
+    let (ok, out, err) = cli(&daemon, &["create", "--harness", "gate", "-q"]);
+    assert!(ok, "{err}");
+    let uid = out.trim().to_owned();
+    let turn = Command::new(env!("CARGO_BIN_EXE_agentvm"))
+        .env("AGENTVM_ADDR", daemon.addr())
+        .args(["exec", &uid, "-i", "survive"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(20), gate.started.acquire())
+        .await
+        .unwrap()
+        .unwrap()
+        .forget();
+    daemon.child.kill().unwrap();
+    daemon.child.wait().unwrap();
+    let out = tokio::task::spawn_blocking(move || turn.wait_with_output().unwrap())
+        .await
+        .unwrap();
+    // Frees the run the dead daemon abandoned.
+    gate.permits.add_permits(1);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("the turn was interrupted")
+            && stderr.contains(&format!("agentvm exec {uid}")),
+        "{stderr}"
+    );
 }
 
 #[test]

@@ -842,6 +842,27 @@ async fn replay(
     Ok(out)
 }
 
+/// What a turn's stream ending in `status` means for its user: a connection to agentvmd that
+/// broke mid-turn (the daemon killed or restarted) is an interruption, said so with how to go
+/// on, not "Unknown: h2 protocol error"; any other status is the turn's own answer.
+fn interrupted(status: tonic::Status, session: Option<&str>) -> anyhow::Error {
+    let message = status.message();
+    let broken = matches!(
+        status.code(),
+        tonic::Code::Unknown | tonic::Code::Unavailable
+    ) && (message.contains("h2 protocol error")
+        || message.contains("transport error")
+        || message.contains("connection"));
+    match (broken, session) {
+        (true, Some(uid)) => anyhow::anyhow!(
+            "the turn was interrupted: the connection to agentvmd broke ({message}). What it \
+             journaled is kept; once agentvmd answers again, re-drive the turn with \
+             `agentvm exec {uid}` (no input)"
+        ),
+        _ => status.into(),
+    }
+}
+
 async fn exec(
     c: &mut SessionsClient<AuthedChannel>,
     req: ExecRequest,
@@ -856,7 +877,12 @@ async fn exec(
     // always ends with where the session stands.
     let mut session: Option<String> = None;
     let mut ended_with_session = false;
-    while let Some(u) = stream.message().await? {
+    loop {
+        let u = match stream.message().await {
+            Ok(Some(u)) => u,
+            Ok(None) => break,
+            Err(status) => return Err(interrupted(status, session.as_deref())),
+        };
         let Some(update) = u.update else { continue };
         if let Update::Session(s) = &update {
             session.get_or_insert_with(|| {
