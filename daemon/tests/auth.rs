@@ -376,13 +376,10 @@ async fn node_wide_rpcs_need_an_operator_and_record_who_drained() {
 /// loopback without an auth file.
 #[test]
 fn network_listeners_need_a_way_to_tell_callers_apart() {
-    if Command::new("openssl").arg("version").output().is_err() {
-        eprintln!("SKIPPED: the openssl command mints this test's certificates and is missing");
+    let Some(dir) = minted_certificates() else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
+    };
     let d = dir.path();
-    certificates(d);
     let check = |extra: &[&str]| {
         let out = Command::new(env!("CARGO_BIN_EXE_agentvmd"))
             .arg("--state-dir")
@@ -525,6 +522,18 @@ fn certificates(dir: &Path) {
     openssl(dir, &rogue);
 }
 
+/// A directory holding [`certificates`], or `None`, the skip said, where the openssl
+/// command that mints them is missing.
+fn minted_certificates() -> Option<tempfile::TempDir> {
+    if Command::new("openssl").arg("version").output().is_err() {
+        eprintln!("SKIPPED: the openssl command mints this test's certificates and is missing");
+        return None;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    certificates(dir.path());
+    Some(dir)
+}
+
 fn der_sha256(pem_path: &Path) -> String {
     let out = Command::new("openssl")
         .args(["x509", "-outform", "DER", "-in"])
@@ -558,13 +567,10 @@ async fn tls_channel(dir: &Path, port: u16, client: Option<&str>) -> Result<Chan
 
 #[tokio::test]
 async fn mutual_tls_on_tcp_maps_client_certificates_to_principals() {
-    if Command::new("openssl").arg("version").output().is_err() {
-        eprintln!("SKIPPED: the openssl command mints this test's certificates and is missing");
+    let Some(dir) = minted_certificates() else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
+    };
     let d = dir.path();
-    certificates(d);
     let auth = auth_file(
         d,
         &format!(

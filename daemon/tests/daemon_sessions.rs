@@ -73,6 +73,17 @@ struct Gate {
     started: Arc<Semaphore>,
 }
 
+impl Gate {
+    /// Waits until a turn's run has begun (and is waiting for its permit).
+    async fn started(&self) {
+        tokio::time::timeout(Duration::from_secs(20), self.started.acquire())
+            .await
+            .expect("a turn reached the harness")
+            .unwrap()
+            .forget();
+    }
+}
+
 #[async_trait::async_trait]
 impl Harness for Gate {
     fn descriptor(&self) -> HarnessDescriptor {
@@ -176,11 +187,7 @@ async fn kill_9_during_a_turn_then_exec_without_inputs_completes_it() {
             _ => continue,
         }
     }
-    tokio::time::timeout(Duration::from_secs(10), gate.started.acquire())
-        .await
-        .unwrap()
-        .unwrap()
-        .forget();
+    gate.started().await;
 
     // SIGKILL: no shutdown path runs.
     daemon.child.kill().unwrap();
@@ -247,11 +254,7 @@ async fn the_cli_says_a_turn_was_interrupted_and_how_to_go_on() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    tokio::time::timeout(Duration::from_secs(20), gate.started.acquire())
-        .await
-        .unwrap()
-        .unwrap()
-        .forget();
+    gate.started().await;
     daemon.child.kill().unwrap();
     daemon.child.wait().unwrap();
     let out = tokio::task::spawn_blocking(move || turn.wait_with_output().unwrap())

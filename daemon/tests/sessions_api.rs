@@ -48,6 +48,20 @@ impl TestNode {
         self.node.registry.register(name, Some(spec)).unwrap();
     }
 
+    /// Registers `name` as an echo-like harness at a socket nobody serves; returns the socket.
+    fn register_absent(&self, name: &str) -> std::path::PathBuf {
+        let socket = self.dir.join(format!("{name}.sock"));
+        let spec = HarnessSpec {
+            placement: Some(Placement::Remote(RemotePlacement {
+                address: format!("unix://{}", socket.display()),
+            })),
+            capabilities: agentvm_harnesses::echo::Echo.descriptor().capabilities,
+            descriptor_id: String::new(),
+        };
+        self.node.registry.register(name, Some(spec)).unwrap();
+        socket
+    }
+
     async fn create(&self, harness: &str) -> Session {
         self.c()
             .create_session(CreateSessionRequest {
@@ -2320,15 +2334,7 @@ async fn reflection_on_the_sessions_listener_lists_only_its_own_services() {
 async fn an_absent_remote_harness_is_unavailable_naming_its_address() {
     let n = start().await;
     let mut c = n.c();
-    let socket = n.dir.join("absent.sock");
-    let spec = HarnessSpec {
-        placement: Some(Placement::Remote(RemotePlacement {
-            address: format!("unix://{}", socket.display()),
-        })),
-        capabilities: agentvm_harnesses::echo::Echo.descriptor().capabilities,
-        descriptor_id: String::new(),
-    };
-    n.node.registry.register("absent", Some(spec)).unwrap();
+    let socket = n.register_absent("absent");
     let id = uid(&n.create("absent").await);
     let r = exec(&mut c, exec_req(&id, "hi")).await;
     assert_eq!(r.code(), Code::Unavailable, "{:?}", r.end);
@@ -2343,15 +2349,7 @@ async fn an_absent_remote_harness_is_unavailable_naming_its_address() {
 async fn a_fork_of_a_session_whose_harness_is_down_writes_nothing() {
     let n = start().await;
     let mut c = n.c();
-    let socket = n.dir.join("absent.sock");
-    let spec = HarnessSpec {
-        placement: Some(Placement::Remote(RemotePlacement {
-            address: format!("unix://{}", socket.display()),
-        })),
-        capabilities: agentvm_harnesses::echo::Echo.descriptor().capabilities,
-        descriptor_id: String::new(),
-    };
-    n.node.registry.register("absent", Some(spec)).unwrap();
+    let socket = n.register_absent("absent");
     let id = uid(&n.create("absent").await);
     let err = c
         .fork(ForkRequest {
