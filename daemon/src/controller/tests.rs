@@ -652,15 +652,7 @@ impl ModelProvider for ChunkedEcho {
     ) -> Result<Completion, ProviderError> {
         let completion = EchoProvider.complete(call, None).await?;
         if let Some(tx) = stream {
-            let text: String = completion
-                .message
-                .parts
-                .iter()
-                .filter_map(|p| match &p.part {
-                    Some(agentvm_proto::v1::part::Part::Text(t)) => Some(t.text.as_str()),
-                    _ => None,
-                })
-                .collect();
+            let text = crate::model::provider::message_text(&completion.message);
             let mut rest = text.as_str();
             while !rest.is_empty() {
                 let cut = rest

@@ -122,19 +122,10 @@ pub fn unpack(source: &Path, root: &Path, scratch: &Path) -> Result<RunConfig, I
             .read(Path::new(name), MAX_METADATA)
             .map_err(|e| invalid("oci", format!("{}: {name}: {e}", source.display())))
     };
-    let (config, layers) = if layout
-        .kind(Path::new("index.json"))
-        .ok()
-        .flatten()
-        .is_some()
-    {
+    let has = |name: &str| layout.kind(Path::new(name)).ok().flatten().is_some();
+    let (config, layers) = if has("index.json") {
         oci_layout(&read("index.json")?, &layout)?
-    } else if layout
-        .kind(Path::new("manifest.json"))
-        .ok()
-        .flatten()
-        .is_some()
-    {
+    } else if has("manifest.json") {
         docker_save(&read("manifest.json")?, &layout)?
     } else {
         return Err(invalid(

@@ -56,7 +56,7 @@ pub trait ModelProvider: Send + Sync {
 #[derive(Debug, Default, Clone, Copy)]
 pub struct EchoProvider;
 
-fn message_text(m: &Message) -> String {
+pub(crate) fn message_text(m: &Message) -> String {
     m.parts
         .iter()
         .filter_map(|p| match &p.part {
