@@ -77,6 +77,10 @@ pub struct NodeConfig {
     pub vmm_memory_limit_mib: Option<u64>,
     /// How long a new or restored guest may take to answer Ready on vsock.
     pub guest_ready_timeout: std::time::Duration,
+    /// How long the guest agent may take to answer a call of its own (Hello, Restored).
+    pub guest_reply_timeout: std::time::Duration,
+    /// The bound on each call to a VMM's API (a snapshot or restore is one call).
+    pub vmm_api_timeout: std::time::Duration,
     /// How long a harness may stay silent while the host waits on it, before its turn fails.
     pub harness_idle_timeout: std::time::Duration,
     /// Free space kept in the state and RAM directories (`crate::disk`); 0: no reserve.
@@ -95,6 +99,10 @@ pub fn host_name() -> String {
 /// Ready within this, or the guest is taken for stuck: a Linux guest boots in well under a
 /// second on hardware KVM, so this leaves room for a loaded node.
 pub const DEFAULT_GUEST_READY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
+/// The guest agent answers its own calls at once; this covers a loaded or emulated node.
+pub const DEFAULT_GUEST_REPLY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+/// A snapshot or restore of a large guest is one API call, bounded by this.
+pub const DEFAULT_VMM_API_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
 impl NodeConfig {
     pub fn new(state_dir: PathBuf) -> Self {
@@ -118,6 +126,8 @@ impl NodeConfig {
             vmm_pool: crate::runtime::microvm::DEFAULT_VMM_POOL,
             vmm_memory_limit_mib: None,
             guest_ready_timeout: DEFAULT_GUEST_READY_TIMEOUT,
+            guest_reply_timeout: DEFAULT_GUEST_REPLY_TIMEOUT,
+            vmm_api_timeout: DEFAULT_VMM_API_TIMEOUT,
             harness_idle_timeout: crate::controller::DEFAULT_HARNESS_IDLE_TIMEOUT,
             min_free_disk_mib: crate::disk::DEFAULT_MIN_FREE_MIB,
         }
@@ -210,7 +220,11 @@ fn microvm_runtime(cfg: &NodeConfig) -> Result<MicrovmRuntime, String> {
         images: guest_images,
         vcpus: 1,
         memory_mib: 256,
-        ready_timeout: cfg.guest_ready_timeout,
+        guest_timeouts: crate::runtime::microvm::guest::GuestTimeouts {
+            ready: cfg.guest_ready_timeout,
+            reply: cfg.guest_reply_timeout,
+        },
+        vmm_api_timeout: cfg.vmm_api_timeout,
         confine: cfg.confine_vmms,
         vm_uid_base: cfg.vm_uid_base,
         vmm_pool: cfg.vmm_pool,

@@ -195,6 +195,16 @@ pub struct Settings {
     /// for stuck, in seconds. Default: 20 (raise it where guests run emulated).
     #[arg(long)]
     pub guest_ready_timeout_secs: Option<u64>,
+    /// How long the guest agent may take to answer a call of its own (the vsock handshake,
+    /// Hello, a restore notice), in seconds. Default: 30. A Describe and a turn wait on the
+    /// harness instead (--guest-ready-timeout-secs, --harness-idle-timeout-secs); a VMM
+    /// that exits or is stopped (SIGSTOP, a frozen cgroup) ends any wait within a second.
+    #[arg(long)]
+    pub guest_reply_timeout_secs: Option<u64>,
+    /// The bound on each call to a VMM's API, a snapshot or restore included, in seconds.
+    /// Default: 60.
+    #[arg(long)]
+    pub vmm_api_timeout_secs: Option<u64>,
     /// How long a harness may send nothing while the host waits on it (between Start or a
     /// reply and its next event) before the turn fails with DEADLINE_EXCEEDED, in seconds.
     /// Default: 600.
@@ -276,6 +286,8 @@ impl Settings {
             shutdown_policy,
             shutdown_timeout_secs,
             guest_ready_timeout_secs,
+            guest_reply_timeout_secs,
+            vmm_api_timeout_secs,
             harness_idle_timeout_secs,
             min_free_disk_mib,
             tls_cert,
@@ -387,6 +399,11 @@ impl Settings {
             "guest_ready_timeout_secs",
             secs(node.guest_ready_timeout.as_secs()),
         );
+        set(
+            "guest_reply_timeout_secs",
+            secs(node.guest_reply_timeout.as_secs()),
+        );
+        set("vmm_api_timeout_secs", secs(node.vmm_api_timeout.as_secs()));
         set(
             "harness_idle_timeout_secs",
             secs(node.harness_idle_timeout.as_secs()),

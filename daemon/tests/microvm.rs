@@ -257,7 +257,11 @@ fn runtime_config(
         }],
         vcpus: 1,
         memory_mib: 64,
-        ready_timeout,
+        guest_timeouts: agentvmd::runtime::microvm::guest::GuestTimeouts {
+            ready: ready_timeout,
+            reply: Duration::from_secs(30),
+        },
+        vmm_api_timeout: agentvmd::node::DEFAULT_VMM_API_TIMEOUT,
         confine: true,
         vm_uid_base: agentvmd::runtime::microvm::DEFAULT_VM_UID_BASE,
         memory_limit_mib: None,
@@ -601,17 +605,20 @@ async fn a_corrupt_snapshot_is_data_loss_recorded_once() {
         .unwrap();
 }
 
-/// Issue (item 4): a VMM that hangs mid-turn (SIGSTOP: alive, answering nothing) failed only
-/// after 30 s with INTERNAL, and held the session. The turn now ends at the harness idle
-/// deadline with DEADLINE_EXCEEDED, the hung VM is stopped and its loss recorded, and the
-/// very next turn answers from the last snapshot.
+/// Issue 34 (item 3): a VMM stopped before or during a turn (SIGSTOP: alive, answering
+/// nothing) held the turn until a deadline made for slow guests (30 s, then the harness idle
+/// deadline) and was left stopped. It is now found within a second or two: the turn ends
+/// UNAVAILABLE naming the stop, the VMM is killed, the loss recorded, and the very next turn
+/// answers from the last snapshot.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_hung_vmm_fails_the_turn_at_the_idle_deadline_and_the_next_turn_recovers() {
+async fn a_stopped_vmm_fails_the_turn_at_once_and_the_next_turn_recovers() {
     require_kvm!();
     let binary = vmm_binary();
     let node = start_with(|cfg| {
         cfg.vmm_binary = Some(binary);
-        cfg.harness_idle_timeout = Duration::from_secs(2);
+        // Neither deadline may be what ends the turn.
+        cfg.harness_idle_timeout = Duration::from_secs(120);
+        cfg.guest_reply_timeout = Duration::from_secs(120);
     })
     .await;
     let mut c = node.c();
@@ -626,22 +633,20 @@ async fn a_hung_vmm_fails_the_turn_at_the_idle_deadline_and_the_next_turn_recove
         nix::unistd::Pid::from_raw(pid),
         nix::sys::signal::Signal::SIGSTOP,
     );
-    let started = std::time::Instant::now();
-    let status = failed_turn(c.clone(), s.clone()).await;
-    assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status:?}");
+    let status = tokio::time::timeout(Duration::from_secs(30), failed_turn(c.clone(), s.clone()))
+        .await
+        .expect("the turn on a stopped VMM waited 30 s");
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
     assert!(
-        started.elapsed() < Duration::from_secs(15),
-        "it waited {:?}",
-        started.elapsed()
+        status.message().contains("compute lost") && status.message().contains("SIGSTOP"),
+        "{status:?}"
     );
-    // Found at the turn's Describe or, had that answered, at the harness idle deadline.
-    assert!(status.message().contains("hung"), "{status:?}");
     let gone = (0..500).any(|_| {
         std::thread::sleep(Duration::from_millis(10));
         std::fs::read(format!("/proc/{pid}/cmdline")).map_or(true, |c| c.is_empty())
     });
-    assert!(gone, "the hung VMM {pid} was left running");
-    // Count 2 lived only in the hung VM: the next turn restores 1 and answers 2.
+    assert!(gone, "the stopped VMM {pid} was left");
+    // Count 2 lived only in the stopped VM: the next turn restores 1 and answers 2.
     assert_eq!(turn(&mut c, &s).await, "2");
     let records = replay(&mut c, &s).await;
     assert!(
@@ -1627,9 +1632,14 @@ async fn a_guest_over_its_memory_limit_kills_only_its_vmm() {
         .vmm_lost
         .load(std::sync::atomic::Ordering::Relaxed);
     // The guest writes 128 MiB of its RAM.
-    let mut conn = GuestConn::connect(&vm_dir(&node, &greedy).join("vsock.sock"), 1024)
-        .await
-        .unwrap();
+    let mut conn = GuestConn::connect(
+        &vm_dir(&node, &greedy).join("vsock.sock"),
+        1024,
+        Duration::from_secs(30),
+        std::sync::Arc::new(|| agentvmd::runtime::microvm::guest::VmmHealth::Running),
+    )
+    .await
+    .unwrap();
     conn.hello().await.unwrap();
     conn.send(Guest::DirtyMemory(agentvm_proto::guest::v1::DirtyMemory {
         mebibytes: 128,

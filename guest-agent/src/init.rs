@@ -96,6 +96,9 @@ pub struct BootParams {
     pub boot_generation: u64,
     /// `agentvm.net=ADDRESS/PREFIX,GATEWAY,MAC`: the VM has a network interface to set up.
     pub network: Option<agentvm_proto::guest::v1::Network>,
+    /// `agentvm.harness_ready_ms=…`: how long the host waits for this guest's harness, so
+    /// the agent waits as long for it to start.
+    pub harness_ready_ms: Option<u64>,
 }
 
 pub fn boot_params(cmdline: &str) -> BootParams {
@@ -114,6 +117,7 @@ pub fn boot_params(cmdline: &str) -> BootParams {
             "agentvm.cid" => p.identity.vsock_cid = value.parse().unwrap_or(0),
             "agentvm.net" => p.network = crate::net::Interface::from_cmdline(value),
             "agentvm.boot_generation" => p.boot_generation = value.parse().unwrap_or(1),
+            "agentvm.harness_ready_ms" => p.harness_ready_ms = value.parse().ok(),
             _ => {}
         }
     }
@@ -128,8 +132,10 @@ mod tests {
     fn boot_params_come_from_the_command_line() {
         let p = boot_params(
             "console=ttyS0 agentvm.session=sess-1 agentvm.hostname=h1 agentvm.cid=7 \
-             agentvm.vm_id=vm-9 agentvm.boot_generation=3 agentvm.cid=x=y quiet",
+             agentvm.vm_id=vm-9 agentvm.boot_generation=3 agentvm.cid=x=y \
+             agentvm.harness_ready_ms=90000 quiet",
         );
+        assert_eq!(p.harness_ready_ms, Some(90_000));
         assert_eq!(p.identity.session_uid, "sess-1");
         assert_eq!(p.identity.hostname, "h1");
         assert_eq!(p.identity.vm_id, "vm-9");
@@ -139,5 +145,6 @@ mod tests {
         );
         assert_eq!(p.boot_generation, 3);
         assert_eq!(boot_params("").boot_generation, 1);
+        assert_eq!(boot_params("agentvm.harness_ready_ms=soon").harness_ready_ms, None);
     }
 }

@@ -37,7 +37,8 @@ struct Args {
     /// outside a VM, where stepping the clock or powering off is not ours to do).
     #[arg(long, default_value = "linux")]
     system: String,
-    /// How long a call waits for a starting harness, in milliseconds.
+    /// How long a call waits for a starting harness, in milliseconds (as PID 1, the host's
+    /// `agentvm.harness_ready_ms` on the kernel command line wins).
     #[arg(long, default_value_t = 30_000)]
     harness_ready_ms: u64,
 }
@@ -145,7 +146,7 @@ fn run(pid1: bool) -> anyhow::Result<()> {
         let link = Arc::new(GrpcLink::new(
             args.harness_socket.clone(),
             supervisor.clone(),
-            Duration::from_millis(args.harness_ready_ms),
+            Duration::from_millis(boot.harness_ready_ms.unwrap_or(args.harness_ready_ms)),
         ));
         let agent = Agent::new(
             system,

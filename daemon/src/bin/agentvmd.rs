@@ -123,6 +123,14 @@ fn node_config(s: &Settings) -> anyhow::Result<(NodeConfig, ListenAddr, ListenAd
         anyhow::ensure!(secs > 0, "guest_ready_timeout_secs: must be at least 1");
         node_config.guest_ready_timeout = std::time::Duration::from_secs(secs);
     }
+    if let Some(secs) = s.guest_reply_timeout_secs {
+        anyhow::ensure!(secs > 0, "guest_reply_timeout_secs: must be at least 1");
+        node_config.guest_reply_timeout = std::time::Duration::from_secs(secs);
+    }
+    if let Some(secs) = s.vmm_api_timeout_secs {
+        anyhow::ensure!(secs > 0, "vmm_api_timeout_secs: must be at least 1");
+        node_config.vmm_api_timeout = std::time::Duration::from_secs(secs);
+    }
     if let Some(secs) = s.harness_idle_timeout_secs {
         anyhow::ensure!(secs > 0, "harness_idle_timeout_secs: must be at least 1");
         node_config.harness_idle_timeout = std::time::Duration::from_secs(secs);

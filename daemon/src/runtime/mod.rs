@@ -192,6 +192,12 @@ pub trait Runtime: Send + Sync {
         true
     }
 
+    /// Why the incarnation's compute exists but cannot run (stopped by a signal, frozen),
+    /// if it cannot: it answers nothing, so it is lost compute as much as a dead one.
+    fn stalled(&self, _incarnation: &Incarnation) -> Option<String> {
+        None
+    }
+
     /// Finishes what earlier calls left running in the background (a stopped VMM's exit and
     /// clean-up), before the node stops.
     async fn settle(&self) {}

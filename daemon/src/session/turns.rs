@@ -295,6 +295,18 @@ impl SessionHost {
         placement: &Placement,
         e: ControllerError,
     ) -> Status {
+        if let Some((inc, runtime)) = self.live_get(&row.uid)
+            && let Some(why) = runtime.stalled(&inc)
+        {
+            self.live_take(&row.uid);
+            if let Err(stop) = runtime.stop(&inc).await {
+                tracing::warn!(session = %row.uid, error = %stop, "stopping stalled compute");
+            }
+            if placement.memory_tier() {
+                self.record_lost(&row.uid, row.fork_seq, &format!("{why}; it was killed"));
+            }
+            return stalled_status(&why, &Status::from(e));
+        }
         if let ControllerError::HarnessSilent(idle) = &e
             && let Some((inc, runtime)) = self.live_take(&row.uid)
         {
@@ -321,13 +333,19 @@ impl SessionHost {
     /// A failed turn whose compute died under it says so (UNAVAILABLE: the next turn
     /// brings the session back), whatever broken stream the harness side saw first.
     fn turn_failure(&self, uid: &str, status: Status) -> Status {
-        match self.live_get(uid) {
-            Some((inc, runtime)) if !runtime.alive(&inc) => Status::unavailable(format!(
+        let Some((inc, runtime)) = self.live_get(uid) else {
+            return status;
+        };
+        if !runtime.alive(&inc) {
+            return Status::unavailable(format!(
                 "compute lost: the session's VM exited during the turn ({}); the next turn \
                  continues from the session's last snapshot",
                 status.message()
-            )),
-            _ => status,
+            ));
+        }
+        match runtime.stalled(&inc) {
+            Some(why) => stalled_status(&why, &status),
+            None => status,
         }
     }
 
@@ -759,4 +777,14 @@ impl SessionHost {
         tracing::info!(session = %uid, "session resumed");
         self.view(uid)
     }
+}
+
+/// A turn that found its compute unable to run (stopped, frozen): UNAVAILABLE, since the
+/// next turn goes on without it.
+fn stalled_status(why: &str, failure: &Status) -> Status {
+    Status::unavailable(format!(
+        "compute lost: {why} ({}); it is killed, and the next turn continues from the \
+         session's last snapshot",
+        failure.message()
+    ))
 }

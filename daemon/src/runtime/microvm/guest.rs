@@ -30,8 +30,32 @@ use crate::controller::endpoint::{HarnessEndpoint, HarnessStream};
 const MAX_FRAME: usize = 4 << 20;
 /// Room for the envelope and HarnessFrame around a Start inside one guest frame.
 const START_ENVELOPE_ROOM: usize = 1024;
-/// A guest that accepted a stream must answer within this.
-const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How often a wait on the guest looks at the VMM behind it: a VMM that exits, or stops
+/// running (SIGSTOP, a frozen cgroup) for a whole tick, ends the wait then.
+const WATCH_TICK: Duration = Duration::from_millis(250);
+
+/// The deadlines of the guest protocol.
+#[derive(Debug, Clone, Copy)]
+pub struct GuestTimeouts {
+    /// How long a booted or restored guest may take to answer on vsock at all.
+    pub ready: Duration,
+    /// How long the guest agent may take to answer a call of its own (the vsock handshake,
+    /// Hello, Restored). A Describe and an execution wait on the harness instead, and are
+    /// bounded by the host's Describe and harness idle deadlines.
+    pub reply: Duration,
+}
+
+/// How the VMM behind a guest stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VmmHealth {
+    Running,
+    Gone,
+    /// Alive but unable to run, and why ("is stopped (SIGSTOP)").
+    Stalled(String),
+}
+
+/// Tells how the VMM behind a guest stands.
+pub type Liveness = Arc<dyn Fn() -> VmmHealth + Send + Sync>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GuestError {
@@ -56,11 +80,78 @@ pub enum GuestError {
     Guest { code: i32, message: String },
     #[error("the session's VMM is not running")]
     VmmGone,
+    #[error("the session's VMM {0}")]
+    VmmStalled(String),
+}
+
+/// Watches the VMM while a read waits on its guest.
+struct Watch {
+    health: Liveness,
+    /// When the VMM was first seen unable to run, since it last ran.
+    stalled_since: Option<tokio::time::Instant>,
+}
+
+impl Watch {
+    fn new(health: Liveness) -> Self {
+        Self {
+            health,
+            stalled_since: None,
+        }
+    }
+
+    /// An error once the VMM is gone, or has been unable to run for a whole tick (a stop
+    /// that brief may be a debugger's look or a freezer passing by).
+    fn check(&mut self) -> Result<(), GuestError> {
+        match (self.health)() {
+            VmmHealth::Running => {
+                self.stalled_since = None;
+                Ok(())
+            }
+            VmmHealth::Gone => Err(GuestError::VmmGone),
+            VmmHealth::Stalled(why) => match self.stalled_since {
+                Some(since) if since.elapsed() >= WATCH_TICK => Err(GuestError::VmmStalled(why)),
+                Some(_) => Ok(()),
+                None => {
+                    self.stalled_since = Some(tokio::time::Instant::now());
+                    Ok(())
+                }
+            },
+        }
+    }
+
+    /// Reads what the guest sends next, until `within` (no bound: as long as the VMM runs).
+    /// Cancel-safe: nothing read is lost when the caller stops waiting.
+    async fn read(
+        &mut self,
+        stream: &mut UnixStream,
+        buf: &mut [u8],
+        within: Option<Duration>,
+    ) -> Result<usize, GuestError> {
+        let deadline = within.map(|d| tokio::time::Instant::now() + d);
+        loop {
+            let next_look = tokio::time::Instant::now() + WATCH_TICK;
+            let wake = deadline.map_or(next_look, |d| d.min(next_look));
+            tokio::select! {
+                read = stream.read(buf) => return Ok(read?),
+                _ = tokio::time::sleep_until(wake) => {
+                    if let (Some(at), Some(after)) = (deadline, within)
+                        && tokio::time::Instant::now() >= at
+                    {
+                        return Err(GuestError::Timeout(after));
+                    }
+                    self.check()?;
+                }
+            }
+        }
+    }
 }
 
 /// One open stream to the guest agent.
 pub struct GuestConn {
     stream: UnixStream,
+    watch: Watch,
+    /// The bound on the guest agent's answers to its own calls.
+    reply_timeout: Duration,
     decoder: FrameDecoder,
     /// The largest frame the guest said it reads (its Ready).
     guest_max_frame: usize,
@@ -72,7 +163,12 @@ pub struct GuestConn {
 
 impl GuestConn {
     /// `CONNECT port` on the VM's vsock socket.
-    pub async fn connect(socket: &Path, port: u32) -> Result<Self, GuestError> {
+    pub async fn connect(
+        socket: &Path,
+        port: u32,
+        reply_timeout: Duration,
+        health: Liveness,
+    ) -> Result<Self, GuestError> {
         let mut stream =
             UnixStream::connect(socket)
                 .await
@@ -84,12 +180,13 @@ impl GuestConn {
             .write_all(format!("CONNECT {port}\n").as_bytes())
             .await?;
         // Byte by byte: what follows the line is already the guest's stream.
+        let mut watch = Watch::new(health);
         let mut line = Vec::new();
         let mut byte = [0u8];
         while line.last() != Some(&b'\n') && line.len() < 64 {
-            let read = tokio::time::timeout(REPLY_TIMEOUT, stream.read(&mut byte))
-                .await
-                .map_err(|_| GuestError::Timeout(REPLY_TIMEOUT))??;
+            let read = watch
+                .read(&mut stream, &mut byte, Some(reply_timeout))
+                .await?;
             if read == 0 {
                 break;
             }
@@ -103,6 +200,8 @@ impl GuestConn {
         }
         Ok(Self {
             stream,
+            watch,
+            reply_timeout,
             decoder: FrameDecoder::new(MAX_FRAME),
             guest_max_frame: agentvm_proto::guest::framing::DEFAULT_MAX_FRAME,
             next_id: 1,
@@ -110,22 +209,25 @@ impl GuestConn {
         })
     }
 
-    /// Connects and exchanges Hello/Ready, retrying until `timeout` while the guest is not
-    /// listening yet or drops the stream (a guest still booting, or applying a restore's
-    /// transport reset) — but not once `vmm_alive` says there is no VMM to wait for.
+    /// Connects and exchanges Hello/Ready, retrying until `timeouts.ready` while the guest
+    /// is not listening yet or drops the stream (a guest still booting, or applying a
+    /// restore's transport reset) — but not once `health` says there is no VMM to wait for,
+    /// or one that cannot run.
     pub async fn ready(
         socket: &Path,
-        timeout: Duration,
-        vmm_alive: &(dyn Fn() -> bool + Send + Sync),
+        timeouts: GuestTimeouts,
+        health: &Liveness,
     ) -> Result<(Self, Ready), GuestError> {
-        let deadline = tokio::time::Instant::now() + timeout;
+        let deadline = tokio::time::Instant::now() + timeouts.ready;
         let mut pause = Duration::from_millis(1);
         loop {
-            if !vmm_alive() {
+            if health() == VmmHealth::Gone {
                 return Err(GuestError::VmmGone);
             }
             let attempt = async {
-                let mut conn = Self::connect(socket, GUEST_AGENT_PORT).await?;
+                let mut conn =
+                    Self::connect(socket, GUEST_AGENT_PORT, timeouts.reply, health.clone())
+                        .await?;
                 let ready = conn.hello().await?;
                 Ok::<_, GuestError>((conn, ready))
             };
@@ -134,7 +236,12 @@ impl GuestConn {
                 .unwrap_or(Err(GuestError::Timeout(Duration::from_secs(5))));
             match result {
                 Ok(done) => return Ok(done),
-                Err(e @ (GuestError::Version(_) | GuestError::Guest { .. })) => return Err(e),
+                Err(
+                    e @ (GuestError::Version(_)
+                    | GuestError::Guest { .. }
+                    | GuestError::VmmGone
+                    | GuestError::VmmStalled(_)),
+                ) => return Err(e),
                 Err(e) if tokio::time::Instant::now() >= deadline => return Err(e),
                 Err(_) => {
                     tokio::time::sleep(pause).await;
@@ -182,7 +289,9 @@ impl GuestConn {
         Ok(id)
     }
 
-    pub async fn recv(&mut self) -> Result<Envelope, GuestError> {
+    /// The guest's next frame, waiting at most `within` for each read (no bound: as long as
+    /// the VMM runs).
+    pub async fn recv(&mut self, within: Option<Duration>) -> Result<Envelope, GuestError> {
         let mut buf = [0u8; 16 << 10];
         loop {
             match self.decoder.next_frame() {
@@ -190,9 +299,7 @@ impl GuestConn {
                 Ok(None) => {}
                 Err(e) => return Err(GuestError::Frame(e.to_string())),
             }
-            let n = tokio::time::timeout(REPLY_TIMEOUT, self.stream.read(&mut buf))
-                .await
-                .map_err(|_| GuestError::Timeout(REPLY_TIMEOUT))??;
+            let n = self.watch.read(&mut self.stream, &mut buf, within).await?;
             if n == 0 {
                 return Err(GuestError::Io(std::io::ErrorKind::UnexpectedEof.into()));
             }
@@ -200,10 +307,11 @@ impl GuestConn {
         }
     }
 
-    async fn call(&mut self, body: Body) -> Result<Body, GuestError> {
+    /// Sends `body` and waits for its answer, at most `within` (none: the caller bounds it).
+    async fn call(&mut self, body: Body, within: Option<Duration>) -> Result<Body, GuestError> {
         let id = self.send(body).await?;
         loop {
-            let reply = self.recv().await?;
+            let reply = self.recv(within).await?;
             match reply.body {
                 Some(Body::Error(e)) => {
                     return Err(GuestError::Guest {
@@ -220,10 +328,13 @@ impl GuestConn {
 
     pub async fn hello(&mut self) -> Result<Ready, GuestError> {
         match self
-            .call(Body::Hello(Hello {
+            .call(
+                Body::Hello(Hello {
                 protocol_version: PROTOCOL_VERSION,
                 host_version: format!("agentvmd {}", env!("CARGO_PKG_VERSION")),
-            }))
+                }),
+                Some(self.reply_timeout),
+            )
             .await?
         {
             Body::Ready(ready) if ready.protocol_version == PROTOCOL_VERSION => {
@@ -240,14 +351,22 @@ impl GuestConn {
     /// Tells a restored or forked guest so; returns the generation it acknowledged.
     pub async fn restored(&mut self, notice: Restored) -> Result<u64, GuestError> {
         let want = notice.generation;
-        match self.call(Body::Restored(notice)).await? {
+        match self
+            .call(Body::Restored(notice), Some(self.reply_timeout))
+            .await?
+        {
             Body::RestoredAck(ack) if ack.generation == want => Ok(ack.generation),
             other => Err(unexpected("RestoredAck", &other)),
         }
     }
 
+    /// The harness's descriptor. The guest answers once its harness does, which on a first
+    /// boot waits for the harness process to start: the caller bounds it.
     pub async fn describe(&mut self) -> Result<HarnessDescriptor, GuestError> {
-        match self.call(Body::DescribeHarness(DescribeHarness {})).await? {
+        match self
+            .call(Body::DescribeHarness(DescribeHarness {}), None)
+            .await?
+        {
             Body::HarnessDescriptor(d) => Ok(d),
             other => Err(unexpected("HarnessDescriptor", &other)),
         }
@@ -266,12 +385,11 @@ fn to_status(e: GuestError) -> Status {
     match e {
         GuestError::Guest { code, message } => Status::new(Code::from_i32(code), message),
         GuestError::Timeout(_) => Status::deadline_exceeded(e.to_string()),
+        // The turn's failure handling tells a stalled VMM by asking the runtime again.
+        GuestError::VmmStalled(_) => Status::unavailable(e.to_string()),
         other => Status::unavailable(other.to_string()),
     }
 }
-
-/// Whether the VMM behind a guest still runs.
-pub type Liveness = Box<dyn Fn() -> bool + Send + Sync>;
 
 /// A stream kept between uses, for the next Describe or execution of the same VM.
 type IdleConn = Arc<Mutex<Option<GuestConn>>>;
@@ -282,8 +400,8 @@ type IdleConn = Arc<Mutex<Option<GuestConn>>>;
 /// outlives the VM it was opened to.
 pub struct GuestEndpoint {
     socket: PathBuf,
-    ready_timeout: Duration,
-    vmm_alive: Liveness,
+    timeouts: GuestTimeouts,
+    health: Liveness,
     idle: IdleConn,
     /// What the guest last said it can take (`GuestConn::max_start_bytes`).
     max_start: std::sync::atomic::AtomicUsize,
@@ -294,8 +412,8 @@ impl GuestEndpoint {
     /// answered Ready on) when there is one.
     pub fn new(
         socket: PathBuf,
-        ready_timeout: Duration,
-        vmm_alive: Liveness,
+        timeouts: GuestTimeouts,
+        health: Liveness,
         kept: Option<GuestConn>,
     ) -> Self {
         let max_start = kept.as_ref().map_or(
@@ -304,8 +422,8 @@ impl GuestEndpoint {
         );
         Self {
             socket,
-            ready_timeout,
-            vmm_alive,
+            timeouts,
+            health,
             idle: Arc::new(Mutex::new(kept)),
             max_start: max_start.into(),
         }
@@ -317,7 +435,7 @@ impl GuestEndpoint {
         if let Some(conn) = kept.filter(GuestConn::is_open) {
             return Ok(conn);
         }
-        let (conn, _) = GuestConn::ready(&self.socket, self.ready_timeout, &*self.vmm_alive)
+        let (conn, _) = GuestConn::ready(&self.socket, self.timeouts, &self.health)
             .await
             .map_err(to_status)?;
         self.max_start
@@ -382,7 +500,9 @@ async fn pump(
                 }
                 None => host_open = false,
             },
-            reply = conn.recv() => {
+            // No deadline of its own: the controller's harness idle deadline bounds a
+            // harness that thinks long, the watch a VMM that exits or stops.
+            reply = conn.recv(None) => {
                 let item = match reply {
                     Ok(Envelope { body: Some(Body::Harness(HarnessFrame { stream, frame: Some(frame) })), .. }) if stream == execution => match frame {
                         harness_frame::Frame::Event(event) => Some(Ok(event)),
@@ -426,6 +546,12 @@ mod tests {
     /// one event plus a clean close per execution; it hangs up after each execution when
     /// `hang_up` is set. Counts the streams opened to it.
     fn fake_guest(socket: &Path, hang_up: bool) -> Arc<AtomicUsize> {
+        fake_guest_thinking(socket, hang_up, Duration::ZERO)
+    }
+
+    /// [`fake_guest`] whose harness thinks `think` before each execution's event, and never
+    /// answers a Describe when that is `Duration::MAX`.
+    fn fake_guest_thinking(socket: &Path, hang_up: bool, think: Duration) -> Arc<AtomicUsize> {
         let listener = UnixListener::bind(socket).unwrap();
         let opened = Arc::new(AtomicUsize::new(0));
         let count = opened.clone();
@@ -471,6 +597,7 @@ mod tests {
                                     };
                                     stream.write_all(&reply(Body::Ready(ready))).await.unwrap();
                                 }
+                                Some(Body::DescribeHarness(_)) if think == Duration::MAX => {}
                                 Some(Body::DescribeHarness(_)) => {
                                     let d = HarnessDescriptor {
                                         id: "fake".into(),
@@ -484,6 +611,7 @@ mod tests {
                                 Some(Body::Harness(HarnessFrame { stream: id, .. })) => {
                                     let event = harness_frame::Frame::Event(Default::default());
                                     let close = harness_frame::Frame::Close(StreamClose::default());
+                                    tokio::time::sleep(think).await;
                                     stream.write_all(&harness(id, event)).await.unwrap();
                                     stream.write_all(&harness(id, close)).await.unwrap();
                                     if hang_up {
@@ -516,13 +644,19 @@ mod tests {
         );
     }
 
+    fn running() -> Liveness {
+        Arc::new(|| VmmHealth::Running)
+    }
+
+    fn timeouts() -> GuestTimeouts {
+        GuestTimeouts {
+            ready: Duration::from_secs(5),
+            reply: Duration::from_secs(5),
+        }
+    }
+
     fn endpoint(socket: &Path, kept: Option<GuestConn>) -> GuestEndpoint {
-        GuestEndpoint::new(
-            socket.to_owned(),
-            Duration::from_secs(5),
-            Box::new(|| true),
-            kept,
-        )
+        GuestEndpoint::new(socket.to_owned(), timeouts(), running(), kept)
     }
 
     #[tokio::test]
@@ -531,7 +665,7 @@ mod tests {
         let socket = dir.path().join("vsock.sock");
         let opened = fake_guest(&socket, false);
         // The stream the VM answered Ready on serves the first turn too.
-        let (ready, _) = GuestConn::ready(&socket, Duration::from_secs(5), &|| true)
+        let (ready, _) = GuestConn::ready(&socket, timeouts(), &running())
             .await
             .unwrap();
         let endpoint = endpoint(&socket, Some(ready));
@@ -553,5 +687,73 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         assert_eq!(opened.load(Ordering::SeqCst), 3);
+    }
+
+    /// Issue 34 (item 3, and the lane's failed python harness): every read of a guest stream
+    /// was cut at a fixed 30 s, so a harness that thought longer (or started slower) failed
+    /// its turn though the host's own deadlines allowed it. Only the guest agent's own
+    /// answers are bound by the reply timeout now.
+    #[tokio::test]
+    async fn a_harness_may_think_longer_than_the_guest_agent_may_take_to_reply() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("vsock.sock");
+        fake_guest_thinking(&socket, false, Duration::from_millis(600));
+        let timeouts = GuestTimeouts {
+            ready: Duration::from_secs(5),
+            reply: Duration::from_millis(200),
+        };
+        let endpoint = GuestEndpoint::new(socket, timeouts, running(), None);
+        turn(&endpoint).await;
+    }
+
+    /// Waits on a guest whose VMM cannot run end within a second or two, naming why,
+    /// however long the deadlines are; a VMM that is gone ends them too.
+    #[tokio::test]
+    async fn a_stalled_or_gone_vmm_ends_the_wait_on_its_guest() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("vsock.sock");
+        fake_guest_thinking(&socket, false, Duration::MAX);
+        let patient = GuestTimeouts {
+            ready: Duration::from_secs(60),
+            reply: Duration::from_secs(60),
+        };
+        let health = Arc::new(Mutex::new(VmmHealth::Running));
+        let seen = health.clone();
+        let liveness: Liveness = Arc::new(move || seen.lock().unwrap().clone());
+        let endpoint = GuestEndpoint::new(socket.clone(), patient, liveness.clone(), None);
+
+        *health.lock().unwrap() = VmmHealth::Stalled("is stopped (SIGSTOP)".into());
+        let described = tokio::time::timeout(Duration::from_secs(5), endpoint.describe()).await;
+        let status = described.expect("the stall ended the wait").unwrap_err();
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+        assert!(status.message().contains("SIGSTOP"), "{status:?}");
+
+        *health.lock().unwrap() = VmmHealth::Running;
+        let (mut conn, _) = GuestConn::ready(&socket, patient, &liveness).await.unwrap();
+        *health.lock().unwrap() = VmmHealth::Gone;
+        let described = tokio::time::timeout(Duration::from_secs(5), conn.describe()).await;
+        assert!(matches!(described, Ok(Err(GuestError::VmmGone))), "{described:?}");
+    }
+
+    /// A stop shorter than a tick (a debugger's look) is not taken for a stall.
+    #[tokio::test]
+    async fn a_brief_stop_is_ridden_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("vsock.sock");
+        fake_guest_thinking(&socket, false, Duration::from_millis(1100));
+        let looks = Arc::new(AtomicUsize::new(0));
+        let counted = looks.clone();
+        // Stalled at every other look: never for a whole tick.
+        let liveness: Liveness = Arc::new(move || match counted.fetch_add(1, Ordering::SeqCst) % 2 {
+            0 => VmmHealth::Stalled("is stopped (SIGSTOP)".into()),
+            _ => VmmHealth::Running,
+        });
+        let timeouts = GuestTimeouts {
+            ready: Duration::from_secs(5),
+            reply: Duration::from_secs(5),
+        };
+        let endpoint = GuestEndpoint::new(socket, timeouts, liveness, None);
+        turn(&endpoint).await;
+        assert!(looks.load(Ordering::SeqCst) >= 3, "the watch looked on");
     }
 }

@@ -21,6 +21,7 @@ pub mod jail;
 pub mod network;
 mod pool;
 pub mod remote;
+mod stall;
 pub mod vmm_process;
 
 use std::path::{Path, PathBuf};
@@ -87,7 +88,7 @@ pub struct GuestImage {
 }
 
 /// What the runtime needs from the node.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct MicrovmConfig {
     /// The VMM binary, of `flavour`.
     pub vmm_binary: PathBuf,
@@ -102,8 +103,11 @@ pub struct MicrovmConfig {
     pub images: Vec<GuestImage>,
     pub vcpus: u8,
     pub memory_mib: u64,
-    /// How long a booted or restored guest has to answer Hello.
-    pub ready_timeout: Duration,
+    /// The guest protocol's deadlines (a booted or restored guest's first answer, the
+    /// guest agent's replies).
+    pub guest_timeouts: guest::GuestTimeouts,
+    /// The bound on each call to a VMM's API.
+    pub vmm_api_timeout: Duration,
     /// Run each VMM jailed (jail.rs, cgroups.rs): its own uid, cgroup with limits, mount,
     /// PID, network, IPC and UTS namespaces, rlimits.
     pub confine: bool,
@@ -319,6 +323,7 @@ impl MicrovmRuntime {
             ),
             false => VmmDir::new(run, self.config.flavour, self.config.ram_dir.clone(), false),
         }
+        .with_api_timeout(self.config.vmm_api_timeout)
     }
 
     /// Each running VMM's session and proportional set size in bytes (for metrics).
@@ -416,9 +421,11 @@ impl MicrovmRuntime {
             size: image.memory_mib.unwrap_or(self.config.memory_mib) << 20,
             ..MemoryConfig::default()
         };
+        // The guest agent waits for its harness as long as this host waits for the guest.
         let mut cmdline = format!(
-            "console=ttyS0 reboot=k panic=1 agentvm.session={}",
-            spec.session_uid
+            "console=ttyS0 reboot=k panic=1 agentvm.session={} agentvm.harness_ready_ms={}",
+            spec.session_uid,
+            self.config.guest_timeouts.ready.as_millis()
         );
         if let Some((_, slot)) = network {
             cmdline.push(' ');
@@ -693,7 +700,7 @@ impl MicrovmRuntime {
                     .map_err(|e| format!("vm.resume after vm.restore: {e}"))?;
                 let t_restore = t0.elapsed();
                 let (mut conn, ready) =
-                    GuestConn::ready(&dir.vsock(), self.config.ready_timeout, &|| dir.vmm_alive())
+                    GuestConn::ready(&dir.vsock(), self.config.guest_timeouts, &dir.liveness())
                         .await
                         .map_err(|e| format!("the restored guest did not answer: {e}"))?;
                 let t_ready = t0.elapsed();
@@ -1096,7 +1103,7 @@ impl Runtime for MicrovmRuntime {
                 confined.wait().await?;
                 client.boot().await.map_err(|e| format!("vm.boot: {e}"))?;
                 let (conn, _) =
-                    GuestConn::ready(&dir.vsock(), self.config.ready_timeout, &|| dir.vmm_alive())
+                    GuestConn::ready(&dir.vsock(), self.config.guest_timeouts, &dir.liveness())
                         .await
                         .map_err(|e| format!("the guest never became ready: {e}"))?;
                 self.keep_ready_conn(session, conn);
@@ -1332,6 +1339,13 @@ impl Runtime for MicrovmRuntime {
         self.vmm_dir(&incarnation.id).vmm_alive()
     }
 
+    fn stalled(&self, incarnation: &Incarnation) -> Option<String> {
+        match self.vmm_dir(&incarnation.id).health() {
+            vmm_process::VmmHealth::Stalled(why) => Some(format!("its VMM {why}")),
+            _ => None,
+        }
+    }
+
     async fn settle(&self) {
         let sessions: Vec<String> = self
             .retiring
@@ -1486,11 +1500,10 @@ impl Runtime for MicrovmRuntime {
         if !dir.vmm_alive() {
             return Err(failed(&incarnation.id, "its VMM is not running"));
         }
-        let socket = dir.vsock();
         Ok(Arc::new(GuestEndpoint::new(
-            socket,
-            self.config.ready_timeout,
-            Box::new(move || dir.vmm_alive()),
+            dir.vsock(),
+            self.config.guest_timeouts,
+            dir.liveness(),
             self.take_ready_conn(&incarnation.id),
         )))
     }

@@ -13,6 +13,7 @@ use std::time::Duration;
 use agentvm_vmm_api::VmmClient;
 
 use super::exit_watch::ExitWatch;
+pub use super::guest::VmmHealth;
 use super::flavour::VmmFlavour;
 use super::jail::Jail;
 
@@ -29,6 +30,8 @@ pub struct VmmDir {
     /// Where its guest RAM file goes; `private` when it is this VMM's alone (removed with it).
     pub ram: PathBuf,
     pub private_ram: bool,
+    /// The bound on each call to its API.
+    pub api_timeout: Duration,
 }
 
 impl VmmDir {
@@ -38,7 +41,14 @@ impl VmmDir {
             flavour,
             ram,
             private_ram,
+            api_timeout: agentvm_vmm_api::client::DEFAULT_TIMEOUT,
         }
+    }
+
+    /// The same directory, its API calls bounded by `timeout`.
+    pub fn with_api_timeout(mut self, timeout: Duration) -> Self {
+        self.api_timeout = timeout;
+        self
     }
     pub fn api(&self) -> PathBuf {
         self.dir.join("api.sock")
@@ -85,7 +95,24 @@ impl VmmDir {
         }
     }
     pub fn client(&self) -> VmmClient {
-        VmmClient::new(self.api())
+        VmmClient::new(self.api()).with_timeout(self.api_timeout)
+    }
+
+    /// [`Self::health`], for the guest protocol to watch while it waits.
+    pub fn liveness(&self) -> super::guest::Liveness {
+        let dir = self.clone();
+        std::sync::Arc::new(move || dir.health())
+    }
+
+    /// Whether the VMM runs, is gone, or is alive but cannot run (stopped or frozen).
+    pub fn health(&self) -> VmmHealth {
+        match pid_of(self) {
+            Some(pid) if self.vmm_alive() => match super::stall::stall(pid) {
+                Some(stall) => VmmHealth::Stalled(stall.to_string()),
+                None => VmmHealth::Running,
+            },
+            _ => VmmHealth::Gone,
+        }
     }
 
     /// The VMM recorded in this directory is still running: its pid is alive and is still a
@@ -410,6 +437,18 @@ pub async fn ask_stop(dir: &VmmDir, watch: &ExitWatch) -> Stopping {
         watch.expect_exit(pid);
     }
     let started = std::time::Instant::now();
+    // A VMM that cannot run cannot answer either: asking would only wait out the timeout.
+    if let Some((pid, stall)) = pid.and_then(|pid| super::stall::stall(pid).map(|s| (pid, s))) {
+        tracing::info!(pid, %stall, "killing a VMM that cannot run");
+        super::stall::kill(pid, &stall);
+        return Stopping {
+            dir: dir.clone(),
+            pid: Some(pid),
+            polite: false,
+            asked: started.elapsed(),
+            started,
+        };
+    }
     let polite = tokio::time::timeout(STOP_TIMEOUT, dir.client().shutdown_vmm()).await;
     Stopping {
         dir: dir.clone(),
