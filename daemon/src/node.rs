@@ -101,8 +101,9 @@ pub fn host_name() -> String {
 pub const DEFAULT_GUEST_READY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
 /// The guest agent answers its own calls at once; this covers a loaded or emulated node.
 pub const DEFAULT_GUEST_REPLY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
-/// A snapshot or restore of a large guest is one API call, bounded by this.
-pub const DEFAULT_VMM_API_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+/// A snapshot or restore of a large guest is one API call, bounded by this (raise it for
+/// guests of many GiB on slow disks).
+pub const DEFAULT_VMM_API_TIMEOUT: std::time::Duration = agentvm_vmm_api::client::DEFAULT_TIMEOUT;
 
 impl NodeConfig {
     pub fn new(state_dir: PathBuf) -> Self {

@@ -202,7 +202,7 @@ pub struct Settings {
     #[arg(long)]
     pub guest_reply_timeout_secs: Option<u64>,
     /// The bound on each call to a VMM's API, a snapshot or restore included, in seconds.
-    /// Default: 60.
+    /// Default: 10.
     #[arg(long)]
     pub vmm_api_timeout_secs: Option<u64>,
     /// How long a harness may send nothing while the host waits on it (between Start or a

@@ -145,6 +145,9 @@ mod tests {
         );
         assert_eq!(p.boot_generation, 3);
         assert_eq!(boot_params("").boot_generation, 1);
-        assert_eq!(boot_params("agentvm.harness_ready_ms=soon").harness_ready_ms, None);
+        assert_eq!(
+            boot_params("agentvm.harness_ready_ms=soon").harness_ready_ms,
+            None
+        );
     }
 }

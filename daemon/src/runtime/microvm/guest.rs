@@ -226,8 +226,7 @@ impl GuestConn {
             }
             let attempt = async {
                 let mut conn =
-                    Self::connect(socket, GUEST_AGENT_PORT, timeouts.reply, health.clone())
-                        .await?;
+                    Self::connect(socket, GUEST_AGENT_PORT, timeouts.reply, health.clone()).await?;
                 let ready = conn.hello().await?;
                 Ok::<_, GuestError>((conn, ready))
             };
@@ -330,8 +329,8 @@ impl GuestConn {
         match self
             .call(
                 Body::Hello(Hello {
-                protocol_version: PROTOCOL_VERSION,
-                host_version: format!("agentvmd {}", env!("CARGO_PKG_VERSION")),
+                    protocol_version: PROTOCOL_VERSION,
+                    host_version: format!("agentvmd {}", env!("CARGO_PKG_VERSION")),
                 }),
                 Some(self.reply_timeout),
             )
@@ -732,7 +731,10 @@ mod tests {
         let (mut conn, _) = GuestConn::ready(&socket, patient, &liveness).await.unwrap();
         *health.lock().unwrap() = VmmHealth::Gone;
         let described = tokio::time::timeout(Duration::from_secs(5), conn.describe()).await;
-        assert!(matches!(described, Ok(Err(GuestError::VmmGone))), "{described:?}");
+        assert!(
+            matches!(described, Ok(Err(GuestError::VmmGone))),
+            "{described:?}"
+        );
     }
 
     /// A stop shorter than a tick (a debugger's look) is not taken for a stall.
@@ -744,10 +746,11 @@ mod tests {
         let looks = Arc::new(AtomicUsize::new(0));
         let counted = looks.clone();
         // Stalled at every other look: never for a whole tick.
-        let liveness: Liveness = Arc::new(move || match counted.fetch_add(1, Ordering::SeqCst) % 2 {
-            0 => VmmHealth::Stalled("is stopped (SIGSTOP)".into()),
-            _ => VmmHealth::Running,
-        });
+        let liveness: Liveness =
+            Arc::new(move || match counted.fetch_add(1, Ordering::SeqCst) % 2 {
+                0 => VmmHealth::Stalled("is stopped (SIGSTOP)".into()),
+                _ => VmmHealth::Running,
+            });
         let timeouts = GuestTimeouts {
             ready: Duration::from_secs(5),
             reply: Duration::from_secs(5),

@@ -107,7 +107,12 @@ mod tests {
     }
 
     fn sleeper() -> Child {
-        Child(std::process::Command::new("sleep").arg("60").spawn().unwrap())
+        Child(
+            std::process::Command::new("sleep")
+                .arg("60")
+                .spawn()
+                .unwrap(),
+        )
     }
 
     /// Polls for what the kernel shows after a signal, which lands asynchronously.

@@ -13,8 +13,8 @@ use std::time::Duration;
 use agentvm_vmm_api::VmmClient;
 
 use super::exit_watch::ExitWatch;
-pub use super::guest::VmmHealth;
 use super::flavour::VmmFlavour;
+pub use super::guest::VmmHealth;
 use super::jail::Jail;
 
 /// How long a fresh VMM has to answer `vmm.ping`.
