@@ -762,6 +762,17 @@ async fn a_guest_that_never_becomes_ready_fails_create_and_leaves_nothing() {
         !dir.path().join("vms/s-silent").exists(),
         "nothing left behind"
     );
+    // Issue 34 (item 5): the console of a failed start went with its directory. It is
+    // kept, and the error says where.
+    let kept: Vec<_> = std::fs::read_dir(dir.path().join("failed-starts"))
+        .expect("the console of the failed start is kept")
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    assert!(
+        err.to_string().contains(&kept[0].display().to_string()),
+        "{err}"
+    );
     let leftover = std::process::Command::new("pgrep")
         .args(["-f", &dir.path().join("vms/s-silent").display().to_string()])
         .output()

@@ -14,8 +14,14 @@ use crate::archive;
 use crate::dir::Snapshot;
 
 const REFS: &str = ".refs";
+/// Taken (flock) by every acquire and delete, so a snapshot that one acquires is never
+/// deleted under it: a restore pins its snapshot before reading a byte of it.
+const REFS_LOCK: &str = ".refs/.lock";
 /// Prefix of a copy being made into the store; renamed to its id once complete.
 const INCOMING: &str = ".incoming-";
+/// Prefix of a snapshot being deleted: renamed out of the store's view under the lock,
+/// removed after it.
+const DELETING: &str = ".deleting-";
 /// Deeper chains are not followed (and are not written: layers are flattened long before).
 const MAX_CHAIN: usize = 64;
 
@@ -173,11 +179,26 @@ impl LocalStore {
         std::fs::create_dir_all(root.join(REFS)).map_err(io(root))?;
         let root = std::fs::canonicalize(root).map_err(io(root))?;
         for entry in std::fs::read_dir(&root).map_err(io(&root))?.flatten() {
-            if entry.file_name().to_string_lossy().starts_with(INCOMING) {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with(INCOMING) || name.starts_with(DELETING) {
                 let _ = std::fs::remove_dir_all(entry.path());
             }
         }
         Ok(Self { root })
+    }
+
+    /// The store's reference lock, held until the returned guard drops.
+    fn lock_refs(&self) -> Result<nix::fcntl::Flock<std::fs::File>, SnapshotError> {
+        let path = self.root.join(REFS_LOCK);
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(io(&path))?;
+        nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
+            .map_err(|(_, errno)| io(&path)(errno.into()))
     }
 
     pub fn root(&self) -> &Path {
@@ -352,6 +373,7 @@ impl LocalStore {
     /// in the store counts, a foreign VMM's snapshot without our manifest too.
     pub fn acquire(&self, id: &str, holder: &str) -> Result<(), SnapshotError> {
         check_name("holder", holder)?;
+        let _locked = self.lock_refs()?;
         if !self.dir(id)?.is_dir() {
             return Err(SnapshotError::NotFound(id.to_owned()));
         }
@@ -410,28 +432,34 @@ impl LocalStore {
         Ok(out)
     }
 
-    /// Deletes snapshot `id`, unless something still uses it.
+    /// Deletes snapshot `id`, unless something still uses it. Decided and taken out of the
+    /// store under the reference lock: an acquire either comes first (and the snapshot
+    /// stays) or finds it gone.
     pub fn delete(&self, id: &str) -> Result<(), SnapshotError> {
-        let holders = self.holders(id)?;
-        let dependents = self.dependents(id)?;
-        if !holders.is_empty() || !dependents.is_empty() {
-            return Err(SnapshotError::InUse {
-                id: id.to_owned(),
-                holders,
-                dependents,
-            });
-        }
         let dir = self.dir(id)?;
-        match std::fs::remove_dir_all(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(SnapshotError::NotFound(id.to_owned()));
+        let doomed = {
+            let _locked = self.lock_refs()?;
+            let holders = self.holders(id)?;
+            let dependents = self.dependents(id)?;
+            if !holders.is_empty() || !dependents.is_empty() {
+                return Err(SnapshotError::InUse {
+                    id: id.to_owned(),
+                    holders,
+                    dependents,
+                });
             }
-            Err(e) => return Err(io(&dir)(e)),
-        }
-        let refs = self.root.join(REFS).join(id);
-        let _ = std::fs::remove_dir(&refs);
-        Ok(())
+            let doomed = self.root.join(format!("{DELETING}{id}"));
+            match std::fs::rename(&dir, &doomed) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    return Err(SnapshotError::NotFound(id.to_owned()));
+                }
+                Err(e) => return Err(io(&dir)(e)),
+            }
+            let _ = std::fs::remove_dir(self.root.join(REFS).join(id));
+            doomed
+        };
+        std::fs::remove_dir_all(&doomed).map_err(io(&doomed))
     }
 
     /// Writes snapshot `id` (flattened) as a portable archive.
@@ -591,6 +619,69 @@ mod tests {
             store.acquire("gone", "x"),
             Err(SnapshotError::NotFound(_))
         ));
+    }
+
+    /// Issue 34 (item 4): a fork read a snapshot that a concurrent delete took away
+    /// ("reading …/config.json: No such file"). Whoever acquires a snapshot now finds it
+    /// whole until released; an acquire that loses the race is told NotFound.
+    #[test]
+    fn a_snapshot_acquired_is_never_deleted_under_its_holder() {
+        let root = tempfile::tempdir().unwrap();
+        let store = LocalStore::open(root.path()).unwrap();
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                let outside = tempfile::tempdir().unwrap();
+                let written = outside.path().join("s");
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    if store.get("s").is_err() {
+                        // Written aside and moved in whole, as a VMM's snapshot is.
+                        std::fs::create_dir(&written).unwrap();
+                        let mut w = SnapshotWriter::create(&written, false).unwrap();
+                        w.write_file(STATE_FILE, b"{}").unwrap();
+                        w.finish(
+                            HostIdentity::current("PVM"),
+                            "t",
+                            MemoryLayout {
+                                size: 0,
+                                base: None,
+                            },
+                        )
+                        .unwrap();
+                        store.adopt("s", &written).unwrap();
+                    }
+                    let _ = store.delete("s");
+                }
+            });
+            /// Stops the deleter however this thread ends (a panic too), or the scope waits.
+            struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
+            impl Drop for Stop<'_> {
+                fn drop(&mut self) {
+                    self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+            let _stop = Stop(&stop);
+            let mut held = 0;
+            for _ in 0..2000 {
+                match store.acquire("s", "vm") {
+                    Ok(()) => {
+                        held += 1;
+                        std::thread::yield_now();
+                        store.get("s").expect("deleted while held");
+                        store.release("s", "vm").unwrap();
+                    }
+                    Err(SnapshotError::NotFound(_)) => {}
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            assert!(held > 0);
+        });
+        let names: Vec<_> = std::fs::read_dir(root.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.starts_with(DELETING))
+            .collect();
+        assert!(names.is_empty(), "left {names:?}");
     }
 
     #[test]

@@ -103,6 +103,16 @@ pub enum RuntimeError {
         runtime: &'static str,
         session: String,
     },
+    /// The snapshot to restore was deleted before it could be pinned: a concurrent delete
+    /// (of the session it belongs to, or a sweep) won the race.
+    #[error(
+        "{runtime}: session {session}: snapshot {snapshot} was deleted by a concurrent operation before it could be restored; retry"
+    )]
+    SnapshotGone {
+        runtime: &'static str,
+        session: String,
+        snapshot: String,
+    },
 }
 
 pub type Result<T> = std::result::Result<T, RuntimeError>;

@@ -119,7 +119,9 @@ fn busy(uid: &str, b: Busy) -> Status {
 fn runtime_status(e: &RuntimeError) -> Status {
     match e {
         RuntimeError::Unsupported { .. } => Status::failed_precondition(e.to_string()),
-        RuntimeError::SnapshotSuperseded { .. } => Status::aborted(e.to_string()),
+        RuntimeError::SnapshotSuperseded { .. } | RuntimeError::SnapshotGone { .. } => {
+            Status::aborted(e.to_string())
+        }
         RuntimeError::NoSpace { .. } => Status::resource_exhausted(e.to_string()),
         RuntimeError::Hung { .. } => Status::deadline_exceeded(e.to_string()),
         RuntimeError::Corrupt { .. } => Status::data_loss(e.to_string()),

@@ -14,6 +14,7 @@ pub mod bundles;
 pub mod cgroups;
 mod confinement;
 pub mod exit_watch;
+mod failed_starts;
 mod fast_moves;
 pub mod flavour;
 pub mod guest;
@@ -311,6 +312,15 @@ impl MicrovmRuntime {
         })
     }
 
+    /// Where the consoles of failed starts are kept: beside the VMM directories.
+    fn failed_starts_dir(&self) -> PathBuf {
+        self.config
+            .run_dir
+            .parent()
+            .unwrap_or(&self.config.run_dir)
+            .join("failed-starts")
+    }
+
     fn vmm_dir(&self, session: &str) -> VmmDir {
         let run = self.config.run_dir.join(session);
         match self.confinement.jailed() {
@@ -599,17 +609,22 @@ impl MicrovmRuntime {
                 Ok(self.incarnation(session))
             }
             Err(reason) => {
-                let serial = std::fs::read_to_string(dir.serial()).unwrap_or_default();
+                let console = failed_starts::console_tail(&dir.serial()).unwrap_or_default();
                 self.stop_vmm(session, &dir).await;
-                let tail: String = serial.lines().rev().take(5).collect::<Vec<_>>().join(" | ");
-                Err(failed(
-                    session,
-                    if tail.is_empty() {
-                        reason
-                    } else {
-                        format!("{reason} (serial, last lines first: {tail})")
-                    },
-                ))
+                let mut reason = reason;
+                let lines = failed_starts::last_lines(&console, 5);
+                if !lines.is_empty() {
+                    reason = format!("{reason} (serial, last lines first: {lines})");
+                }
+                match failed_starts::keep(&self.failed_starts_dir(), session, &console) {
+                    Ok(kept) => {
+                        reason = format!("{reason}; the console is kept in {}", kept.display())
+                    }
+                    Err(e) => {
+                        tracing::warn!(session, error = %e, "could not keep the console of a failed start")
+                    }
+                }
+                Err(failed(session, reason))
             }
         }
     }
@@ -666,11 +681,12 @@ impl MicrovmRuntime {
             .and_then(|n| n.to_str())
             .unwrap_or_default()
             .to_owned();
+        let pinned_here = self.pin(&id, session, &source)?;
         let started = std::time::Instant::now();
         let attach = self.attachments(&spec.harness);
         let files = self.config.flavour.restore_files(&source, &attach);
         let memory = self.restore_memory();
-        let inc = self
+        let restored = self
             .start(session, files, |dir, confined| async move {
                 let t0 = std::time::Instant::now();
                 let target = flavour::RestoreTarget {
@@ -719,16 +735,49 @@ impl MicrovmRuntime {
                 self.keep_ready_conn(session, conn);
                 Ok(())
             })
-            .await?;
+            .await;
+        let inc = match restored {
+            Ok(inc) => inc,
+            Err(e) => {
+                if pinned_here {
+                    let _ = self.store.release(&id, session);
+                }
+                return Err(e);
+            }
+        };
         crate::metrics::global()
             .vmm_restore
             .observe(started.elapsed());
-        if !id.is_empty()
-            && let Err(e) = self.store.acquire(&id, session)
-        {
-            tracing::warn!(session, snapshot = %id, error = %e, "could not record the snapshot's use");
-        }
         Ok(inc)
+    }
+
+    /// Marks `session` as a user of snapshot `id` (at `source`) before anything of it is
+    /// read, so no delete takes it away mid-restore; true when this call took the mark (a
+    /// session that already held it keeps it, whatever the restore does). A snapshot gone
+    /// by then lost a race with a delete: that is the caller's to retry.
+    fn pin(&self, id: &str, session: &str, source: &std::path::Path) -> Result<bool> {
+        if id.is_empty() {
+            return Ok(false);
+        }
+        let held = self
+            .store
+            .holders(id)
+            .is_ok_and(|holders| holders.iter().any(|h| h == session));
+        match self.store.acquire(id, session) {
+            Ok(()) => Ok(!held),
+            Err(agentvm_snapshot::SnapshotError::NotFound(_)) if !source.exists() => {
+                Err(RuntimeError::SnapshotGone {
+                    runtime: NAME,
+                    session: session.to_owned(),
+                    snapshot: id.to_owned(),
+                })
+            }
+            Err(e) => {
+                tracing::warn!(session, snapshot = %id, error = %e,
+                    "could not record the snapshot's use");
+                Ok(false)
+            }
+        }
     }
 
     /// Starts a VMM for `session` in `dir`, jailed with `files`.
