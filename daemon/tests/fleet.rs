@@ -502,3 +502,106 @@ fn a_journal_server_crash_loses_no_acknowledged_turn() {
     let (ok, out, err) = cli(&a, &["verify", &uid]);
     assert!(ok && out.contains("chain intact"), "{out}{err}");
 }
+
+/// Issue 34 (item 2): after kill -9 of the node running a memory session and a takeover by
+/// another, the restarted node left the session's VMM running, serving nothing, and the
+/// takeover recorded the lost turn as a completed suspend. The new holder records the loss,
+/// naming the seq the session goes back to, and the restarted node stops its VMM at start.
+#[test]
+fn a_node_restarted_after_a_takeover_stops_the_vmm_it_lost() {
+    if let Some(why) = kvm_unavailable() {
+        println!("SKIPPED: {why}");
+        return;
+    }
+    let Some(server) = postgres() else { return };
+    server.create_database("takeover").unwrap();
+    let url = server.url("takeover");
+    let store = SharedStore::Dir(tempfile::tempdir().unwrap());
+    let snapshot_url = store.url();
+    let vmm = vmm_binary();
+    let vmm = vmm.to_str().unwrap();
+    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let node = |dir: &std::path::Path, name: &str, uid_base: &str| {
+        let extra = [
+            "--vmm-binary",
+            vmm,
+            "--snapshot-url",
+            &snapshot_url,
+            "--vm-uid-base",
+            uid_base,
+        ];
+        node_env(dir, name, &url, &extra, &[])
+    };
+    let a = node(dir_a.path(), "node-a", "1879048192");
+    let mut b = node(dir_b.path(), "node-b", "1879179264");
+    let uid = create_on(&b, "testguest");
+    let count = |d: &Daemon| -> String {
+        let (ok, out, err) = exec(d, &uid, "tick");
+        assert!(ok, "{out}{err}");
+        out
+    };
+    assert!(count(&b).contains("assistant: 1"));
+    let (ok, out, err) = cli(&b, &["suspend", &uid]);
+    assert!(ok && out.contains("compute=COLD"), "{out}{err}");
+    assert!(count(&b).contains("assistant: 2"));
+    let pid_file = dir_b.path().join("state/vms").join(&uid).join("vmm.pid");
+    let pid: i32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+
+    let _ = b.child.kill();
+    let _ = b.child.wait();
+    let died = Instant::now();
+    let taken = loop {
+        let (ok, out, err) = exec(&a, &uid, "tick");
+        if ok {
+            break out;
+        }
+        assert!(
+            died.elapsed() < Duration::from_secs(LEASE_SECS * 4),
+            "node-a never took the session over: {err}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    };
+    // Count 2 lived only in node-b's VM: node-a goes on from the suspended count.
+    assert!(taken.contains("assistant: 2"), "{taken}");
+    let (ok, out, err) = cli(&a, &["--json", "replay", &uid]);
+    assert!(ok, "{err}");
+    let records: Vec<serde_json::Value> = out
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let lifecycle: Vec<String> = records
+        .iter()
+        .filter_map(|r| {
+            r["event"]["lifecycle"]["detail"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect();
+    assert!(
+        lifecycle.iter().any(|d| d.contains("compute lost")),
+        "the lost turn is not recorded as lost: {lifecycle:?}"
+    );
+    assert!(
+        !lifecycle.iter().any(|d| d.contains("suspend completed")),
+        "a loss recorded as a suspend: {lifecycle:?}"
+    );
+
+    let alive =
+        |pid: i32| std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| !c.is_empty());
+    assert!(alive(pid), "node-b's VMM outlives its daemon");
+    let b = node(dir_b.path(), "node-b", "1879179264");
+    let restarted = Instant::now();
+    while alive(pid) {
+        assert!(
+            restarted.elapsed() < Duration::from_secs(LEASE_SECS * 3),
+            "the restarted node-b left the VMM of the session node-a took"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (ok, _, err) = exec(&b, &uid, "tick");
+    assert!(!ok && err.contains("node-a"), "{err}");
+}
