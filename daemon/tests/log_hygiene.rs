@@ -204,4 +204,58 @@ async fn scenario_72_log_hygiene() {
         );
         assert!(!line.contains(SECRET), "a payload in the log: {line}");
     }
+
+    // Upstream's request-id test: an Exec that names nothing (no session, no inputs, no
+    // x-request-id) gets an id of the server's making, echoed, on every line it causes, and
+    // the config it carried is never logged either.
+    let bare = ExecRequest {
+        config: format!("{{\"token\":\"{SECRET}\"}}").into_bytes(),
+        ..Default::default()
+    };
+    let response = c.exec(bare).await.unwrap();
+    let made = response
+        .metadata()
+        .get("x-request-id")
+        .map(|v| v.to_str().unwrap().to_owned())
+        .expect("a request id is made and echoed");
+    assert!(
+        made.len() == 16
+            && made
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()),
+        "{made}"
+    );
+    let mut stream = response.into_inner();
+    let mut new_uid = String::new();
+    loop {
+        match stream.message().await {
+            Ok(Some(u)) => {
+                if let Some(agentvm_proto::v1::exec_update::Update::Session(s)) = u.update {
+                    new_uid = s.metadata.unwrap().uid;
+                }
+            }
+            Ok(None) => break,
+            Err(s) => panic!("{s:?}"),
+        }
+    }
+    assert!(!new_uid.is_empty(), "the implicit session is named");
+    let lines = captured.take();
+    let ids: std::collections::BTreeSet<&str> = lines
+        .iter()
+        .filter(|l| l.contains(&new_uid))
+        .filter_map(|l| l.split("request_id=").nth(1))
+        .map(|rest| rest.split([' ', '}', ':']).next().unwrap_or_default())
+        .collect();
+    assert_eq!(
+        ids.into_iter().collect::<Vec<_>>(),
+        [made.as_str()],
+        "{lines:#?}"
+    );
+    for line in &lines {
+        assert!(!line.contains(SECRET), "a payload in the log: {line}");
+        assert!(
+            !line.contains(" WARN ") && !line.contains(" ERROR "),
+            "{line}"
+        );
+    }
 }
