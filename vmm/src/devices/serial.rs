@@ -59,11 +59,13 @@ pub enum Destination {
     File(File),
 }
 
-/// Limits on serial output.
+/// Limits on serial output: a rate, and for a file the most it may ever hold (a guest
+/// that prints for ever at the rate limit would otherwise fill the host's disk).
 #[derive(Debug, Clone, Copy)]
 pub struct RateLimit {
     pub burst: u64,
     pub rate_per_sec: u64,
+    pub file_bytes: u64,
 }
 
 impl Default for RateLimit {
@@ -71,9 +73,14 @@ impl Default for RateLimit {
         Self {
             burst: 1 << 20,
             rate_per_sec: 256 << 10,
+            file_bytes: 16 << 20,
         }
     }
 }
+
+/// Written once, where a console file reaches its cap.
+const CAPPED: &[u8] =
+    b"\n[agentvm-vmm: the console reached its size cap; later output is dropped]\n";
 
 /// Line-buffered, rate-limited output.
 pub struct SerialOutput {
@@ -84,13 +91,21 @@ pub struct SerialOutput {
     refilled: Instant,
     warned: bool,
     stats: Arc<SerialStats>,
+    /// How much the destination file holds (its size when opened, then what was added).
+    file_len: u64,
 }
 
 const LINE_MAX: usize = 4096;
 
 impl SerialOutput {
     pub fn new(destination: Destination, limit: RateLimit, stats: Arc<SerialStats>) -> Self {
+        // A restored VM appends to the console its snapshot's VM wrote.
+        let file_len = match &destination {
+            Destination::File(file) => file.metadata().map_or(0, |m| m.len()),
+            _ => 0,
+        };
         Self {
+            file_len,
             destination,
             line: Vec::with_capacity(256),
             tokens: limit.burst as f64,
@@ -128,7 +143,28 @@ impl SerialOutput {
                 let mut out = io::stdout().lock();
                 out.write_all(&self.line).and_then(|()| out.flush())
             }
-            Destination::File(file) => file.write_all(&self.line),
+            Destination::File(file) => {
+                let room = self
+                    .limit
+                    .file_bytes
+                    .saturating_sub(self.file_len + CAPPED.len() as u64);
+                if self.line.len() as u64 <= room {
+                    self.file_len += self.line.len() as u64;
+                    file.write_all(&self.line)
+                } else {
+                    self.stats
+                        .bytes_dropped
+                        .fetch_add(self.line.len() as u64, Ordering::Relaxed);
+                    // The notice goes once: the file is at its cap from then on.
+                    let notice = self.file_len + (CAPPED.len() as u64) <= self.limit.file_bytes;
+                    self.file_len = self.limit.file_bytes;
+                    self.line.clear();
+                    match notice {
+                        true => file.write_all(CAPPED),
+                        false => Ok(()),
+                    }
+                }
+            }
         };
         if let Err(e) = result {
             self.stats
@@ -285,6 +321,7 @@ mod tests {
         let limit = RateLimit {
             burst: 100,
             rate_per_sec: 1,
+            ..RateLimit::default()
         };
         let (mut out, stats) = output(file.reopen().unwrap(), limit);
         out.write_all(&[b'x'; 10_000]).unwrap();
@@ -293,6 +330,40 @@ mod tests {
         file.read_to_end(&mut text).unwrap();
         assert!(text.len() <= 101, "{} bytes got through", text.len());
         assert!(stats.bytes_dropped.load(Ordering::Relaxed) >= 9_899);
+    }
+
+    /// Issue 33 (item 7): at the rate limit a guest still wrote 256 KiB/s to the host's
+    /// disk for as long as it ran. A console file stops at its cap, says so once, and
+    /// counts what it dropped; a reopened one (a restored VM) starts from what it holds.
+    #[test]
+    fn a_console_file_stops_at_its_cap() {
+        let mut file = tempfile::NamedTempFile::new().unwrap();
+        let limit = RateLimit {
+            file_bytes: 1000,
+            ..RateLimit::default()
+        };
+        let (mut out, stats) = output(file.reopen().unwrap(), limit);
+        for _ in 0..100 {
+            out.write_all(&[b'x'; 99]).unwrap();
+            out.write_all(b"\n").unwrap();
+        }
+        drop(out);
+        let mut text = Vec::new();
+        file.read_to_end(&mut text).unwrap();
+        assert!(text.len() <= 1000, "{} bytes", text.len());
+        assert!(text.ends_with(CAPPED));
+        assert_eq!(
+            text.windows(CAPPED.len()).filter(|w| *w == CAPPED).count(),
+            1
+        );
+        assert!(stats.bytes_dropped.load(Ordering::Relaxed) >= 9000);
+
+        let (mut again, _) = output(file.reopen().unwrap(), limit);
+        again.write_all(b"after a restore\n").unwrap();
+        drop(again);
+        let mut more = Vec::new();
+        file.read_to_end(&mut more).unwrap();
+        assert!(more.is_empty(), "a full console took {more:?}");
     }
 
     #[test]
