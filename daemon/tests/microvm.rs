@@ -633,6 +633,17 @@ async fn a_stopped_vmm_fails_the_turn_at_once_and_the_next_turn_recovers() {
         nix::unistd::Pid::from_raw(pid),
         nix::sys::signal::Signal::SIGSTOP,
     );
+    // A suspend cannot save what cannot run: refused at once, changing nothing.
+    let refused = tokio::time::timeout(
+        Duration::from_secs(5),
+        c.suspend(SuspendRequest { session: s.clone() }),
+    )
+    .await
+    .expect("the suspend of a stopped VMM waited out the API deadline")
+    .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    assert!(refused.message().contains("SIGSTOP"), "{refused:?}");
+    assert_eq!(compute(&mut c, &s).await, ComputeState::ComputeLive);
     let status = tokio::time::timeout(Duration::from_secs(30), failed_turn(c.clone(), s.clone()))
         .await
         .expect("the turn on a stopped VMM waited 30 s");

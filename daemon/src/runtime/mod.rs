@@ -91,6 +91,13 @@ pub enum RuntimeError {
         session: String,
         reason: String,
     },
+    /// The compute exists but cannot run (stopped, frozen): nothing can be asked of it.
+    #[error("{runtime}: session {session}: {reason}")]
+    Stalled {
+        runtime: &'static str,
+        session: String,
+        reason: String,
+    },
     /// A snapshot failed its digests or cannot be read: it never will be.
     #[error("{runtime}: session {session}: {reason}")]
     Corrupt {

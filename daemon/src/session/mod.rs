@@ -125,7 +125,9 @@ fn runtime_status(e: &RuntimeError) -> Status {
         RuntimeError::NoSpace { .. } => Status::resource_exhausted(e.to_string()),
         RuntimeError::Hung { .. } => Status::deadline_exceeded(e.to_string()),
         RuntimeError::Corrupt { .. } => Status::data_loss(e.to_string()),
-        RuntimeError::Failed { .. } => Status::unavailable(e.to_string()),
+        RuntimeError::Failed { .. } | RuntimeError::Stalled { .. } => {
+            Status::unavailable(e.to_string())
+        }
     }
 }
 
@@ -221,11 +223,25 @@ impl SessionHost {
     }
 
     fn live_take(&self, uid: &str) -> Option<(Incarnation, Arc<dyn Runtime>)> {
+        self.live_take_whole(uid)
+            .map(|l| (l.incarnation, l.runtime))
+    }
+
+    /// `uid`'s live entry whole, for [`Self::live_return`] should what took it fail.
+    fn live_take_whole(&self, uid: &str) -> Option<Live> {
         self.live
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(uid)
-            .map(|l| (l.incarnation, l.runtime))
+    }
+
+    /// Puts back what [`Self::live_take_whole`] took, unless another entry took its place.
+    fn live_return(&self, uid: &str, live: Live) {
+        self.live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(uid.to_owned())
+            .or_insert(live);
     }
 
     /// Takes back compute still running for `uid` that this host does not know of (after a

@@ -560,11 +560,21 @@ impl SessionHost {
         };
         let intent = self.intend(OperationKind::Suspend, uid, Vec::new())?;
         crash_point::reached(crash_point::SUSPEND_BEGUN);
-        self.live_take(uid);
-        let snapshot = runtime
-            .snapshot(&inc, SnapshotKind::External)
-            .await
-            .map_err(|e| snapshot_status(uid, &e))?;
+        let taken = self.live_take_whole(uid);
+        let snapshot = match runtime.snapshot(&inc, SnapshotKind::External).await {
+            Ok(snapshot) => snapshot,
+            Err(e) => {
+                // A failed snapshot leaves the compute running (`Runtime::snapshot`): it stays
+                // the session's, so the next turn uses it (or finds it lost and says so)
+                // instead of replacing it unrecorded.
+                if let Some(live) = taken
+                    && runtime.alive(&inc)
+                {
+                    self.live_return(uid, live);
+                }
+                return Err(snapshot_status(uid, &e));
+            }
+        };
         crash_point::reached(crash_point::SUSPEND_SNAPSHOTTED);
         Ok((snapshot, intent))
     }

@@ -1030,9 +1030,17 @@ fn base36(mut n: u64) -> String {
     String::from_utf8(out).unwrap_or_default()
 }
 
-/// Pauses the VM to snapshot or fork it (one already paused is fine).
-async fn pause_to_save(session: &str, client: &agentvm_vmm_api::VmmClient) -> Result<()> {
-    client
+/// Pauses the VM to snapshot or fork it (one already paused is fine). A VMM that cannot
+/// run (stopped, frozen) cannot answer: that is said at once, not after the API deadline.
+async fn pause_to_save(session: &str, dir: &VmmDir) -> Result<()> {
+    if let vmm_process::VmmHealth::Stalled(why) = dir.health() {
+        return Err(RuntimeError::Stalled {
+            runtime: NAME,
+            session: session.to_owned(),
+            reason: format!("its VMM {why}: nothing can be saved"),
+        });
+    }
+    dir.client()
         .pause_idempotent()
         .await
         .map_err(|e| failed(session, format!("vm.pause: {e}")))?;
@@ -1182,8 +1190,8 @@ impl Runtime for MicrovmRuntime {
             });
         }
         let started = std::time::Instant::now();
+        pause_to_save(session, &dir).await?;
         let client = dir.client();
-        pause_to_save(session, &client).await?;
         let id = self.new_snapshot_id(session);
         // Written inside the VMM's own directory (all a jailed VMM can write), then moved
         // into the store and sealed.
@@ -1240,8 +1248,8 @@ impl Runtime for MicrovmRuntime {
         let started = std::time::Instant::now();
         let id = self.new_snapshot_id(session);
         let staging = dir.fork_dir(&id);
+        pause_to_save(session, &dir).await?;
         let client = dir.client();
-        pause_to_save(session, &client).await?;
         let forked = match staging
             .parent()
             .map(std::fs::create_dir_all)
