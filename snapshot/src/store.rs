@@ -178,6 +178,14 @@ impl LocalStore {
     pub fn open(root: &Path) -> Result<Self, SnapshotError> {
         std::fs::create_dir_all(root.join(REFS)).map_err(io(root))?;
         let root = std::fs::canonicalize(root).map_err(io(root))?;
+        // Made once here, so the store's files do not change with its first acquire.
+        let lock = root.join(REFS_LOCK);
+        std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock)
+            .map_err(io(&lock))?;
         for entry in std::fs::read_dir(&root).map_err(io(&root))?.flatten() {
             let name = entry.file_name();
             let name = name.to_string_lossy();

@@ -44,19 +44,17 @@ pub fn last_lines(tail: &[u8], n: usize) -> String {
         .join(" | ")
 }
 
-/// Keeps `tail` as `dir/SESSION-UNIXMILLIS.serial.log` (readable by root only: a guest's
-/// console may hold anything), then drops all but the newest `KEEP_LOGS`; returns its path.
+/// Keeps `tail` as `dir/SESSION.serial.log` (a session's latest failed start; readable by
+/// root only: a guest's console may hold anything), then drops all but the newest
+/// `KEEP_LOGS`; returns its path. The same path for every failure of a session keeps the
+/// errors that name it alike (a failure recorded once is recognised by its text).
 pub fn keep(dir: &Path, session: &str, tail: &[u8]) -> std::io::Result<PathBuf> {
     use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(dir)?;
-    let millis = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_millis();
-    let path = dir.join(format!("{session}-{millis}.serial.log"));
+    let path = dir.join(format!("{session}.serial.log"));
     std::io::Write::write_all(
         &mut std::fs::OpenOptions::new()
             .write(true)
