@@ -15,6 +15,13 @@ use std::collections::{BTreeMap, HashMap};
 
 use agentvm_vmm_api::config::{IpProtocol, MAX_EGRESS_RULES, ParsedPolicy, ParsedRule};
 
+/// The network mask of a `/prefix`, host order.
+fn mask(prefix: u8) -> u32 {
+    u32::MAX
+        .checked_shl(32 - u32::from(prefix.min(32)))
+        .unwrap_or(0)
+}
+
 /// Flows remembered per device; past this the oldest is forgotten (its replies are dropped
 /// until the guest sends on it again).
 pub const FLOW_CAPACITY: usize = 8192;
@@ -33,6 +40,20 @@ const ICMP_ECHO_REQUEST: u8 = 8;
 const ICMP_TIME_EXCEEDED: u8 = 11;
 const DNS_PORT: u16 = 53;
 const BROADCAST_MAC: [u8; 6] = [0xff; 6];
+
+/// Networks no wide rule opens (`0.0.0.0/0:443` is "the internet on 443", not the host's
+/// loopback or the cloud's metadata service): "this" network, loopback, link-local (where
+/// metadata services answer), multicast, and the reserved block with the limited
+/// broadcast. Only a rule whose own network lies inside one reaches it: an operator who
+/// writes `169.254.169.254/32` means it. The gateway (the host's side of the link) is one
+/// more, for every port but DNS.
+const RESERVED: [(u32, u8); 5] = [
+    (0x0000_0000, 8),
+    (0x7f00_0000, 8),
+    (0xa9fe_0000, 16),
+    (0xe000_0000, 4),
+    (0xf000_0000, 4),
+];
 
 /// What the filter decided, with why a frame was dropped (for traces and tests).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -133,7 +154,12 @@ impl EgressFilter {
                 };
                 let tcp = ip.protocol == PROTO_TCP;
                 let dns = ip.dst == self.gateway_ip && dst_port == DNS_PORT;
-                if !dns && !self.rules.iter().any(|r| r.allows(ip.dst, tcp, dst_port)) {
+                if !dns
+                    && !self
+                        .rules
+                        .iter()
+                        .any(|r| r.allows(ip.dst, tcp, dst_port) && self.reaches(r, ip.dst))
+                {
                     return Verdict::Drop("no rule allows the destination");
                 }
                 self.flows.record(Flow {
@@ -241,7 +267,10 @@ impl EgressFilter {
                     // (the first router) or from anywhere the policy lets the guest reach.
                     ICMP_UNREACHABLE | ICMP_TIME_EXCEEDED => {
                         match ip.src == self.gateway_ip
-                            || self.rules.iter().any(|r| r.covers(ip.src))
+                            || self
+                                .rules
+                                .iter()
+                                .any(|r| r.covers(ip.src) && self.reaches(r, ip.src))
                         {
                             true => Verdict::Pass,
                             false => Verdict::Drop("ICMP error from an address no rule covers"),
@@ -260,7 +289,20 @@ impl EgressFilter {
             PROTO_UDP => IpProtocol::Udp,
             _ => IpProtocol::Other,
         };
-        self.rules.iter().any(|r| r.allows_any_port(addr, class))
+        self.rules
+            .iter()
+            .any(|r| r.allows_any_port(addr, class) && self.reaches(r, addr))
+    }
+
+    /// Whether rule `r`, which covers `addr`, may open it: always, unless `addr` is in a
+    /// reserved network (or is the gateway) that the rule's own network does not lie in.
+    fn reaches(&self, r: &ParsedRule, addr: u32) -> bool {
+        let gateway = (self.gateway_ip, 32);
+        RESERVED
+            .iter()
+            .chain(std::iter::once(&gateway))
+            .filter(|(net, prefix)| addr & mask(*prefix) == *net)
+            .all(|(net, prefix)| r.prefix >= *prefix && r.net & mask(*prefix) == *net)
     }
 }
 

@@ -464,3 +464,63 @@ fn rules_added_later_apply_at_once_and_are_bounded() {
     assert_eq!(err.would, MAX_EGRESS_RULES + 1);
     assert_eq!(f.rules().len(), MAX_EGRESS_RULES);
 }
+
+/// Issue 33 (item 6): a wide rule opened what no operator meant by it. `0.0.0.0/0` on 443
+/// reached the metadata address, loopback and the host's side of the link; now only a rule
+/// naming such a network does.
+#[test]
+fn wide_rules_do_not_open_reserved_networks_or_the_host() {
+    let metadata = Ipv4Addr::new(169, 254, 169, 254);
+    let wide = EgressPolicy {
+        guest_ip: GUEST_IP,
+        gateway_ip: GATEWAY_IP,
+        allow: vec![
+            rule("0.0.0.0/0", Some("443"), Some("tcp")),
+            rule("0.0.0.0/0", None, None),
+        ],
+    };
+    let mut f = EgressFilter::new(GUEST_MAC, &wide.parse().unwrap());
+    assert!(passes(f.outbound(&guest_sends(TCP, 40000, GITHUB, 443))));
+    for closed in [
+        metadata,
+        Ipv4Addr::new(127, 0, 0, 1),
+        Ipv4Addr::new(0, 0, 0, 1),
+        Ipv4Addr::new(224, 0, 0, 251),
+        Ipv4Addr::new(255, 255, 255, 255),
+        GATEWAY_IP,
+    ] {
+        assert!(
+            !passes(f.outbound(&guest_sends(TCP, 40001, closed, 443))),
+            "{closed} opened by a wide rule"
+        );
+        assert!(
+            !passes(f.outbound(&guest_sends(UDP, 40002, closed, 9))),
+            "{closed} opened by a portless wide rule"
+        );
+    }
+    // DNS to the gateway stays open.
+    assert!(passes(f.outbound(&guest_sends(UDP, 33000, GATEWAY_IP, 53))));
+
+    // Named, they open.
+    let named = EgressPolicy {
+        guest_ip: GUEST_IP,
+        gateway_ip: GATEWAY_IP,
+        allow: vec![
+            rule("169.254.169.254/32", Some("80"), Some("tcp")),
+            rule(&format!("{GATEWAY_IP}/32"), Some("8080"), Some("tcp")),
+            rule("10.0.0.0/8", Some("5432"), Some("tcp")),
+        ],
+    };
+    let mut f = EgressFilter::new(GUEST_MAC, &named.parse().unwrap());
+    assert!(passes(f.outbound(&guest_sends(TCP, 40003, metadata, 80))));
+    assert!(passes(
+        f.outbound(&guest_sends(TCP, 40004, GATEWAY_IP, 8080))
+    ));
+    assert!(passes(f.outbound(&guest_sends(
+        TCP,
+        40005,
+        Ipv4Addr::new(10, 1, 2, 3),
+        5432
+    ))));
+    assert!(!passes(f.outbound(&guest_sends(TCP, 40006, metadata, 81))));
+}
