@@ -116,6 +116,7 @@ fn policy(guest: [u8; 4], allow: Vec<EgressRule>) -> EgressPolicy {
         guest_ip: Ipv4Addr::from(guest),
         gateway_ip: Ipv4Addr::new(10, 0, 0, 1),
         allow,
+        reserved: Vec::new(),
     }
 }
 

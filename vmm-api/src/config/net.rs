@@ -232,7 +232,15 @@ pub struct EgressPolicy {
     pub gateway_ip: Ipv4Addr,
     #[serde(default)]
     pub allow: Vec<EgressRule>,
+    /// Networks (`a.b.c.d/n`) that no rule opens unless the rule's own network lies inside
+    /// one: what only the host knows to keep closed (its own addresses, the guest pool),
+    /// beside the reserved networks the filter always keeps so.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reserved: Vec<String>,
 }
+
+/// Most networks a policy may hold in `reserved`.
+pub const MAX_RESERVED: usize = 256;
 
 /// An [`EgressPolicy`] with its rules parsed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -240,6 +248,8 @@ pub struct ParsedPolicy {
     pub guest_ip: Ipv4Addr,
     pub gateway_ip: Ipv4Addr,
     pub rules: Vec<ParsedRule>,
+    /// `reserved`, as (network, prefix) in host order.
+    pub reserved: Vec<(u32, u8)>,
 }
 
 impl EgressPolicy {
@@ -265,10 +275,29 @@ impl EgressPolicy {
             ));
         }
         let rules = parse_rules(&self.allow).map_err(|e| e.within("allow"))?;
+        if self.reserved.len() > MAX_RESERVED {
+            return Err(ConfigError::new(
+                "reserved",
+                format!(
+                    "at most {MAX_RESERVED} networks, got {}",
+                    self.reserved.len()
+                ),
+            ));
+        }
+        let reserved = self
+            .reserved
+            .iter()
+            .enumerate()
+            .map(|(i, cidr)| {
+                parse_cidr(cidr)
+                    .map_err(|reason| ConfigError::new(&format!("reserved[{i}]"), reason))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(ParsedPolicy {
             guest_ip: self.guest_ip,
             gateway_ip: self.gateway_ip,
             rules,
+            reserved,
         })
     }
 }

@@ -14,6 +14,7 @@ fn config_with_policy() -> VmConfig {
         guest_ip: "10.0.0.2".parse().unwrap(),
         gateway_ip: "10.0.0.1".parse().unwrap(),
         allow: vec![],
+        reserved: Vec::new(),
     });
     config.net.push(net);
     config

@@ -238,7 +238,7 @@ impl NeverOpen {
 }
 
 /// The host's own IPv4 addresses (its network namespace's LOCAL routes).
-fn host_addresses() -> Vec<Ipv4Addr> {
+pub(super) fn host_addresses() -> Vec<Ipv4Addr> {
     std::fs::read_to_string("/proc/net/fib_trie")
         .map(|text| local_addresses(&text))
         .unwrap_or_default()

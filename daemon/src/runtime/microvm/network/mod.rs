@@ -46,6 +46,21 @@ pub struct ImageNetwork {
     pub rate_limit_mbit: u32,
 }
 
+/// What no wide rule of a VM may open, beside what the VMM's filter always keeps closed:
+/// the host's own addresses (its services on every interface, not only the tap's) and the
+/// whole guest pool (other VMs, their gateways and resolvers).
+fn reserved_networks(slot: &Slot) -> Vec<String> {
+    let pool_prefix = 32 - (SLOTS * 8).trailing_zeros();
+    let mut reserved = vec![format!("{}/{pool_prefix}", slot.pool())];
+    reserved.extend(
+        dns::host_addresses()
+            .into_iter()
+            .take(agentvm_vmm_api::config::MAX_RESERVED - 1)
+            .map(|a| format!("{a}/32")),
+    );
+    reserved
+}
+
 /// One VM's place in the pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Slot {
@@ -59,6 +74,10 @@ impl Slot {
             index,
             base: u32::from(pool) + index * 8,
         }
+    }
+    /// The first address of the pool the slot is cut from.
+    fn pool(&self) -> Ipv4Addr {
+        Ipv4Addr::from(self.base - self.index * 8)
     }
     pub fn gateway(&self) -> Ipv4Addr {
         Ipv4Addr::from(self.base + 1)
@@ -152,6 +171,7 @@ impl ImageNetwork {
             guest_ip: slot.guest(),
             gateway_ip: slot.gateway(),
             allow: self.address_rules(),
+            reserved: reserved_networks(slot),
         }
     }
 
@@ -387,6 +407,27 @@ impl Networks {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 33 (item 6): a wide rule reached the host's own addresses and the other VMs'
+    /// side of the pool. Each VM's policy reserves them, and the VMM takes the list.
+    #[test]
+    fn each_policy_reserves_the_pool_and_the_host_s_addresses() {
+        let slot = Slot::new(DEFAULT_POOL, 3);
+        assert_eq!(slot.pool(), DEFAULT_POOL);
+        let reserved = reserved_networks(&slot);
+        assert_eq!(reserved[0], "10.77.0.0/16");
+        assert!(
+            reserved.contains(&"127.0.0.1/32".to_owned()),
+            "the host's addresses: {reserved:?}"
+        );
+        let policy = EgressPolicy {
+            guest_ip: slot.guest(),
+            gateway_ip: slot.gateway(),
+            allow: Vec::new(),
+            reserved,
+        };
+        assert!(policy.parse().is_ok());
+    }
 
     #[test]
     fn slots_lay_out_addresses_and_names_without_overlap() {

@@ -76,6 +76,8 @@ pub struct EgressFilter {
     guest_ip: u32,
     gateway_ip: u32,
     rules: Vec<ParsedRule>,
+    /// The host's own reserved networks (the policy's `reserved`), beside [`RESERVED`].
+    reserved: Vec<(u32, u8)>,
     flows: FlowTable,
 }
 
@@ -87,6 +89,7 @@ impl EgressFilter {
             guest_ip: u32::from(policy.guest_ip),
             gateway_ip: u32::from(policy.gateway_ip),
             rules: policy.rules.clone(),
+            reserved: policy.reserved.clone(),
             flows: FlowTable::default(),
         }
     }
@@ -295,11 +298,13 @@ impl EgressFilter {
     }
 
     /// Whether rule `r`, which covers `addr`, may open it: always, unless `addr` is in a
-    /// reserved network (or is the gateway) that the rule's own network does not lie in.
+    /// reserved network (the filter's, the policy's, the gateway) that the rule's own
+    /// network does not lie in.
     fn reaches(&self, r: &ParsedRule, addr: u32) -> bool {
         let gateway = (self.gateway_ip, 32);
         RESERVED
             .iter()
+            .chain(&self.reserved)
             .chain(std::iter::once(&gateway))
             .filter(|(net, prefix)| addr & mask(*prefix) == *net)
             .all(|(net, prefix)| r.prefix >= *prefix && r.net & mask(*prefix) == *net)

@@ -83,6 +83,7 @@ fn policy(allow: Vec<EgressRule>) -> EgressPolicy {
         guest_ip: GUEST_IP,
         gateway_ip: GATEWAY_IP,
         allow,
+        reserved: Vec::new(),
     }
 }
 

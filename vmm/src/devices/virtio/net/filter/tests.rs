@@ -30,6 +30,7 @@ fn filter() -> EgressFilter {
             rule("1.1.1.1", None, None),
             rule("0.0.0.0/0", Some("5000-5010"), Some("udp")),
         ],
+        reserved: Vec::new(),
     };
     EgressFilter::new(GUEST_MAC, &policy.parse().unwrap())
 }
@@ -259,6 +260,7 @@ fn echo_needs_a_portless_rule_and_errors_come_from_covered_addresses() {
         guest_ip: GUEST_IP,
         gateway_ip: GATEWAY_IP,
         allow: vec![rule("1.1.1.1", None, None)],
+        reserved: Vec::new(),
     };
     let narrow = EgressFilter::new(GUEST_MAC, &narrow.parse().unwrap());
     assert!(!passes(narrow.inbound(&pong(ELSEWHERE, 3, 0))));
@@ -478,6 +480,7 @@ fn wide_rules_do_not_open_reserved_networks_or_the_host() {
             rule("0.0.0.0/0", Some("443"), Some("tcp")),
             rule("0.0.0.0/0", None, None),
         ],
+        reserved: Vec::new(),
     };
     let mut f = EgressFilter::new(GUEST_MAC, &wide.parse().unwrap());
     assert!(passes(f.outbound(&guest_sends(TCP, 40000, GITHUB, 443))));
@@ -510,6 +513,7 @@ fn wide_rules_do_not_open_reserved_networks_or_the_host() {
             rule(&format!("{GATEWAY_IP}/32"), Some("8080"), Some("tcp")),
             rule("10.0.0.0/8", Some("5432"), Some("tcp")),
         ],
+        reserved: Vec::new(),
     };
     let mut f = EgressFilter::new(GUEST_MAC, &named.parse().unwrap());
     assert!(passes(f.outbound(&guest_sends(TCP, 40003, metadata, 80))));
@@ -523,4 +527,19 @@ fn wide_rules_do_not_open_reserved_networks_or_the_host() {
         5432
     ))));
     assert!(!passes(f.outbound(&guest_sends(TCP, 40006, metadata, 81))));
+
+    // What the host reserves (its own addresses, the guest pool) is kept the same way.
+    let host = Ipv4Addr::new(192, 0, 2, 7);
+    let mut policy = wide.clone();
+    policy.reserved = vec!["192.0.2.0/24".into()];
+    let mut f = EgressFilter::new(GUEST_MAC, &policy.parse().unwrap());
+    assert!(!passes(f.outbound(&guest_sends(TCP, 40007, host, 443))));
+    policy
+        .allow
+        .push(rule("192.0.2.7", Some("443"), Some("tcp")));
+    let mut f = EgressFilter::new(GUEST_MAC, &policy.parse().unwrap());
+    assert!(passes(f.outbound(&guest_sends(TCP, 40008, host, 443))));
+    policy.reserved = vec!["192.0.2.0/33".into()];
+    let refused = policy.parse().unwrap_err().to_string();
+    assert!(refused.contains("reserved[0]"), "{refused}");
 }
