@@ -39,6 +39,30 @@ fn node_env(
     start_daemon_env(dir, &args, env)
 }
 
+/// A node of the fleet running microVMs, publishing snapshots to `snapshot_url`. Two nodes
+/// on one host take VM uids from ranges of their own (`uid_base`).
+fn microvm_node(
+    dir: &std::path::Path,
+    name: &str,
+    url: &str,
+    snapshot_url: &str,
+    uid_base: &str,
+    extra: &[&str],
+    env: &[(String, String)],
+) -> Daemon {
+    let vmm = vmm_binary();
+    let mut args = vec![
+        "--vmm-binary",
+        vmm.to_str().unwrap(),
+        "--snapshot-url",
+        snapshot_url,
+        "--vm-uid-base",
+        uid_base,
+    ];
+    args.extend(extra);
+    node_env(dir, name, url, &args, env)
+}
+
 fn postgres() -> Option<TestPostgres> {
     match TestPostgres::start() {
         Ok(server) => Some(server),
@@ -287,22 +311,17 @@ fn a_memory_session_moves_through(mut store: SharedStore, db: &str) {
     let url = server.url(db);
     let snapshot_url = store.url();
     let env = store.env();
-    let vmm = vmm_binary();
-    let vmm = vmm.to_str().unwrap();
     let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let node = |dir: &std::path::Path, name: &str, uid_base: &str| {
-        // Two nodes on one host: VM uids from ranges of their own.
-        let extra = [
-            "--vmm-binary",
-            vmm,
-            "--snapshot-url",
+        microvm_node(
+            dir,
+            name,
+            &url,
             &snapshot_url,
-            "--vm-uid-base",
             uid_base,
-            "--snapshot-sweep-secs",
-            "1",
-        ];
-        node_env(dir, name, &url, &extra, &env)
+            &["--snapshot-sweep-secs", "1"],
+            &env,
+        )
     };
     let a = node(dir_a.path(), "node-a", "1879048192");
     let b = node(dir_b.path(), "node-b", "1879179264");
@@ -518,19 +537,9 @@ fn a_node_restarted_after_a_takeover_stops_the_vmm_it_lost() {
     let url = server.url("takeover");
     let store = SharedStore::Dir(tempfile::tempdir().unwrap());
     let snapshot_url = store.url();
-    let vmm = vmm_binary();
-    let vmm = vmm.to_str().unwrap();
     let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let node = |dir: &std::path::Path, name: &str, uid_base: &str| {
-        let extra = [
-            "--vmm-binary",
-            vmm,
-            "--snapshot-url",
-            &snapshot_url,
-            "--vm-uid-base",
-            uid_base,
-        ];
-        node_env(dir, name, &url, &extra, &[])
+        microvm_node(dir, name, &url, &snapshot_url, uid_base, &[], &[])
     };
     let a = node(dir_a.path(), "node-a", "1879048192");
     let mut b = node(dir_b.path(), "node-b", "1879179264");

@@ -93,6 +93,17 @@ fn info_messages(lines: &[String], request_id: &str) -> Vec<String> {
         .collect()
 }
 
+/// No line holds `payload`, and none is a WARN or an ERROR.
+fn assert_quiet(lines: &[String], payload: &str) {
+    for line in lines {
+        assert!(!line.contains(payload), "a payload in the log: {line}");
+        assert!(
+            !line.contains(" WARN ") && !line.contains(" ERROR "),
+            "{line}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn scenario_72_log_hygiene() {
     let captured = Captured::default();
@@ -145,13 +156,7 @@ async fn scenario_72_log_hygiene() {
                 .any(|l| l.contains("compute ready") && l.contains(compute)),
             "{lines:#?}"
         );
-        for line in &lines {
-            assert!(!line.contains(SECRET), "a payload in the log: {line}");
-            assert!(
-                !line.contains(" WARN ") && !line.contains(" ERROR "),
-                "{line}"
-            );
-        }
+        assert_quiet(&lines, SECRET);
     }
 
     // Refusals the caller caused: logged once at INFO under their id, never WARN or ERROR.
@@ -197,13 +202,7 @@ async fn scenario_72_log_hygiene() {
             "{id}: {lines:#?}"
         );
     }
-    for line in &lines {
-        assert!(
-            !line.contains(" WARN ") && !line.contains(" ERROR "),
-            "{line}"
-        );
-        assert!(!line.contains(SECRET), "a payload in the log: {line}");
-    }
+    assert_quiet(&lines, SECRET);
 
     // Upstream's request-id test: an Exec that names nothing (no session, no inputs, no
     // x-request-id) gets an id of the server's making, echoed, on every line it causes, and
@@ -251,11 +250,5 @@ async fn scenario_72_log_hygiene() {
         [made.as_str()],
         "{lines:#?}"
     );
-    for line in &lines {
-        assert!(!line.contains(SECRET), "a payload in the log: {line}");
-        assert!(
-            !line.contains(" WARN ") && !line.contains(" ERROR "),
-            "{line}"
-        );
-    }
+    assert_quiet(&lines, SECRET);
 }

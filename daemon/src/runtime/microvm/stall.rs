@@ -37,12 +37,9 @@ pub fn stall(pid: u32) -> Option<Stall> {
 }
 
 fn stall_in(cgroup_root: &Path, pid: u32) -> Option<Stall> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The state follows the parenthesised command name, which may hold anything.
-    let state = stat.rsplit_once(')')?.1.split_whitespace().next()?;
-    match state {
-        "T" => return Some(Stall::Stopped),
-        "t" => return Some(Stall::Traced),
+    match super::vmm_process::process_state(pid)? {
+        'T' => return Some(Stall::Stopped),
+        't' => return Some(Stall::Traced),
         _ => {}
     }
     let groups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;

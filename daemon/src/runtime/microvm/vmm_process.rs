@@ -372,11 +372,15 @@ pub fn alive(pid: u32) -> bool {
 /// name, which may hold spaces) is Z and its task list holds only the leader. A leader that
 /// exited first reads Z while its other threads still run (and still hold its cgroups).
 fn finished_zombie(pid: u32) -> bool {
-    let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-        stat.rsplit_once(')')
-            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
-    });
-    zombie && std::fs::read_dir(format!("/proc/{pid}/task")).is_ok_and(|tasks| tasks.count() <= 1)
+    process_state(pid) == Some('Z')
+        && std::fs::read_dir(format!("/proc/{pid}/task")).is_ok_and(|tasks| tasks.count() <= 1)
+}
+
+/// The state letter of process `pid` (`R`, `S`, `T`, `Z`, …): in `/proc/PID/stat` it follows
+/// the parenthesised command name, which may hold anything.
+pub(super) fn process_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
 }
 
 pub fn kill(pid: u32) {
