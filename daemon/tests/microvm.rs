@@ -633,6 +633,16 @@ async fn a_stopped_vmm_fails_the_turn_at_once_and_the_next_turn_recovers() {
         nix::unistd::Pid::from_raw(pid),
         nix::sys::signal::Signal::SIGSTOP,
     );
+    // The signal lands asynchronously: the suspend is asked once the kernel shows it stopped
+    // (a suspend that starts before may rightly wait on the VMM's API).
+    let stopped = (0..500).any(|_| {
+        std::thread::sleep(Duration::from_millis(2));
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+            stat.rsplit_once(')')
+                .is_some_and(|(_, r)| r.trim_start().starts_with('T'))
+        })
+    });
+    assert!(stopped, "VMM {pid} never showed as stopped");
     // A suspend cannot save what cannot run: refused at once, changing nothing.
     let refused = tokio::time::timeout(
         Duration::from_secs(5),
