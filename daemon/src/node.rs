@@ -231,6 +231,7 @@ fn microvm_runtime(cfg: &NodeConfig) -> Result<MicrovmRuntime, String> {
         vmm_pool: cfg.vmm_pool,
         memory_limit_mib: cfg.vmm_memory_limit_mib,
         snapshot_remote: cfg.snapshot_remote.clone(),
+        min_free_disk_bytes: cfg.min_free_disk_mib.saturating_mul(1 << 20),
     })
 }
 

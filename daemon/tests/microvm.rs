@@ -266,6 +266,7 @@ fn runtime_config(
         vm_uid_base: agentvmd::runtime::microvm::DEFAULT_VM_UID_BASE,
         memory_limit_mib: None,
         snapshot_remote: None,
+        min_free_disk_bytes: 0,
         vmm_pool: 0,
     }
 }

@@ -15,7 +15,13 @@
 //!
 //! Import trusts nothing: names are checked against the manifest (no paths), every extent
 //! against its file's size, sizes against the manifest, and every digest is recomputed
-//! before the snapshot is accepted.
+//! before the snapshot is accepted. Whoever can write the store can still write a
+//! self-consistent archive, so an archive is also *pinned*: export returns the digest of
+//! the manifest it wrote (which names every file's digest), the carrier records it where
+//! the store's writers cannot reach (the daemon's journal), and import refuses an archive
+//! whose manifest digest is not the pinned one. An archive is a bomb until proven
+//! otherwise: declared sizes and the bytes written are capped by [`ImportLimits`] before
+//! anything is allocated or written.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, BufReader, BufWriter, Read, Write};
@@ -30,6 +36,8 @@ use crate::pages::{self, PAGE_SIZE, PageHasher};
 const MAGIC: &[u8; 8] = b"AGVMSNAP";
 const ARCHIVE_VERSION: u32 = 1;
 const MAX_NAME: usize = 255;
+/// The largest file digested whole (config, device state): its readers read it whole.
+const MAX_WHOLE_FILE: u64 = 16 << 20;
 /// zstd level: fast enough to keep up with a disk, still shrinks guest RAM well.
 const ZSTD_LEVEL: i32 = 3;
 
@@ -41,8 +49,33 @@ fn io_err(e: io::Error) -> SnapshotError {
     archive_err(e.to_string())
 }
 
-/// Writes `snapshot` (with its bases composed in) as an archive to `out`.
-pub fn export(snapshot: &Snapshot, out: impl Write) -> Result<(), SnapshotError> {
+/// What an import may take: the pinned manifest digest, and caps on what the archive
+/// declares and writes.
+#[derive(Debug, Clone)]
+pub struct ImportLimits {
+    /// The digest export returned for this archive; `None` trusts the archive's own
+    /// digests only (an archive the caller made itself).
+    pub pin: Option<String>,
+    /// The largest size any one file may declare.
+    pub max_file_bytes: u64,
+    /// The most bytes the import may write, all files together.
+    pub max_written_bytes: u64,
+}
+
+impl ImportLimits {
+    /// No pin and no caps beyond the format's own.
+    pub fn unpinned() -> Self {
+        Self {
+            pin: None,
+            max_file_bytes: u64::MAX,
+            max_written_bytes: u64::MAX,
+        }
+    }
+}
+
+/// Writes `snapshot` (with its bases composed in) as an archive to `out`. Returns its pin:
+/// the digest of the manifest it carries.
+pub fn export(snapshot: &Snapshot, out: impl Write) -> Result<String, SnapshotError> {
     let chain = snapshot.chain()?;
     let mut z = begin(out)?;
     // The flattened manifest: no base, and the memory digest of the composition.
@@ -74,22 +107,24 @@ fn begin<W: Write>(out: W) -> Result<zstd::Encoder<'static, BufWriter<W>>, Snaps
     Ok(z)
 }
 
-/// Closes an archive: `manifest` last, then the end mark, flushed.
+/// Closes an archive: `manifest` last, then the end mark, flushed. Returns the archive's
+/// pin.
 fn end<W: Write>(
     mut z: zstd::Encoder<'static, BufWriter<W>>,
     manifest: &Manifest,
-) -> Result<(), SnapshotError> {
+) -> Result<String, SnapshotError> {
     let json = manifest.to_json();
     write_header(&mut z, MANIFEST_FILE, json.len() as u64)?;
     write_extent(&mut z, 0, &json)?;
     write_extent(&mut z, 0, &[])?;
     z.write_all(&0u16.to_le_bytes()).map_err(io_err)?;
-    z.finish().and_then(|mut w| w.flush()).map_err(io_err)
+    z.finish().and_then(|mut w| w.flush()).map_err(io_err)?;
+    Ok(sha256_hex(&json))
 }
 
 /// Writes layered `snapshot` as a layer archive: its own files as they are, guest memory as
-/// exactly the pages its layer stores.
-pub fn export_layer(snapshot: &Snapshot, out: impl Write) -> Result<(), SnapshotError> {
+/// exactly the pages its layer stores. Returns its pin.
+pub fn export_layer(snapshot: &Snapshot, out: impl Write) -> Result<String, SnapshotError> {
     if snapshot.manifest.memory.base.is_none() {
         return Err(archive_err("a layer archive needs a layered snapshot"));
     }
@@ -171,12 +206,13 @@ fn write_composed_memory(z: &mut impl Write, chain: &[Snapshot]) -> Result<Strin
 
 /// Unpacks an archive into `dir` (existing, without a snapshot) and verifies it: a
 /// flattened archive when `base` is `None`, else a layer archive, which becomes a snapshot
-/// layered on `base`.
+/// layered on `base`. Returns the snapshot and the archive's pin (its manifest's digest).
 pub fn import(
     input: impl Read,
     dir: &Path,
     base: Option<&Snapshot>,
-) -> Result<Snapshot, SnapshotError> {
+    limits: &ImportLimits,
+) -> Result<(Snapshot, String), SnapshotError> {
     let mut z = zstd::Decoder::new(BufReader::new(input)).map_err(io_err)?;
     let mut magic = [0u8; 8];
     read_exact(&mut z, &mut magic)?;
@@ -192,6 +228,7 @@ pub fn import(
     // The manifest comes last; files are written under their names, checked against it
     // once it is known.
     let mut written: Vec<(String, u64)> = Vec::new();
+    let mut written_bytes = 0u64;
     let mut manifest_bytes = None;
     loop {
         let name_len = read_u16(&mut z)? as usize;
@@ -208,6 +245,12 @@ pub fn import(
             return Err(archive_err(format!("bad or repeated file name {name:?}")));
         }
         let size = read_u64(&mut z)?;
+        if size > limits.max_file_bytes {
+            return Err(archive_err(format!(
+                "{name} declares {size} bytes, over the {} this import allows",
+                limits.max_file_bytes
+            )));
+        }
         if name == MANIFEST_FILE {
             let (offset, len) = (read_u64(&mut z)?, read_u64(&mut z)?);
             if offset != 0 || len != size || size > 1 << 20 {
@@ -237,6 +280,13 @@ pub fn import(
             if offset.checked_add(len).is_none_or(|end| end > size) || len > 64 << 20 {
                 return Err(archive_err(format!("extent outside {name}")));
             }
+            written_bytes = written_bytes.saturating_add(len);
+            if written_bytes > limits.max_written_bytes {
+                return Err(archive_err(format!(
+                    "the archive writes more than the {} bytes this import allows",
+                    limits.max_written_bytes
+                )));
+            }
             buf.resize(len as usize, 0);
             read_exact(&mut z, &mut buf)?;
             file.write_all_at(&buf, offset).map_err(io_err)?;
@@ -244,7 +294,22 @@ pub fn import(
         written.push((name, size));
     }
     let manifest_bytes = manifest_bytes.ok_or_else(|| archive_err("no manifest"))?;
+    let pin = sha256_hex(&manifest_bytes);
+    if let Some(expected) = &limits.pin
+        && *expected != pin
+    {
+        return Err(archive_err(format!(
+            "its manifest digest is {pin}, not the {expected} recorded when it was published: \
+             the store's copy was replaced"
+        )));
+    }
     let manifest = Manifest::from_json(&manifest_bytes)?;
+    if manifest.memory.size > limits.max_file_bytes {
+        return Err(archive_err(format!(
+            "its guest memory is {} bytes, over the {} this import allows",
+            manifest.memory.size, limits.max_file_bytes
+        )));
+    }
     if manifest.memory.base.is_some() {
         return Err(archive_err("an archive must not name a base snapshot"));
     }
@@ -285,9 +350,15 @@ pub fn import(
         if !written.iter().any(|(n, _)| n == name) {
             return Err(SnapshotError::MissingFile(name.clone()));
         }
+        if entry.digest == DigestKind::Bytes && entry.size > MAX_WHOLE_FILE {
+            return Err(archive_err(format!(
+                "{name} is {} bytes, over the {MAX_WHOLE_FILE} a file read whole may be",
+                entry.size
+            )));
+        }
         let path = dir.join(name);
         let found = match entry.digest {
-            DigestKind::Bytes => sha256_hex(&std::fs::read(&path).map_err(io_err)?),
+            DigestKind::Bytes => sha256_file(&path)?,
             DigestKind::Pages => {
                 pages::file_digest(&File::open(&path).map_err(io_err)?)
                     .map_err(io_err)?
@@ -316,7 +387,23 @@ pub fn import(
             base: base.map(Snapshot::base_ref),
         },
     )?;
-    Snapshot::open(dir)
+    Ok((Snapshot::open(dir)?, pin))
+}
+
+/// The SHA-256 of the file at `path`, read in pieces (a file may be as large as its cap).
+fn sha256_file(path: &Path) -> Result<String, SnapshotError> {
+    use sha2::{Digest, Sha256};
+    let mut file = File::open(path).map_err(io_err)?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf).map_err(io_err)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(pages::hex(&hasher.finalize()))
 }
 
 fn read_exact(z: &mut impl Read, buf: &mut [u8]) -> Result<(), SnapshotError> {
@@ -388,6 +475,15 @@ mod tests {
 
     fn snapshot(dir: &Path, pages: &[(u64, u8)], base: Option<&Snapshot>) -> Snapshot {
         written(dir, pages, base, DigestKind::Pages)
+    }
+
+    /// An import that trusts the archive's own digests only (as its maker would).
+    fn import(
+        input: impl Read,
+        dir: &Path,
+        base: Option<&Snapshot>,
+    ) -> Result<Snapshot, SnapshotError> {
+        super::import(input, dir, base, &ImportLimits::unpinned()).map(|(snapshot, _)| snapshot)
     }
 
     /// A layer on `base` storing `pages` (a byte of 0 is a stored page of zeros).
@@ -517,5 +613,83 @@ mod tests {
         // Not an archive at all.
         let out = tempfile::tempdir().unwrap();
         assert!(import(&b"hello"[..], out.path(), None).is_err());
+    }
+
+    /// A raw archive holding one file `name` of `size` bytes, written as `extents` of
+    /// `len` zero bytes each, and no manifest.
+    fn zero_bomb(name: &str, size: u64, extents: u64, len: u64) -> Vec<u8> {
+        let mut raw = Vec::new();
+        raw.extend_from_slice(MAGIC);
+        raw.extend_from_slice(&ARCHIVE_VERSION.to_le_bytes());
+        raw.extend_from_slice(&(name.len() as u16).to_le_bytes());
+        raw.extend_from_slice(name.as_bytes());
+        raw.extend_from_slice(&size.to_le_bytes());
+        let zeros = vec![0u8; len as usize];
+        for i in 0..extents {
+            raw.extend_from_slice(&(i * len).to_le_bytes());
+            raw.extend_from_slice(&len.to_le_bytes());
+            raw.extend_from_slice(&zeros);
+        }
+        raw.extend_from_slice(&0u64.to_le_bytes());
+        raw.extend_from_slice(&0u64.to_le_bytes());
+        raw.extend_from_slice(&0u16.to_le_bytes());
+        zstd::encode_all(&raw[..], 3).unwrap()
+    }
+
+    #[test]
+    fn a_swapped_archive_fails_its_pin_and_a_bomb_stops_at_its_caps() {
+        let dir_a = tempfile::tempdir().unwrap();
+        let a = snapshot(dir_a.path(), &[(1, 1)], None);
+        let dir_b = tempfile::tempdir().unwrap();
+        let b = snapshot(dir_b.path(), &[(1, 2)], None);
+        let (mut archive_a, mut archive_b) = (Vec::new(), Vec::new());
+        let pin_a = export(&a, &mut archive_a).unwrap();
+        let pin_b = export(&b, &mut archive_b).unwrap();
+        assert_ne!(pin_a, pin_b);
+        let pinned = |pin: &str| ImportLimits {
+            pin: Some(pin.to_owned()),
+            ..ImportLimits::unpinned()
+        };
+        // B is self-consistent (every digest its own manifest lists holds): only the pin
+        // tells it is not the A that was published.
+        let out = tempfile::tempdir().unwrap();
+        let err = super::import(&archive_b[..], out.path(), None, &pinned(&pin_a)).unwrap_err();
+        assert!(err.to_string().contains("was replaced"), "{err}");
+        let out = tempfile::tempdir().unwrap();
+        let (_, pin) = super::import(&archive_a[..], out.path(), None, &pinned(&pin_a)).unwrap();
+        assert_eq!(pin, pin_a);
+
+        // A declared size over the cap is refused before anything is allocated: a 3 GiB
+        // file in a few bytes of archive.
+        let capped = ImportLimits {
+            pin: None,
+            max_file_bytes: 1 << 20,
+            max_written_bytes: 4 << 20,
+        };
+        let out = tempfile::tempdir().unwrap();
+        let declared = zero_bomb(MEMORY_FILE, 3 << 30, 0, 0);
+        let err = super::import(&declared[..], out.path(), None, &capped).unwrap_err();
+        assert!(
+            err.to_string().contains("declares 3221225472 bytes"),
+            "{err}"
+        );
+        assert!(!out.path().join(MEMORY_FILE).exists());
+        // Written bytes stop at theirs: 64 MiB of zeros in a small archive.
+        let capped = ImportLimits {
+            max_file_bytes: 64 << 20,
+            ..capped
+        };
+        let written = zero_bomb(MEMORY_FILE, 64 << 20, 64, 1 << 20);
+        assert!(written.len() < 64 << 10, "{} bytes", written.len());
+        let out = tempfile::tempdir().unwrap();
+        let err = super::import(&written[..], out.path(), None, &capped).unwrap_err();
+        assert!(err.to_string().contains("writes more than"), "{err}");
+        let on_disk = std::fs::metadata(out.path().join(MEMORY_FILE)).unwrap();
+        use std::os::unix::fs::MetadataExt;
+        assert!(
+            on_disk.blocks() * 512 <= 5 << 20,
+            "{} bytes",
+            on_disk.blocks() * 512
+        );
     }
 }

@@ -22,6 +22,12 @@ const INCOMING: &str = ".incoming-";
 /// Prefix of a snapshot being deleted: renamed out of the store's view under the lock,
 /// removed after it.
 const DELETING: &str = ".deleting-";
+/// `<root>/.pins/<id>`: the pins of the archive chain snapshot `id` was published or
+/// fetched as (its own first, then its bases'), one per line. Written by the store's owner
+/// only, so a layer published on `id` can name what it is layered on.
+const PINS: &str = ".pins";
+/// The most pins a record holds (one per archive of a chain).
+const MAX_PINS: usize = MAX_CHAIN;
 /// Deeper chains are not followed (and are not written: layers are flattened long before).
 const MAX_CHAIN: usize = 64;
 
@@ -465,19 +471,59 @@ impl LocalStore {
                 Err(e) => return Err(io(&dir)(e)),
             }
             let _ = std::fs::remove_dir(self.root.join(REFS).join(id));
+            let _ = std::fs::remove_file(self.root.join(PINS).join(id));
             doomed
         };
         std::fs::remove_dir_all(&doomed).map_err(io(&doomed))
     }
 
-    /// Writes snapshot `id` (flattened) as a portable archive.
-    pub fn export(&self, id: &str, out: impl Write) -> Result<(), SnapshotError> {
+    /// Writes snapshot `id` (flattened) as a portable archive; returns its pin.
+    pub fn export(&self, id: &str, out: impl Write) -> Result<String, SnapshotError> {
         archive::export(&self.get(id)?, out)
     }
 
     /// Writes layered snapshot `id` as a layer archive: only what it stores over its base.
-    pub fn export_layer(&self, id: &str, out: impl Write) -> Result<(), SnapshotError> {
+    /// Returns its pin.
+    pub fn export_layer(&self, id: &str, out: impl Write) -> Result<String, SnapshotError> {
         archive::export_layer(&self.get(id)?, out)
+    }
+
+    /// Records the pins of the archive chain `id` travels as (its own first), replacing any
+    /// earlier record; written whole or not at all.
+    pub fn record_pins(&self, id: &str, pins: &[String]) -> Result<(), SnapshotError> {
+        check_name("snapshot id", id)?;
+        let dir = self.root.join(PINS);
+        match std::fs::create_dir(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(io(&dir)(e)),
+        }
+        let partial = dir.join(format!(".{id}.{}", std::process::id()));
+        let path = dir.join(id);
+        std::fs::write(&partial, pins.join("\n"))
+            .and_then(|()| std::fs::rename(&partial, &path))
+            .map_err(io(&path))
+            .inspect_err(|_| {
+                let _ = std::fs::remove_file(&partial);
+            })
+    }
+
+    /// The pins [`LocalStore::record_pins`] recorded for `id`, if any.
+    pub fn pins(&self, id: &str) -> Result<Option<Vec<String>>, SnapshotError> {
+        check_name("snapshot id", id)?;
+        let path = self.root.join(PINS).join(id);
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io(&path)(e)),
+        };
+        let pins: Vec<String> = text.lines().map(str::to_owned).collect();
+        let well_formed = !pins.is_empty()
+            && pins.len() <= MAX_PINS
+            && pins
+                .iter()
+                .all(|p| p.len() == 64 && p.bytes().all(|b| b.is_ascii_hexdigit()));
+        Ok(well_formed.then_some(pins))
     }
 
     /// The store's snapshot `id` is layered on, if any (a base outside the store has none).
@@ -499,6 +545,7 @@ impl LocalStore {
         id: &str,
         input: impl Read,
         base: Option<&str>,
+        limits: &archive::ImportLimits,
     ) -> Result<PathBuf, SnapshotError> {
         let base = base.map(|base| self.get(base)).transpose()?;
         let dir = self.unused_dir(id)?;
@@ -506,7 +553,7 @@ impl LocalStore {
         let _ = std::fs::remove_dir_all(&incoming);
         let fetched = std::fs::create_dir(&incoming)
             .map_err(io(&incoming))
-            .and_then(|()| archive::import(input, &incoming, base.as_ref()))
+            .and_then(|()| archive::import(input, &incoming, base.as_ref(), limits))
             .and_then(|_| sync_files(&incoming))
             .and_then(|()| {
                 std::fs::rename(&incoming, &dir).map_err(io(&dir))?;
@@ -522,11 +569,18 @@ impl LocalStore {
     }
 
     /// Imports an archive as snapshot `id`; nothing is left behind if it fails.
-    pub fn import(&self, id: &str, input: impl Read) -> Result<Snapshot, SnapshotError> {
+    pub fn import(
+        &self,
+        id: &str,
+        input: impl Read,
+        limits: &archive::ImportLimits,
+    ) -> Result<Snapshot, SnapshotError> {
         let dir = self.create_dir(id)?;
-        archive::import(input, &dir, None).inspect_err(|_| {
-            let _ = std::fs::remove_dir_all(&dir);
-        })
+        archive::import(input, &dir, None, limits)
+            .map(|(snapshot, _pin)| snapshot)
+            .inspect_err(|_| {
+                let _ = std::fs::remove_dir_all(&dir);
+            })
     }
 }
 
@@ -717,7 +771,11 @@ mod tests {
     fn failed_imports_leave_nothing() {
         let root = tempfile::tempdir().unwrap();
         let store = LocalStore::open(root.path()).unwrap();
-        assert!(store.import("bad", &b"garbage"[..]).is_err());
+        assert!(
+            store
+                .import("bad", &b"garbage"[..], &archive::ImportLimits::unpinned())
+                .is_err()
+        );
         assert!(store.list().unwrap().is_empty());
     }
 

@@ -120,6 +120,8 @@ pub struct MicrovmConfig {
     /// Where snapshots are published for the whole fleet (`remote.rs`); `None`: they stay in
     /// this node's store.
     pub snapshot_remote: Option<remote::SnapshotRemote>,
+    /// The node's disk reserve: a fetch from the fleet's store never writes below it.
+    pub min_free_disk_bytes: u64,
     /// How many jailed VMMs wait, started, for the next create, resume or fork child
     /// (`pool.rs`); 0 starts each when it is needed. Confined agentvm-vmm VMMs only.
     pub vmm_pool: usize,
@@ -646,13 +648,28 @@ impl MicrovmRuntime {
     }
 
     /// The local directory of the snapshot `snapshot` names: this node's own, or fetched
-    /// from the fleet's snapshot store.
-    async fn local_snapshot(&self, snapshot: &SnapshotRef) -> std::result::Result<PathBuf, String> {
+    /// from the fleet's snapshot store, no file of it larger than a VM of `harness` has.
+    async fn local_snapshot(
+        &self,
+        snapshot: &SnapshotRef,
+        harness: &str,
+    ) -> std::result::Result<PathBuf, String> {
         if let Some(remote) = &self.config.snapshot_remote
             && remote.archive_of(&snapshot.external_uri).is_some()
         {
+            let image = self.image(harness);
+            let memory = image
+                .and_then(|i| i.memory_mib)
+                .unwrap_or(self.config.memory_mib);
+            let workspace = image.map_or(0, |i| i.workspace_mib);
+            let limits = remote::FetchLimits {
+                max_file_bytes: memory.max(workspace) << 20,
+                min_free_bytes: self.config.min_free_disk_bytes,
+            };
             let _one_at_a_time = self.fetching.lock().await;
-            return remote.fetch(&snapshot.external_uri, &self.store).await;
+            return remote
+                .fetch(&snapshot.external_uri, &self.store, limits)
+                .await;
         }
         snapshot_dir(snapshot).ok_or_else(|| {
             format!(
@@ -673,7 +690,7 @@ impl MicrovmRuntime {
         let network = Self::session_network(self.image(&spec.harness), spec)
             .map_err(|e| failed(session, e))?;
         let source = self
-            .local_snapshot(snapshot)
+            .local_snapshot(snapshot, &spec.harness)
             .await
             .map_err(|e| failed(session, e))?;
         let id = source

@@ -16,6 +16,15 @@
 //! Archives are kept per session (its directory of the remote), so a session's are found
 //! without listing the fleet's; they are deleted once their session is gone and nothing
 //! layered on them is kept (`sweep`).
+//!
+//! Whoever can write the store is not trusted: the URI the journal records pins the chain
+//! it names, `URI#sha256=PIN[,PIN…]` (the archive's manifest digest, then its base's, down
+//! to the flattened archive at the bottom), and a fetch refuses any archive whose manifest
+//! is not the pinned one, so a rewritten archive (every digest inside it self-consistent)
+//! is refused as surely as a corrupt one. Each node records the pins of the chains it
+//! publishes and fetches in its store, so a layer it publishes can name its base's. A fetch
+//! is capped too: no file larger than the session's memory or disk, and never below the
+//! node's disk reserve.
 
 mod s3;
 
@@ -26,6 +35,7 @@ use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
 use agentvm_snapshot::LocalStore;
+use agentvm_snapshot::archive::ImportLimits;
 
 pub use self::s3::S3Remote;
 
@@ -37,6 +47,44 @@ const LAYER_MARK: char = '@';
 const NO_SESSION: &str = "_";
 /// Deeper chains of archives are refused (the VMM flattens long before).
 const MAX_CHAIN: usize = 64;
+/// Between an archive's URI and the pins of its chain.
+const PIN_MARK: &str = "#sha256=";
+
+/// What a fetch may write: the largest file a snapshot of the session can hold (its memory
+/// or a disk), and the free space of the store it must leave.
+#[derive(Debug, Clone, Copy)]
+pub struct FetchLimits {
+    pub max_file_bytes: u64,
+    pub min_free_bytes: u64,
+}
+
+impl FetchLimits {
+    /// How many bytes the next archive may write into `store`.
+    fn budget(&self, store: &LocalStore) -> Result<u64, String> {
+        let free = crate::disk::free_bytes(store.root())
+            .map_err(|e| format!("reading the free space of {}: {e}", store.root().display()))?;
+        match free.checked_sub(self.min_free_bytes) {
+            Some(budget) if budget > 0 => Ok(budget),
+            _ => Err(format!(
+                "{} has {} MiB free, below the node's reserve of {} MiB",
+                store.root().display(),
+                free >> 20,
+                self.min_free_bytes >> 20
+            )),
+        }
+    }
+}
+
+/// The pins a URI carries, top first: `None` if it carries none (or malformed ones).
+fn pins_of(uri: &str) -> Option<Vec<String>> {
+    let (_, pins) = uri.split_once(PIN_MARK)?;
+    let pins: Vec<String> = pins.split(',').map(str::to_owned).collect();
+    let well_formed = pins.len() <= MAX_CHAIN
+        && pins
+            .iter()
+            .all(|p| p.len() == 64 && p.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')));
+    well_formed.then_some(pins)
+}
 
 /// One published archive: snapshot `id`, flattened, or its layer on snapshot `base`.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -140,10 +188,11 @@ impl std::str::FromStr for SnapshotRemote {
 }
 
 /// Exports snapshot `id` of `store` into `to` as an archive (a layer if `layer`), synced.
-fn export(store: &LocalStore, id: &str, layer: bool, to: &Path) -> Result<(), String> {
+/// Returns its pin.
+fn export(store: &LocalStore, id: &str, layer: bool, to: &Path) -> Result<String, String> {
     let file = File::create(to).map_err(|e| format!("creating {}: {e}", to.display()))?;
     let mut out = BufWriter::new(file);
-    match layer {
+    let pin = match layer {
         true => store.export_layer(id, &mut out),
         false => store.export(id, &mut out),
     }
@@ -151,14 +200,26 @@ fn export(store: &LocalStore, id: &str, layer: bool, to: &Path) -> Result<(), St
     out.into_inner()
         .map_err(|e| format!("writing {}: {e}", to.display()))?
         .sync_all()
-        .map_err(|e| format!("syncing {}: {e}", to.display()))
+        .map_err(|e| format!("syncing {}: {e}", to.display()))?;
+    Ok(pin)
 }
 
-/// Imports the archive at `from` into `store` (onto the store's copy of its base).
-fn import(store: &LocalStore, archive: &Archive, from: &Path) -> Result<PathBuf, String> {
+/// Imports the archive at `from` into `store` (onto the store's copy of its base), checked
+/// against `limits`.
+fn import(
+    store: &LocalStore,
+    archive: &Archive,
+    from: &Path,
+    limits: &ImportLimits,
+) -> Result<PathBuf, String> {
     let file = File::open(from).map_err(|e| format!("opening {}: {e}", from.display()))?;
     store
-        .fetch(&archive.id, BufReader::new(file), archive.base.as_deref())
+        .fetch(
+            &archive.id,
+            BufReader::new(file),
+            archive.base.as_deref(),
+            limits,
+        )
         .map_err(|e| format!("fetching {}: {e}", from.display()))
 }
 
@@ -183,7 +244,7 @@ impl SnapshotRemote {
         dir.join(archive.key())
     }
 
-    /// The URI the journal records for `archive`.
+    /// Where `archive` is, without pins.
     pub fn uri(&self, archive: &Archive) -> String {
         match self {
             Self::Dir(dir) => format!("file://{}", Self::path(dir, archive).display()),
@@ -191,8 +252,14 @@ impl SnapshotRemote {
         }
     }
 
-    /// The archive a URI of this remote names, or `None` for any other URI.
+    /// The URI the journal records for `archive`: where it is, and the pins of its chain.
+    fn pinned_uri(&self, archive: &Archive, pins: &[String]) -> String {
+        format!("{}{PIN_MARK}{}", self.uri(archive), pins.join(","))
+    }
+
+    /// The archive a URI of this remote names (pinned or not), or `None` for any other URI.
     pub fn archive_of(&self, uri: &str) -> Option<Archive> {
+        let uri = uri.split_once('#').map_or(uri, |(uri, _)| uri);
         let key = match self {
             Self::Dir(dir) => Path::new(uri.strip_prefix("file://")?)
                 .strip_prefix(dir)
@@ -247,23 +314,30 @@ impl SnapshotRemote {
     /// Publishes snapshot `id` of `store`, so that no node ever reads half an archive: in a
     /// directory, written under a temporary name, synced and renamed into place; in a
     /// bucket, uploaded in parts that appear as one object when the upload completes. A
-    /// snapshot layered on one the remote holds goes as a layer on it. Returns its URI.
+    /// snapshot layered on one the remote holds (and whose pins this node knows) goes as a
+    /// layer on it. Returns its pinned URI.
     pub async fn publish(&self, store: &LocalStore, id: &str) -> Result<String, String> {
         let local_base = store.base_of(id).map_err(|e| e.to_string())?;
-        let base = match local_base {
-            Some(base) => {
-                let under = store.base_of(&base).map_err(|e| e.to_string())?;
-                self.locate(&base, under).await?.map(|_| base)
-            }
-            None => None,
+        let (base, base_pins) = match local_base {
+            Some(base) => match store.pins(&base).map_err(|e| e.to_string())? {
+                Some(pins) if pins.len() < MAX_CHAIN => {
+                    let under = store.base_of(&base).map_err(|e| e.to_string())?;
+                    match self.locate(&base, under).await? {
+                        Some(_) => (Some(base), pins),
+                        None => (None, Vec::new()),
+                    }
+                }
+                _ => (None, Vec::new()),
+            },
+            None => (None, Vec::new()),
         };
         let archive = Archive {
             id: id.to_owned(),
             base,
         };
         let layer = archive.base.is_some();
-        let (store, owned_id) = (store.clone(), id.to_owned());
-        match self {
+        let (owned_store, owned_id) = (store.clone(), id.to_owned());
+        let pin = match self {
             Self::Dir(dir) => {
                 let target = Self::path(dir, &archive);
                 let parent = target.parent().map(Path::to_owned).unwrap_or_default();
@@ -276,54 +350,97 @@ impl SnapshotRemote {
                     }
                     let partial =
                         parent.join(format!(".{owned_id}.{}.partial", std::process::id()));
-                    let written = export(&store, &owned_id, layer, &partial).and_then(|()| {
-                        std::fs::rename(&partial, &target)
-                            .map_err(|e| format!("publishing {}: {e}", target.display()))?;
-                        File::open(&parent)
-                            .and_then(|d| d.sync_all())
-                            .map_err(|e| format!("syncing {}: {e}", parent.display()))
-                    });
+                    let written =
+                        export(&owned_store, &owned_id, layer, &partial).and_then(|pin| {
+                            std::fs::rename(&partial, &target)
+                                .map_err(|e| format!("publishing {}: {e}", target.display()))?;
+                            File::open(&parent)
+                                .and_then(|d| d.sync_all())
+                                .map_err(|e| format!("syncing {}: {e}", parent.display()))?;
+                            Ok(pin)
+                        });
                     if written.is_err() {
                         let _ = std::fs::remove_file(&partial);
                     }
                     written
                 })
-                .await?;
+                .await?
             }
             Self::S3(s3) => {
-                let staged = staging(&store, "upload", &archive);
+                let staged = staging(store, "upload", &archive);
                 let local = staged.clone();
                 let exported = blocking("publishing", move || {
-                    export(&store, &owned_id, layer, &local)
+                    export(&owned_store, &owned_id, layer, &local)
                 })
                 .await;
                 let uploaded = match exported {
-                    Ok(()) => s3.upload(&staged, &archive.key()).await,
+                    Ok(pin) => s3.upload(&staged, &archive.key()).await.map(|()| pin),
                     Err(e) => Err(e),
                 };
                 let _ = std::fs::remove_file(&staged);
-                uploaded?;
+                uploaded?
             }
-        }
-        Ok(self.uri(&archive))
+        };
+        let pins: Vec<String> = [pin].into_iter().chain(base_pins).collect();
+        store
+            .record_pins(id, &pins)
+            .map_err(|e| format!("recording the pins of {id}: {e}"))?;
+        Ok(self.pinned_uri(&archive, &pins))
     }
 
     /// The local directory of the snapshot `uri` names, fetched into `store` first if this
-    /// node does not have it yet, with every base under it that it lacks (bases first).
-    pub async fn fetch(&self, uri: &str, store: &LocalStore) -> Result<PathBuf, String> {
+    /// node does not have it yet, with every base under it that it lacks (bases first),
+    /// each checked against its pin in `uri` and against `limits`.
+    pub async fn fetch(
+        &self,
+        uri: &str,
+        store: &LocalStore,
+        limits: FetchLimits,
+    ) -> Result<PathBuf, String> {
         let top = self
             .archive_of(uri)
             .ok_or_else(|| format!("{uri} is not an archive of {}", self.describe()))?;
         let local = store.dir(&top.id).map_err(|e| e.to_string())?;
+        if local.is_dir() {
+            // This node's own copy (taken here, or fetched and checked before).
+            return Ok(local);
+        }
+        let pins = pins_of(uri).ok_or_else(|| {
+            format!(
+                "{uri} carries no pin of its archive's digest (recorded by an agentvm older \
+                 than pinning, or altered): refusing to trust {} for it",
+                self.describe()
+            )
+        })?;
         // Down the chain to the first snapshot this node has (or a flattened archive).
         let mut missing = Vec::new();
         let mut next = Some(top);
         while let Some(archive) = next.take() {
+            let depth = missing.len();
+            let Some(pinned) = pins.get(depth..).filter(|rest| !rest.is_empty()) else {
+                return Err(format!(
+                    "{uri}: the store's chain is deeper than the {} archives its pins name",
+                    pins.len()
+                ));
+            };
             if store.dir(&archive.id).map_err(|e| e.to_string())?.is_dir() {
-                break;
+                // This node's own copy; if it came through the store, the same chain.
+                match store.pins(&archive.id).map_err(|e| e.to_string())? {
+                    Some(here) if here != pinned => {
+                        return Err(format!(
+                            "{uri}: this node's copy of {} was fetched under other pins",
+                            archive.id
+                        ));
+                    }
+                    _ => break,
+                }
             }
-            if missing.len() == MAX_CHAIN {
-                return Err(format!("{uri}: more than {MAX_CHAIN} layers of archives"));
+            if archive.base.is_none() && pinned.len() != 1 {
+                return Err(format!(
+                    "{uri}: the store holds {} flattened, where its pins name a chain of {}",
+                    archive.id,
+                    pins.len()
+                ));
             }
             if let Some(base) = &archive.base {
                 next = Some(self.locate(base, None).await?.ok_or_else(|| {
@@ -336,8 +453,9 @@ impl SnapshotRemote {
             missing.push(archive);
         }
         let started = std::time::Instant::now();
-        for archive in missing.iter().rev() {
-            self.fetch_one(archive, store).await?;
+        for (depth, archive) in missing.iter().enumerate().rev() {
+            self.fetch_one(archive, store, &pins[depth..], limits)
+                .await?;
         }
         if !missing.is_empty() {
             tracing::info!(
@@ -350,24 +468,43 @@ impl SnapshotRemote {
         Ok(local)
     }
 
-    /// Fetches one archive into `store` (whose base, if any, is there already).
-    async fn fetch_one(&self, archive: &Archive, store: &LocalStore) -> Result<PathBuf, String> {
+    /// Fetches one archive into `store` (whose base, if any, is there already): `pins` are
+    /// its chain's from itself down; the first is its own.
+    async fn fetch_one(
+        &self,
+        archive: &Archive,
+        store: &LocalStore,
+        pins: &[String],
+        limits: FetchLimits,
+    ) -> Result<PathBuf, String> {
         let (owned_store, owned_archive) = (store.clone(), archive.clone());
-        match self {
+        let mut import_limits = ImportLimits {
+            pin: pins.first().cloned(),
+            max_file_bytes: limits.max_file_bytes,
+            max_written_bytes: limits.budget(store)?,
+        };
+        let fetched = match self {
             Self::Dir(dir) => {
                 let path = Self::path(dir, archive);
                 blocking("fetching", move || {
-                    import(&owned_store, &owned_archive, &path)
+                    import(&owned_store, &owned_archive, &path, &import_limits)
                 })
                 .await
             }
             Self::S3(s3) => {
                 let staged = staging(store, "download", archive);
-                let fetched = match s3.download(&archive.key(), &staged).await {
+                let downloaded = s3
+                    .download(&archive.key(), &staged, import_limits.max_written_bytes)
+                    .await;
+                let fetched = match downloaded {
                     Ok(()) => {
+                        // What the download took is not there for the import to write.
+                        let staged_bytes = std::fs::metadata(&staged).map_or(0, |m| m.len());
+                        import_limits.max_written_bytes =
+                            import_limits.max_written_bytes.saturating_sub(staged_bytes);
                         let local = staged.clone();
                         blocking("fetching", move || {
-                            import(&owned_store, &owned_archive, &local)
+                            import(&owned_store, &owned_archive, &local, &import_limits)
                         })
                         .await
                     }
@@ -376,7 +513,11 @@ impl SnapshotRemote {
                 let _ = std::fs::remove_file(&staged);
                 fetched
             }
-        }
+        }?;
+        store
+            .record_pins(&archive.id, pins)
+            .map_err(|e| format!("recording the pins of {}: {e}", archive.id))?;
+        Ok(fetched)
     }
 
     /// The archives of `session` (all, if `None`) with when each was published.
@@ -503,6 +644,11 @@ mod tests {
     use std::os::unix::fs::FileExt;
 
     const MEMORY: u64 = 1 << 20;
+    /// What a session of the tests' snapshots may fetch: its memory, the whole disk.
+    const LIMITS: FetchLimits = FetchLimits {
+        max_file_bytes: MEMORY,
+        min_free_bytes: 0,
+    };
 
     /// Writes snapshot `id` into `store`: `pages` of guest memory (index, byte), layered on
     /// `base` if given.
@@ -596,14 +742,21 @@ mod tests {
         // A layer on a published snapshot goes as a layer, named after its base.
         snapshot_in(a, "sess-7-2", &[(2, 22), (5, 5)], Some("sess-7-1"));
         let layer_uri = remote.publish(a, "sess-7-2").await.unwrap();
-        assert!(layer_uri.ends_with("/sess/7-2@7-1.agvmsnap"), "{layer_uri}");
+        assert!(
+            layer_uri.contains("/sess/7-2@7-1.agvmsnap#sha256="),
+            "{layer_uri}"
+        );
+        // Its pins: its own manifest's digest, then its base's.
+        let pins = pins_of(&layer_uri).unwrap();
+        assert_eq!(pins.len(), 2);
+        assert_eq!(pins[1..], pins_of(&base_uri).unwrap()[..]);
 
         // The node that took it uses its own copy; another fetches the chain.
         assert_eq!(
-            remote.fetch(&layer_uri, a).await.unwrap(),
+            remote.fetch(&layer_uri, a, LIMITS).await.unwrap(),
             a.dir("sess-7-2").unwrap()
         );
-        let fetched = remote.fetch(&layer_uri, b).await.unwrap();
+        let fetched = remote.fetch(&layer_uri, b, LIMITS).await.unwrap();
         assert_eq!(fetched, b.dir("sess-7-2").unwrap());
         assert_eq!(b.base_of("sess-7-2").unwrap().as_deref(), Some("sess-7-1"));
         b.get("sess-7-2").unwrap().chain().unwrap();
@@ -614,10 +767,11 @@ mod tests {
         snapshot_in(b, "sess-8-1", &[(3, 3)], Some("sess-7-2"));
         let on_fetched = remote.publish(b, "sess-8-1").await.unwrap();
         assert!(
-            on_fetched.ends_with("/sess/8-1@7-2.agvmsnap"),
+            on_fetched.contains("/sess/8-1@7-2.agvmsnap#sha256="),
             "{on_fetched}"
         );
-        remote.fetch(&on_fetched, c).await.unwrap();
+        assert_eq!(pins_of(&on_fetched).unwrap()[1..], pins[..]);
+        remote.fetch(&on_fetched, c, LIMITS).await.unwrap();
         for (index, want) in [(1, 1), (2, 22), (3, 3), (5, 5)] {
             assert_eq!(page_of(c, "sess-8-1", index), want, "page {index}");
         }
@@ -627,7 +781,37 @@ mod tests {
 
         // A damaged base fails the whole fetch and leaves nothing in the store.
         damage("sess/7-1.agvmsnap");
-        assert!(remote.fetch(&layer_uri, d).await.is_err());
+        assert!(remote.fetch(&layer_uri, d, LIMITS).await.is_err());
+        assert!(d.list().unwrap().is_empty());
+        // So does a base replaced by a self-consistent archive of other memory (as whoever
+        // can write the store can make): only the pin tells.
+        let other = tempfile::tempdir().unwrap();
+        let other = LocalStore::open(other.path()).unwrap();
+        snapshot_in(&other, "sess-7-1", &[(1, 66)], None);
+        remote.publish(&other, "sess-7-1").await.unwrap();
+        let err = remote.fetch(&layer_uri, d, LIMITS).await.unwrap_err();
+        assert!(err.contains("was replaced"), "{err}");
+        assert!(d.list().unwrap().is_empty());
+        // A URI without its pins, or with a chain cut short, is not fetched at all.
+        let unpinned = remote.uri(&remote.archive_of(&layer_uri).unwrap());
+        let err = remote.fetch(&unpinned, d, LIMITS).await.unwrap_err();
+        assert!(err.contains("carries no pin"), "{err}");
+        let cut = format!("{unpinned}{PIN_MARK}{}", pins[0]);
+        let err = remote.fetch(&cut, d, LIMITS).await.unwrap_err();
+        assert!(err.contains("deeper than"), "{err}");
+        // Caps: a file larger than the session's VM has, or no room above the reserve.
+        let small = FetchLimits {
+            max_file_bytes: MEMORY / 2,
+            ..LIMITS
+        };
+        let err = remote.fetch(&on_fetched, d, small).await.unwrap_err();
+        assert!(err.contains("this import allows"), "{err}");
+        let reserved = FetchLimits {
+            min_free_bytes: u64::MAX,
+            ..LIMITS
+        };
+        let err = remote.fetch(&on_fetched, d, reserved).await.unwrap_err();
+        assert!(err.contains("reserve"), "{err}");
         assert!(d.list().unwrap().is_empty());
 
         // Sweeping: a base stays while a layer kept is on it; layers go before bases.
@@ -645,7 +829,7 @@ mod tests {
         assert_eq!(remote.list(None).await.unwrap().len(), 2);
         assert_eq!(remote.sweep(|_, _| true).await.unwrap(), 2);
         assert!(remote.list(None).await.unwrap().is_empty());
-        assert!(remote.fetch(&base_uri, d).await.is_err());
+        assert!(remote.fetch(&base_uri, d, LIMITS).await.is_err());
     }
 
     #[tokio::test]

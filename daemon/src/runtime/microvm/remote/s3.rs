@@ -195,8 +195,9 @@ impl S3Remote {
         Ok(())
     }
 
-    /// Downloads object `name` into `file` (synced).
-    pub async fn download(&self, name: &str, file: &Path) -> Result<(), String> {
+    /// Downloads object `name` into `file` (synced), refusing an object of more than `max_bytes`
+    /// (checked as it streams: a store's declared length is no promise).
+    pub async fn download(&self, name: &str, file: &Path, max_bytes: u64) -> Result<(), String> {
         let what = |e: &dyn std::fmt::Display| format!("downloading {}: {e}", self.uri(name));
         let got = self
             .store
@@ -206,9 +207,24 @@ impl S3Remote {
         let mut out = tokio::fs::File::create(file)
             .await
             .map_err(|e| format!("creating {}: {e}", file.display()))?;
+        if got.meta.size > max_bytes {
+            return Err(format!(
+                "{} is {} bytes, over the {max_bytes} this fetch may write",
+                self.uri(name),
+                got.meta.size
+            ));
+        }
         let mut stream = got.into_stream();
+        let mut downloaded = 0u64;
         while let Some(chunk) = stream.next().await {
             let chunk = chunk.map_err(|e| what(&e))?;
+            downloaded = downloaded.saturating_add(chunk.len() as u64);
+            if downloaded > max_bytes {
+                return Err(format!(
+                    "{} streams more than the {max_bytes} bytes this fetch may write",
+                    self.uri(name)
+                ));
+            }
             out.write_all(&chunk)
                 .await
                 .map_err(|e| format!("writing {}: {e}", file.display()))?;
