@@ -387,16 +387,18 @@ impl Node {
             dirs,
             min_free_bytes: cfg.min_free_disk_mib.saturating_mul(1 << 20),
         };
-        let host = Arc::new(
-            SessionHost::new(
-                journal.clone(),
-                registry.clone(),
-                controller,
-                builtin_runtimes,
-            )
-            .with_disk_reserve(disk.clone())
-            .with_describe_timeout(cfg.guest_ready_timeout),
-        );
+        let mut host = SessionHost::new(
+            journal.clone(),
+            registry.clone(),
+            controller,
+            builtin_runtimes,
+        )
+        .with_disk_reserve(disk.clone())
+        .with_describe_timeout(cfg.guest_ready_timeout);
+        if let Some(auth) = &cfg.auth {
+            host = host.with_quotas(auth.quotas().clone());
+        }
+        let host = Arc::new(host);
         Ok(Node {
             journal,
             registry,

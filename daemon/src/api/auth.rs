@@ -12,6 +12,8 @@
 //!                                   # status and /metrics (default false)
 //! ```
 //!
+//! The same file sets the projects' quotas (`[quota]`, `[[project]]`; see `crate::quota`).
+//!
 //! With a file every Sessions and Node RPC, and reflection, must present one of those
 //! credentials (UNAUTHENTICATED otherwise); the node-wide RPCs also need an operator
 //! (PERMISSION_DENIED otherwise): a tenant's token reaches its own projects and nothing that
@@ -70,6 +72,10 @@ struct PrincipalEntry {
 struct AuthFile {
     #[serde(default)]
     principal: Vec<PrincipalEntry>,
+    #[serde(default)]
+    quota: crate::quota::Limits,
+    #[serde(default)]
+    project: Vec<crate::quota::ProjectEntry>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -91,6 +97,7 @@ pub enum AuthError {
 #[derive(Debug, Clone)]
 pub struct Authenticator {
     principals: Vec<PrincipalEntry>,
+    quotas: crate::quota::Quotas,
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
@@ -142,6 +149,16 @@ impl Authenticator {
                 }
             }
         }
+        let mut projects = std::collections::HashMap::new();
+        for (i, p) in file.project.iter().enumerate() {
+            if p.name.is_empty() || projects.insert(p.name.clone(), p.limits()).is_some() {
+                return Err(invalid(
+                    format!("project[{i}].name"),
+                    "empty or used twice".into(),
+                ));
+            }
+        }
+        let quotas = crate::quota::Quotas::new(file.quota, projects);
         let mut principals = file.principal;
         for p in &mut principals {
             for h in p
@@ -152,7 +169,12 @@ impl Authenticator {
                 *h = h.to_ascii_lowercase();
             }
         }
-        Ok(Self { principals })
+        Ok(Self { principals, quotas })
+    }
+
+    /// The projects' quotas the file sets.
+    pub fn quotas(&self) -> &crate::quota::Quotas {
+        &self.quotas
     }
 
     fn principal(p: &PrincipalEntry, method: &'static str) -> Principal {
@@ -364,5 +386,36 @@ mod operator_tests {
         assert_eq!(node_actor(None, "drain").subject, "drain");
         assert!(a.bearer(Some("Bearer other")).is_err());
         assert!(a.bearer(None).is_err());
+    }
+
+    #[test]
+    fn the_auth_file_sets_quotas_per_project_over_node_wide_defaults() {
+        let load =
+            |text: &str| crate::toml_file::load_written("auth.toml", text, Authenticator::load);
+        let a = load(
+            "[quota]\nsessions = 10\nlive_vms = 2\n\
+             [[project]]\nname = \"team-a\"\nlive_vms = 8\njournal_mib = 64\n",
+        )
+        .unwrap();
+        let team_a = a.quotas().limits("team-a");
+        assert_eq!(
+            (team_a.sessions, team_a.live_vms, team_a.journal_mib),
+            (Some(10), Some(8), Some(64))
+        );
+        assert_eq!(a.quotas().limits("other").live_vms, Some(2));
+        // A misspelt limit, a project named twice or not at all: the file is refused,
+        // naming where.
+        for (text, key) in [
+            ("[[project]]\nname = \"a\"\nlive_vm = 1\n", "project"),
+            ("[quota]\nsesions = 1\n", "quota"),
+            (
+                "[[project]]\nname = \"a\"\n[[project]]\nname = \"a\"\n",
+                "project[1].name",
+            ),
+            ("[[project]]\nname = \"\"\n", "project[0].name"),
+        ] {
+            let err = load(text).unwrap_err().to_string();
+            assert!(err.contains(key), "{text}: {err}");
+        }
     }
 }

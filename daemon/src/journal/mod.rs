@@ -43,6 +43,8 @@ pub struct SessionRow {
     /// The node holding the session's compute in a journal a fleet shares (the last to mint
     /// its fence); empty in a node's own journal.
     pub holder: String,
+    /// What its log holds: the encoded events (for project quotas; not written on create).
+    pub log_bytes: u64,
 }
 
 /// A node of a fleet, as its heartbeats in the shared journal describe it.
@@ -233,6 +235,14 @@ impl JournalError {
 
 pub type Result<T, E = JournalError> = std::result::Result<T, E>;
 
+/// What a project's sessions hold in the journal (for its quotas).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ProjectUsage {
+    pub sessions: u64,
+    /// The encoded events of their logs, a forked prefix counted in every copy.
+    pub log_bytes: u64,
+}
+
 /// The journal interface. Appends are compare-and-swap on the head and fenced:
 /// the CAS is checked first, then the fence (a lower fence is rejected, an equal or higher
 /// one accepted; appends never raise the stored fence, only [`Journal::new_fence`] does).
@@ -253,6 +263,9 @@ pub trait Journal: Send + Sync {
     /// Every project with a live (not DELETED) session, by name, with how many it has: what
     /// `list_sessions` pages through, project by project.
     fn projects(&self) -> Result<Vec<(String, u64)>>;
+
+    /// What `project`'s live (not DELETED) sessions hold: how many, and their logs' bytes.
+    fn project_usage(&self, project: &str) -> Result<ProjectUsage>;
 
     /// Mints the next fence for the session (first value 1), superseding every lower holder;
     /// this node holds the session from here on.

@@ -27,8 +27,8 @@ use tokio_postgres::Row;
 pub use self::schema::SCHEMA_VERSION;
 use super::{
     DeletionState, Head, Holder, Journal, JournalError, ListCursor, NodeEntry, Operation,
-    OperationKind, Result, SessionRow, chain_onto, check_copied, check_copy, decode_record,
-    json_map, read_upto, timed_append,
+    OperationKind, ProjectUsage, Result, SessionRow, chain_onto, check_copied, check_copy,
+    decode_record, json_map, read_upto, timed_append,
 };
 use crate::clock::now_nanos;
 use bridge::Bridge;
@@ -157,7 +157,7 @@ impl PostgresJournal {
 
 const SESSION_COLUMNS: &str = "session, fence, project, name, harness, model, parent_uid, fork_seq,
     compute_state, created_at, updated_at, labels, annotations, origin, identity,
-    deletion_state, last_seq, holder";
+    deletion_state, last_seq, holder, log_bytes";
 
 fn session_from(row: &Row) -> Result<SessionRow> {
     let uid: String = row.try_get(0).map_err(pg("decode a session row"))?;
@@ -201,6 +201,7 @@ fn session_from(row: &Row) -> Result<SessionRow> {
             .ok_or_else(|| get("deletion state", format!("unknown {deletion:?}")))?,
         last_seq: int(16)?,
         holder: text(17)?,
+        log_bytes: int(18)? as u64,
         uid,
     })
 }
@@ -244,12 +245,14 @@ async fn append_in(
         )
         .await
         .map_err(pg("prepare appending"))?;
+    let mut added = 0i64;
     for r in &records {
         let event = r
             .event
             .as_ref()
             .map(Message::encode_to_vec)
             .unwrap_or_default();
+        added += event.len() as i64;
         tx.execute(
             &insert,
             &[&uid, &r.seq, &r.prev_hash, &r.content_hash, &fence, &event],
@@ -263,13 +266,13 @@ async fn append_in(
     let advance = tx
         .prepare_cached(
             "UPDATE sessions SET last_seq = $2, head_hash = $3, compute_state = $4,
-             updated_at = $5 WHERE session = $1",
+             updated_at = $5, log_bytes = log_bytes + $6 WHERE session = $1",
         )
         .await
         .map_err(pg("prepare advancing a head"))?;
     tx.execute(
         &advance,
-        &[&uid, &seq, &hash, &(compute as i32), &now_nanos()],
+        &[&uid, &seq, &hash, &(compute as i32), &now_nanos(), &added],
     )
     .await
     .map_err(pg(format!("advance head of {uid}")))?;
@@ -353,7 +356,10 @@ async fn copy_in(
     };
     tx.execute(
         "UPDATE sessions SET last_seq = $2, head_hash = $3, updated_at = $4,
-             fence = GREATEST(fence, $5) WHERE session = $1",
+             fence = GREATEST(fence, $5),
+             log_bytes = (SELECT COALESCE(SUM(length(event)), 0)::BIGINT FROM events
+                          WHERE session = $1)
+         WHERE session = $1",
         &[&child, &upto_seq, &head_hash, &now_nanos(), &fence],
     )
     .await
@@ -402,6 +408,24 @@ impl Journal for PostgresJournal {
                 .iter()
                 .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1) as u64))
                 .collect())
+        })
+    }
+
+    fn project_usage(&self, project: &str) -> Result<ProjectUsage> {
+        let project = project.to_owned();
+        self.with("read a project's usage", move |client| async move {
+            let row = client
+                .query_one(
+                    "SELECT COUNT(*), COALESCE(SUM(log_bytes), 0)::BIGINT FROM sessions
+                     WHERE project = $1 AND deletion_state != 'DELETED'",
+                    &[&project],
+                )
+                .await
+                .map_err(pg(format!("usage of project {project}")))?;
+            Ok(ProjectUsage {
+                sessions: row.get::<_, i64>(0) as u64,
+                log_bytes: row.get::<_, i64>(1) as u64,
+            })
         })
     }
 

@@ -14,8 +14,8 @@ use prost::Message;
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
 use super::{
-    DeletionState, Head, Journal, JournalError, ListCursor, Operation, OperationKind, Result,
-    SessionRow, chain_onto, check_copied, check_copy, decode_record, json_map, read_upto,
+    DeletionState, Head, Journal, JournalError, ListCursor, Operation, OperationKind, ProjectUsage,
+    Result, SessionRow, chain_onto, check_copied, check_copy, decode_record, json_map, read_upto,
     timed_append,
 };
 use crate::clock::now_nanos;
@@ -25,7 +25,9 @@ mod group_commit;
 
 /// Stamped in `PRAGMA user_version`; a database with a higher stamp is refused.
 /// 2 added `operations` (lifecycle intents); a version 1 database gains it on open.
-pub const SCHEMA_VERSION: i64 = 2;
+/// 3 added `sessions.log_bytes` (what each log holds, for project quotas), counted from
+/// the events on open.
+pub const SCHEMA_VERSION: i64 = 3;
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS sessions (
@@ -46,7 +48,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     identity       BLOB,
     deletion_state TEXT NOT NULL DEFAULT 'ACTIVE',
     last_seq       INTEGER NOT NULL DEFAULT 0,
-    head_hash      TEXT NOT NULL DEFAULT ''
+    head_hash      TEXT NOT NULL DEFAULT '',
+    log_bytes      INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS sessions_by_project ON sessions (project, created_at DESC, session);
 CREATE INDEX IF NOT EXISTS sessions_by_parent ON sessions (parent_uid);
@@ -117,6 +120,23 @@ impl SqliteJournal {
                 supported: SCHEMA_VERSION,
             });
         }
+        let has_log_bytes = writer
+            .prepare("SELECT 1 FROM pragma_table_info('sessions') WHERE name = 'log_bytes'")
+            .and_then(|mut st| st.exists([]))
+            .map_err(storage("read the sessions table's columns"))?;
+        if (1..3).contains(&found) && !has_log_bytes {
+            // `CREATE TABLE IF NOT EXISTS` keeps the old table: add the column and count
+            // what each log already holds, in one transaction.
+            writer
+                .execute_batch(
+                    "BEGIN;
+                     ALTER TABLE sessions ADD COLUMN log_bytes INTEGER NOT NULL DEFAULT 0;
+                     UPDATE sessions SET log_bytes = (SELECT COALESCE(SUM(length(event)), 0)
+                         FROM events WHERE events.session = sessions.session);
+                     COMMIT;",
+                )
+                .map_err(storage("add sessions.log_bytes"))?;
+        }
         writer
             .execute_batch(SCHEMA)
             .map_err(storage("create schema"))?;
@@ -145,7 +165,7 @@ impl SqliteJournal {
 
 const SESSION_COLUMNS: &str = "session, fence, project, name, harness, model, parent_uid, fork_seq,
     compute_state, created_at, updated_at, labels, annotations, origin, identity,
-    deletion_state, last_seq";
+    deletion_state, last_seq, log_bytes";
 
 fn row_to_session(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessionRow> {
     let labels: String = r.get(11)?;
@@ -184,6 +204,7 @@ fn row_to_session(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessionRow> {
         last_seq: r.get(16)?,
         // One node's own journal: every session is its own.
         holder: String::new(),
+        log_bytes: r.get::<_, i64>(17)? as u64,
     })
 }
 
@@ -254,6 +275,7 @@ fn append_events(
     let head = read_head(tx, uid)?;
     let (last_seq, head_hash) = (head.last_seq, head.head_hash.clone());
     let (records, compute) = chain_onto(uid, head, expected_last_seq, fence, events)?;
+    let mut added = 0i64;
     {
         let mut insert = tx
             .prepare_cached(
@@ -268,6 +290,7 @@ fn append_events(
                 .as_ref()
                 .map(Message::encode_to_vec)
                 .unwrap_or_default();
+            added += event.len() as i64;
             insert
                 .execute(params![uid, seq, r.prev_hash, r.content_hash, fence, event])
                 .map_err(|e| match e {
@@ -290,9 +313,9 @@ fn append_events(
         .map_or((last_seq, head_hash), |r| (r.seq, r.content_hash.clone()));
     tx.prepare_cached(
         "UPDATE sessions SET last_seq = ?2, head_hash = ?3, compute_state = ?4,
-         updated_at = ?5 WHERE session = ?1",
+         updated_at = ?5, log_bytes = log_bytes + ?6 WHERE session = ?1",
     )
-    .and_then(|mut st| st.execute(params![uid, seq, hash, compute as i32, now_nanos()]))
+    .and_then(|mut st| st.execute(params![uid, seq, hash, compute as i32, now_nanos(), added]))
     .map_err(storage(format!("advance head of {uid}")))?;
     Ok(records)
 }
@@ -336,7 +359,10 @@ fn copy_events(
     };
     tx.execute(
         "UPDATE sessions SET last_seq = ?2, head_hash = ?3, updated_at = ?4,
-             fence = MAX(fence, ?5) WHERE session = ?1",
+             fence = MAX(fence, ?5),
+             log_bytes = (SELECT COALESCE(SUM(length(event)), 0) FROM events
+                          WHERE session = ?1)
+         WHERE session = ?1",
         params![child, upto_seq, head_hash, now_nanos(), fence],
     )
     .map_err(storage(format!("advance head of {child}")))?;
@@ -408,6 +434,23 @@ impl Journal for SqliteJournal {
             .collect::<rusqlite::Result<Vec<_>>>()
         })
         .map_err(storage("list projects".to_owned()))
+    }
+
+    fn project_usage(&self, project: &str) -> Result<ProjectUsage> {
+        let conn = self.reader();
+        conn.prepare_cached(
+            "SELECT COUNT(*), COALESCE(SUM(log_bytes), 0) FROM sessions
+             WHERE project = ?1 AND deletion_state != 'DELETED'",
+        )
+        .and_then(|mut st| {
+            st.query_row([project], |r| {
+                Ok(ProjectUsage {
+                    sessions: r.get::<_, i64>(0)? as u64,
+                    log_bytes: r.get::<_, i64>(1)? as u64,
+                })
+            })
+        })
+        .map_err(storage(format!("usage of project {project}")))
     }
 
     fn list_sessions(

@@ -34,6 +34,7 @@ macro_rules! journal_cases {
             fork_children_are_written_all_or_none,
             list_pages_newest_first_with_a_keyset_cursor,
             projects_count_their_live_sessions,
+            project_usage_counts_sessions_and_log_bytes,
             deletion_state_persists,
             children_count_until_they_are_deleted,
             operations_are_durable_until_ended
@@ -440,6 +441,47 @@ pub fn projects_count_their_live_sessions(open: &Opener) {
         j.projects().unwrap(),
         vec![("alpha".to_owned(), 2), ("beta".to_owned(), 1)]
     );
+}
+
+/// A project's usage: its live sessions and what their logs hold (a forked prefix counted
+/// in every copy), kept across a reopen.
+pub fn project_usage_counts_sessions_and_log_bytes(open: &Opener) {
+    use super::ProjectUsage;
+    use prost::Message as _;
+    let j = open();
+    assert_eq!(j.project_usage("p").unwrap(), ProjectUsage::default());
+    j.create_session(&session("parent", "p", 1)).unwrap();
+    j.create_session(&session("other", "q", 1)).unwrap();
+    let events = [input("a"), input("bb"), input("ccc")];
+    let bytes = |events: &[Event]| events.iter().map(|e| e.encoded_len() as u64).sum::<u64>();
+    j.append("parent", 0, 0, &events).unwrap();
+    j.append("other", 0, 0, &[input("zzzz")]).unwrap();
+    assert_eq!(
+        j.project_usage("p").unwrap(),
+        ProjectUsage {
+            sessions: 1,
+            log_bytes: bytes(&events)
+        }
+    );
+    let fork = lifecycle_event(lifecycle::Kind::LifecycleFork);
+    j.create_children("parent", 2, &[(session("child", "p", 2), fork.clone())])
+        .unwrap();
+    let child_bytes = bytes(&events[..2]) + bytes(std::slice::from_ref(&fork));
+    let want = ProjectUsage {
+        sessions: 2,
+        log_bytes: bytes(&events) + child_bytes,
+    };
+    assert_eq!(j.project_usage("p").unwrap(), want);
+    assert_eq!(open().project_usage("p").unwrap(), want);
+    j.set_deletion("parent", DeletionState::Deleted).unwrap();
+    assert_eq!(
+        j.project_usage("p").unwrap(),
+        ProjectUsage {
+            sessions: 1,
+            log_bytes: child_bytes
+        }
+    );
+    assert_eq!(j.project_usage("q").unwrap().sessions, 1);
 }
 
 pub fn deletion_state_persists(open: &Opener) {

@@ -153,6 +153,12 @@ pub trait Runtime: Send + Sync {
 
     fn capabilities(&self) -> RuntimeCapabilities;
 
+    /// The guest memory one VM of `harness` takes, for a backend that runs VMs (what the
+    /// projects' `live_vms` and `live_memory_mib` quotas count); `None` for one that does not.
+    fn vm_memory_mib(&self, _harness: &str) -> Option<u64> {
+        None
+    }
+
     /// Starts a session's compute from nothing (or attaches to it when already running).
     async fn create(&self, spec: &SessionSpec) -> Result<Incarnation>;
 

@@ -60,6 +60,7 @@ impl SessionHost {
             &placement.runtime.capabilities(),
         )
         .map_err(|e| Status::failed_precondition(e.to_string()))?;
+        let mut quota = self.admit_fork(&parent, &placement, req.count.max(1) as u64)?;
         if placement.runtime.name() == crate::runtime::remote::NAME {
             // As upstream: the harness is asked before a fork writes anything, so one that is
             // down is UNAVAILABLE and no child exists. (Reaching it costs a Describe; every
@@ -226,10 +227,12 @@ impl SessionHost {
         let mut children = Vec::with_capacity(count);
         for (child, inc) in provisioned {
             if let Some(inc) = inc {
-                self.live_put(&child, inc, &placement);
+                self.live_put(&child, &parent.project, inc, &placement);
             }
             children.push(self.view(&child)?);
         }
+        quota.forks_made();
+        drop(quota);
         drop(intent);
         tracing::info!(
             session = %uid,

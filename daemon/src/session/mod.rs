@@ -9,6 +9,7 @@ mod fork;
 pub mod guard;
 mod intent;
 mod lost;
+mod quotas;
 mod recovery;
 pub mod sweep;
 mod turns;
@@ -67,6 +68,9 @@ struct Live {
     harness: String,
     /// The harness channel, dialed once per incarnation and reused by every turn.
     endpoint: Option<Arc<dyn HarnessEndpoint>>,
+    /// The session's project, and the guest memory of its VM if it runs one (quotas).
+    project: String,
+    vm_mib: Option<u64>,
 }
 
 /// The fields a new session takes from its creator.
@@ -98,6 +102,10 @@ pub struct SessionHost {
     disk: Option<crate::disk::DiskReserve>,
     /// The bound on a harness's Describe (at least [`DESCRIBE_TIMEOUT`]).
     describe_timeout: Duration,
+    /// The projects' quotas (from the auth file), with the VM starts they count.
+    quotas: Option<Arc<crate::quota::Quotas>>,
+    starting: Arc<Mutex<quotas::Starting>>,
+    admitting: Mutex<()>,
 }
 
 /// A session uid: `sess-` and 24 lowercase hex characters.
@@ -158,7 +166,16 @@ impl SessionHost {
             draining: Default::default(),
             disk: None,
             describe_timeout: DESCRIBE_TIMEOUT,
+            quotas: None,
+            starting: Arc::default(),
+            admitting: Mutex::default(),
         }
+    }
+
+    /// Holds every project to `quotas` (RESOURCE_EXHAUSTED past them).
+    pub fn with_quotas(mut self, quotas: crate::quota::Quotas) -> Self {
+        self.quotas = Some(Arc::new(quotas));
+        self
     }
 
     /// How long a harness may take to answer its first Describe: a harness that starts with
@@ -200,8 +217,8 @@ impl SessionHost {
             .map(|l| (l.incarnation.clone(), l.runtime.clone()))
     }
 
-    /// `incarnation` is `uid`'s compute, serving `placement`'s harness.
-    fn live_put(&self, uid: &str, incarnation: Incarnation, placement: &Placement) {
+    /// `incarnation` is the compute of `uid` (of `project`), serving `placement`'s harness.
+    fn live_put(&self, uid: &str, project: &str, incarnation: Incarnation, placement: &Placement) {
         self.live.lock().unwrap_or_else(|p| p.into_inner()).insert(
             uid.to_owned(),
             Live {
@@ -209,6 +226,8 @@ impl SessionHost {
                 runtime: placement.runtime.clone(),
                 harness: placement.harness.clone(),
                 endpoint: None,
+                project: project.to_owned(),
+                vm_mib: placement.runtime.vm_memory_mib(&placement.harness),
             },
         );
     }
@@ -261,7 +280,7 @@ impl SessionHost {
             .map_err(|e| runtime_status(&e))?
         {
             tracing::info!(session = %uid, "re-adopted running compute");
-            self.live_put(uid, inc, &placement);
+            self.live_put(uid, &row.project, inc, &placement);
         }
         Ok(())
     }
@@ -417,14 +436,16 @@ impl SessionHost {
                 "harness {harness:?} is retired and takes no new sessions"
             )));
         }
+        let project = if new.project.is_empty() {
+            DEFAULT_PROJECT.to_owned()
+        } else {
+            new.project
+        };
+        self.admit_new_session(&project)?;
         let now = now_nanos();
         let row = SessionRow {
             uid: new_session_uid(),
-            project: if new.project.is_empty() {
-                DEFAULT_PROJECT.to_owned()
-            } else {
-                new.project
-            },
+            project,
             name: new.name,
             harness,
             model: new.model,

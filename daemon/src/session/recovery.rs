@@ -78,7 +78,7 @@ impl SessionHost {
                 continue;
             }
             match placement.runtime.attach(&uid).await {
-                Ok(Some(inc)) => self.live_put(&uid, inc, &placement),
+                Ok(Some(inc)) => self.live_put(&uid, &row.project, inc, &placement),
                 Ok(None) => {
                     if let Err(e) = self.settle_lost_compute(
                         &uid,
@@ -114,7 +114,7 @@ impl SessionHost {
             .await
             .map_err(|e| super::runtime_status(&e))?
         {
-            self.live_put(uid, inc, &placement);
+            self.live_put(uid, &row.project, inc, &placement);
             let records = self.records(uid)?;
             for snapshot in runtime.snapshots_of(uid) {
                 if !super::lost::names_snapshot(&records, &snapshot) {

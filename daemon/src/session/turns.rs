@@ -152,14 +152,32 @@ impl SessionHost {
     /// for the caller to send as the stream's end.
     pub async fn exec(&self, req: ExecRequest, updates: &Updates) -> Result<(), Status> {
         self.refuse_if_draining()?;
+        let input_bytes: u64 = req
+            .inputs
+            .iter()
+            .map(|m| prost::Message::encoded_len(m) as u64)
+            .sum();
+        let mut quota = None;
         let row = if req.session.is_empty() {
-            // A new session's turn is never a recovery: its config is judged before the
-            // session is created, so a refused Exec leaves no session behind.
+            // A new session's turn is never a recovery: its config and its quotas (the
+            // session, its inputs, its VM) are judged before the session is created, so a
+            // refused Exec leaves no session behind.
             let harness = match req.harness.as_str() {
                 "" => super::DEFAULT_HARNESS,
                 named => named,
             };
-            check_config(&self.place(harness)?, &req.config)?;
+            let placement = self.place(harness)?;
+            check_config(&placement, &req.config)?;
+            quota = Some(self.admit_quota(
+                super::DEFAULT_PROJECT,
+                crate::quota::Ask {
+                    sessions: 1,
+                    log_bytes: Some(input_bytes),
+                    vms: 1,
+                    ..Default::default()
+                },
+                placement.runtime.vm_memory_mib(&placement.harness),
+            )?);
             self.create_row(NewSession {
                 harness: req.harness.clone(),
                 ..Default::default()
@@ -191,6 +209,10 @@ impl SessionHost {
             true => None,
             false => Some(self.turn_placement(&row, &req, pending, recovering)?),
         };
+        // Over a quota, the request is refused as what it gets wrong: before any frame.
+        if let (None, Some(placement)) = (&quota, &placement) {
+            quota = Some(self.admit_turn(&row, placement, Some(input_bytes))?);
+        }
         if updates.send(first).await.is_err() {
             return Ok(());
         }
@@ -238,6 +260,8 @@ impl SessionHost {
         let turn = self
             .admit(&row, &placement, &held, deadline, Some(updates.clone()))
             .await?;
+        // The compute is live (and counted as such) from here.
+        drop(quota);
         let (turn, forward) = turn;
         let outcome = if recovering {
             self.controller.resume(&turn).await
@@ -486,7 +510,7 @@ impl SessionHost {
             .await
             .map_err(|e| runtime_status(&e))?
         {
-            self.live_put(&row.uid, inc.clone(), placement);
+            self.live_put(&row.uid, &row.project, inc.clone(), placement);
             return Ok((inc, "re-adopted"));
         }
         let spec = SessionSpec {
@@ -525,7 +549,7 @@ impl SessionHost {
         };
         let inc = inc.map_err(|e| runtime_status(&e))?;
         crash_point::reached(crash_point::START_READY);
-        self.live_put(&row.uid, inc.clone(), placement);
+        self.live_put(&row.uid, &row.project, inc.clone(), placement);
         Ok((inc, how))
     }
 
@@ -766,7 +790,10 @@ impl SessionHost {
                 s.message()
             ))
         })?;
+        // A resume writes a record and may start the session's VM.
+        let quota = self.admit_turn(&row, &placement, Some(0))?;
         let (turn, forward) = self.admit(&row, &placement, &held, None, None).await?;
+        drop(quota);
         let outcome = if pending.is_some() {
             match self.controller.resume(&turn).await {
                 Ok(outcome) => outcome,

@@ -74,6 +74,10 @@ const MIGRATIONS: &[&str] = &[
     );",
     // 2: a session's fork children are looked up when its snapshots may be deleted.
     "CREATE INDEX sessions_by_parent ON sessions (parent_uid);",
+    // 3: what each session's log holds, for project quotas; counted for the logs there.
+    "ALTER TABLE sessions ADD COLUMN log_bytes BIGINT NOT NULL DEFAULT 0;
+    UPDATE sessions SET log_bytes = COALESCE((SELECT SUM(length(event)) FROM events
+        WHERE events.session = sessions.session), 0);",
 ];
 
 /// What this build knows.

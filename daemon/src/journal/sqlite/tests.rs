@@ -145,32 +145,42 @@ fn newer_schema_is_refused() {
     let path = dir.path().join("journal.db");
     Connection::open(&path)
         .unwrap()
-        .execute_batch("PRAGMA user_version = 3")
+        .execute_batch("PRAGMA user_version = 4")
         .unwrap();
     assert!(matches!(
         SqliteJournal::open(&path, Durability::Full),
         Err(JournalError::SchemaTooNew {
-            found: 3,
-            supported: 2
+            found: 4,
+            supported: 3
         })
     ));
 }
 
-/// A version 1 database (no `operations`) opens, gains the table and is stamped 2.
+/// A version 1 database (no `operations`, no `log_bytes`) opens, gains both (what its logs
+/// hold counted) and is stamped with this build's version.
 #[test]
-fn a_version_1_journal_gains_the_operations_table() {
+fn a_version_1_journal_gains_the_operations_table_and_log_bytes() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("journal.db");
+    let held;
     {
         let j = open(&dir);
         j.create_session(&session("s1", "p", 1)).unwrap();
-        let conn = j.writer();
-        conn.execute_batch("DROP TABLE operations; PRAGMA user_version = 1")
+        j.append("s1", 0, 0, &[input("hello"), input("world")])
             .unwrap();
+        held = j.project_usage("p").unwrap();
+        assert!(held.log_bytes > 0);
+        let conn = j.writer();
+        conn.execute_batch(
+            "DROP TABLE operations; ALTER TABLE sessions DROP COLUMN log_bytes;
+             PRAGMA user_version = 1",
+        )
+        .unwrap();
     }
     let j = SqliteJournal::open(&path, Durability::Full).unwrap();
     assert!(j.get_session("s1").unwrap().is_some());
     assert!(j.open_operations().unwrap().is_empty());
+    assert_eq!(j.project_usage("p").unwrap(), held);
     let version: i64 = j
         .reader()
         .query_row("PRAGMA user_version", [], |r| r.get(0))

@@ -1122,6 +1122,14 @@ impl Runtime for MicrovmRuntime {
         }
     }
 
+    fn vm_memory_mib(&self, harness: &str) -> Option<u64> {
+        Some(
+            self.image(harness)
+                .and_then(|i| i.memory_mib)
+                .unwrap_or(self.config.memory_mib),
+        )
+    }
+
     async fn attach(&self, session_uid: &str) -> Result<Option<Incarnation>> {
         Ok(self.running(session_uid).await)
     }
