@@ -62,6 +62,8 @@ pub struct NodeConfig {
     /// on the microvm runtime as a harness named after its directory. Default
     /// `<state_dir>/images`.
     pub image_dir: Option<PathBuf>,
+    /// The bundles' Linux kernels are PVM guest kernels (`--pvm-guest-kernels`).
+    pub pvm_guest_kernels: bool,
     /// The HTTP endpoint that executes host-mediated tool calls; without one such calls fail
     /// with MissingToolExecutor.
     pub tool_executor: Option<WebhookConfig>,
@@ -120,6 +122,7 @@ impl NodeConfig {
             vmm_flavour: VmmFlavour::Agentvm,
             ram_dir: PathBuf::from("/dev/shm"),
             image_dir: None,
+            pvm_guest_kernels: false,
             tool_executor: None,
             auth: None,
             confine_vmms: true,
@@ -296,7 +299,8 @@ impl Node {
             .iter()
             .map(|name| ((*name).to_owned(), Arc::clone(&process)))
             .collect();
-        let mut image_harnesses: Vec<(String, bool)> = Vec::new();
+        // Each bundle's harness, whether it keeps memory, whether it boots Linux.
+        let mut image_harnesses: Vec<(String, bool, bool)> = Vec::new();
         let mut microvm = None;
         let microvm_missing = match microvm_runtime(&cfg) {
             Ok(runtime) => {
@@ -304,7 +308,7 @@ impl Node {
                     .images()
                     .iter()
                     .filter(|i| !MICROVM_HARNESSES.contains(&i.harness.as_str()))
-                    .map(|i| (i.harness.clone(), i.memory_snapshot))
+                    .map(|i| (i.harness.clone(), i.memory_snapshot, i.linux_kernel))
                     .collect();
                 let runtime = Arc::new(runtime);
                 microvm = Some(Arc::clone(&runtime));
@@ -312,7 +316,7 @@ impl Node {
                 let served: Vec<&str> = MICROVM_HARNESSES
                     .iter()
                     .copied()
-                    .chain(image_harnesses.iter().map(|(n, _)| n.as_str()))
+                    .chain(image_harnesses.iter().map(|(n, _, _)| n.as_str()))
                     .collect();
                 tracing::info!(
                     vmm = %cfg.vmm_binary.as_deref().unwrap_or(std::path::Path::new("")).display(),
@@ -345,7 +349,8 @@ impl Node {
             )),
         };
         let mut statics = builtin_harnesses(unservable);
-        statics.extend(image_harnesses.iter().map(|(name, memory)| {
+        let pvm = facts.kvm_flavour == "pvm" && !cfg.pvm_guest_kernels;
+        statics.extend(image_harnesses.iter().map(|(name, memory, linux)| {
             let resumability = if *memory {
                 Resumability::RequiresMemorySnapshot
             } else {
@@ -358,7 +363,14 @@ impl Node {
                     fork_safe: !memory,
                     ..Default::default()
                 },
-                unservable_reason: String::new(),
+                unservable_reason: match pvm && *linux {
+                    true => "its bundle boots a Linux kernel, and this host's /dev/kvm is PVM \
+                             (kvm_pvm), which boots only PVM guest kernels: serve it from a \
+                             node with VMX or SVM KVM, or build the bundle with a PVM guest \
+                             kernel and start agentvmd with --pvm-guest-kernels"
+                        .to_owned(),
+                    false => String::new(),
+                },
             }
         }));
         let registry = Arc::new(Registry::new(statics, harnesses));

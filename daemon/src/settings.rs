@@ -140,6 +140,11 @@ pub struct Settings {
     /// on the microvm runtime. Default: STATE_DIR/images.
     #[arg(long)]
     pub image_dir: Option<PathBuf>,
+    /// The bundles' kernels are PVM guest kernels (built with CONFIG_PVM_GUEST). A host whose
+    /// /dev/kvm is PVM boots no ordinary Linux guest, so without this it lists its bundles
+    /// as harnesses it cannot run and refuses their sessions, naming why.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub pvm_guest_kernels: Option<bool>,
     /// The first of 65536 uids (and gids) given to VMMs, one each, so no two VMs share one:
     /// pick a range no other user or container of the node has. Default: 1879048192
     /// (0x70000000).
@@ -275,6 +280,7 @@ impl Settings {
             vmm_flavour,
             ram_dir,
             image_dir,
+            pvm_guest_kernels,
             vm_uid_base,
             vmm_pool,
             openai_base_url,
@@ -352,6 +358,10 @@ impl Settings {
                     .clone()
                     .unwrap_or_else(|| node.state_dir.join("images")),
             ),
+        );
+        set(
+            "pvm_guest_kernels",
+            toml::Value::Boolean(node.pvm_guest_kernels),
         );
         set("vm_uid_base", secs(u64::from(node.vm_uid_base)));
         set("vmm_pool", secs(node.vmm_pool as u64));

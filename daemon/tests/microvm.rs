@@ -1236,6 +1236,80 @@ async fn image_bundles_in_the_image_dir_are_served_as_harnesses() {
     assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
 }
 
+/// The harnesses a node's status says it serves.
+async fn served(node: &TestNode) -> Vec<String> {
+    agentvm_proto::node::v1::node_client::NodeClient::new(node.channel().await)
+        .get_status(agentvm_proto::node::v1::GetStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .harnesses
+}
+
+/// A PVM host boots no ordinary Linux kernel: it lists a bundle whose kernel is Linux as a
+/// harness it cannot run and refuses its sessions FAILED_PRECONDITION naming why, unless told
+/// its bundles carry PVM guest kernels. (A bundle of the test guest, no Linux, it serves.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pvm_host_refuses_linux_bundles_it_cannot_boot() {
+    require_kvm!();
+    let dir = tempfile::tempdir().unwrap();
+    let images = dir.path().join("images");
+    let src = tempfile::tempdir().unwrap();
+    let p = src.path();
+    // An ELF that says it is Linux: enough for the node to take it for one.
+    let mut linux = agentvm_testguest::TESTGUEST_ELF.to_vec();
+    linux.extend_from_slice(b"Linux version 6.1.0 (builder@host)");
+    std::fs::write(p.join("vmlinux"), &linux).unwrap();
+    std::fs::write(p.join("agent"), agentvm_testguest::TESTGUEST_ELF).unwrap();
+    std::fs::write(
+        p.join("image.toml"),
+        "[harness]\ncommand = [\"/opt/harness/agent\"]\nresumability = \"STATELESS_REPLAY\"\n[build]\nkernel = \"vmlinux\"\nagent = \"agent\"\nharness_binary = \"agent\"\n",
+    )
+    .unwrap();
+    agentvmd::image::build(
+        &p.join("image.toml"),
+        &images.join("linux-app"),
+        &Default::default(),
+    )
+    .unwrap();
+    testguest_bundle(&images, "tg-bundle");
+    let pvm = std::path::Path::new("/sys/module/kvm_pvm").exists();
+    for pvm_guest_kernels in [false, true] {
+        let binary = vmm_binary();
+        let images = images.clone();
+        let node = start_with(move |cfg| {
+            cfg.vmm_binary = Some(binary);
+            cfg.image_dir = Some(images);
+            cfg.pvm_guest_kernels = pvm_guest_kernels;
+        })
+        .await;
+        let mut c = node.c();
+        let created = c
+            .create_session(CreateSessionRequest {
+                session: Some(Session {
+                    harness: "linux-app".into(),
+                    ..Default::default()
+                }),
+            })
+            .await;
+        match (pvm, pvm_guest_kernels) {
+            (true, false) => {
+                let err = created.unwrap_err();
+                assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+                assert!(err.message().contains("PVM"), "{}", err.message());
+                // The node lists only what it can run.
+                assert!(!served(&node).await.contains(&"linux-app".to_owned()));
+            }
+            _ => {
+                created.unwrap();
+                assert!(served(&node).await.contains(&"linux-app".to_owned()));
+            }
+        }
+        assert!(served(&node).await.contains(&"tg-bundle".to_owned()));
+        create_for(&mut c, "tg-bundle").await;
+    }
+}
+
 /// What the test guest last wrote to sector `n` of a disk file, up to the first NUL.
 fn disk_text(path: &std::path::Path, n: usize) -> String {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));

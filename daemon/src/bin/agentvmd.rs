@@ -102,6 +102,7 @@ fn node_config(s: &Settings) -> anyhow::Result<(NodeConfig, ListenAddr, ListenAd
     let flavour = s.vmm_flavour.unwrap_or_default();
     node_config.vmm_flavour = flavour;
     node_config.image_dir = s.image_dir.clone();
+    node_config.pvm_guest_kernels = s.pvm_guest_kernels.unwrap_or(false);
     node_config.vmm_binary = match (&s.vmm_binary, flavour) {
         (Some(bin), _) => Some(bin.clone()),
         (None, VmmFlavour::Agentvm) => node_config.vmm_binary.take(),

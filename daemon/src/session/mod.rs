@@ -304,6 +304,12 @@ impl SessionHost {
             ))
         })?;
         match entry {
+            Entry::Static(s) if !s.unservable_reason.is_empty() => {
+                Err(Status::failed_precondition(format!(
+                    "harness {name:?} cannot run on this node: {}",
+                    s.unservable_reason
+                )))
+            }
             Entry::Static(s) => {
                 let runtime = self.builtin_runtimes.get(&s.name).cloned().ok_or_else(|| {
                     Status::failed_precondition(format!(

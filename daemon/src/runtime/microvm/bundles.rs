@@ -83,6 +83,7 @@ fn load_one(dir: &Path, reserved: &[&str]) -> Result<GuestImage, String> {
         ));
     }
     let mut digests = BTreeMap::new();
+    let mut linux_kernel = false;
     for file in [KERNEL_FILE, INITRAMFS_FILE, CONFIG_FILE] {
         let want = manifest["files"][file]["sha256"]
             .as_str()
@@ -95,6 +96,9 @@ fn load_one(dir: &Path, reserved: &[&str]) -> Result<GuestImage, String> {
                 "{} does not match the manifest (sha256 {got}, manifest {want})",
                 path.display()
             ));
+        }
+        if file == KERNEL_FILE {
+            linux_kernel = is_linux_kernel(&bytes);
         }
         digests.insert(file, path);
     }
@@ -129,7 +133,16 @@ fn load_one(dir: &Path, reserved: &[&str]) -> Result<GuestImage, String> {
         workspace_template,
         rootfs,
         network: image_network(&config.network)?,
+        linux_kernel,
     })
+}
+
+/// Whether `kernel` is a Linux kernel: a bzImage (its setup header's "HdrS") or an ELF
+/// vmlinux (its banner). What a PVM host cannot boot unless built as a PVM guest.
+pub fn is_linux_kernel(kernel: &[u8]) -> bool {
+    kernel.get(0x202..0x206) == Some(b"HdrS")
+        || (kernel.starts_with(b"\x7fELF")
+            && memchr::memmem::find(kernel, b"Linux version ").is_some())
 }
 
 /// The image's `[network]`, checked (again: a bundle is read from disk).
@@ -187,6 +200,19 @@ fn paged_file(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn linux_kernels_are_told_from_other_payloads() {
+        let mut bzimage = vec![0u8; 0x400];
+        bzimage[0x202..0x206].copy_from_slice(b"HdrS");
+        assert!(is_linux_kernel(&bzimage));
+        let mut vmlinux = agentvm_testguest::TESTGUEST_ELF.to_vec();
+        assert!(!is_linux_kernel(&vmlinux), "the test guest is no Linux");
+        vmlinux.extend_from_slice(b"Linux version 6.1.0");
+        assert!(is_linux_kernel(&vmlinux));
+        assert!(!is_linux_kernel(b"Linux version 6.1.0, but no ELF"));
+        assert!(!is_linux_kernel(&[]));
+    }
 
     #[test]
     fn names_are_checked() {

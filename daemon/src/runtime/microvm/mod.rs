@@ -86,6 +86,8 @@ pub struct GuestImage {
     pub rootfs: Option<PathBuf>,
     /// `[network] enabled`: each VM gets a network device and what the image allows.
     pub network: Option<network::ImageNetwork>,
+    /// Its kernel is Linux (a PVM host boots it only if it is a PVM guest kernel).
+    pub linux_kernel: bool,
 }
 
 /// What the runtime needs from the node.
@@ -657,11 +659,8 @@ impl MicrovmRuntime {
         if let Some(remote) = &self.config.snapshot_remote
             && remote.archive_of(&snapshot.external_uri).is_some()
         {
-            let image = self.image(harness);
-            let memory = image
-                .and_then(|i| i.memory_mib)
-                .unwrap_or(self.config.memory_mib);
-            let workspace = image.map_or(0, |i| i.workspace_mib);
+            let memory = Runtime::vm_memory_mib(self, harness).unwrap_or(self.config.memory_mib);
+            let workspace = self.image(harness).map_or(0, |i| i.workspace_mib);
             let limits = remote::FetchLimits {
                 max_file_bytes: memory.max(workspace) << 20,
                 min_free_bytes: self.config.min_free_disk_bytes,
