@@ -10,6 +10,10 @@
 //! loopback, link-local (cloud metadata), unspecified, multicast, broadcast and reserved are
 //! dropped from every answer and never let through; a query's type is checked before any
 //! lookup, and names are looked up fully qualified (the host's search domains add nothing).
+//! Private networks (RFC 1918, shared address space, the benchmark block) come through only
+//! where the operator named them: in the node's /etc/hosts, or inside an address block the
+//! image allows. Otherwise a wildcard zone could point a guest at any service of the
+//! operator's own network.
 
 use std::collections::HashSet;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -73,6 +77,13 @@ impl Resolver {
         vmm: VmmClient,
         pool: Ipv4Addr,
     ) -> std::io::Result<Self> {
+        let named = allow
+            .iter()
+            .filter_map(|e| match e.target {
+                agentvm_guest::egress::Target::Block(net, prefix) => Some((u32::from(net), prefix)),
+                _ => None,
+            })
+            .collect();
         Ok(Self {
             socket: tokio::net::UdpSocket::from_std(socket)?,
             allow,
@@ -80,6 +91,7 @@ impl Resolver {
             never: NeverOpen {
                 pool,
                 host: host_addresses(),
+                named,
             },
             learned: HashSet::new(),
         })
@@ -125,12 +137,12 @@ impl Resolver {
             return Some(reply(query, &question, rcode::NOERROR, &[]));
         }
         let ports: Vec<Option<String>> = entries.iter().map(|e| e.ports_text()).collect();
-        let mut addresses = match lookup(&question.name).await {
+        let (mut addresses, from_hosts_file) = match lookup(&question.name).await {
             Ok(a) => a,
             Err(code) => return Some(reply(query, &question, code, &[])),
         };
         let before = addresses.len();
-        addresses.retain(|a| self.never.allows(*a));
+        addresses.retain(|a| self.never.allows(*a) && (from_hosts_file || self.never.public(*a)));
         if addresses.len() < before {
             tracing::warn!(name = %question.name, dropped = before - addresses.len(),
                 "guest resolver dropped addresses that are not the internet from an answer");
@@ -179,15 +191,15 @@ impl Resolver {
     }
 }
 
-/// The host's IPv4 addresses for `name`, or the response code that says why there are none.
-/// The host's /etc/hosts first, read here: a statically linked agentvmd may have no NSS
-/// modules to read it through.
-async fn lookup(name: &str) -> Result<Vec<Ipv4Addr>, u8> {
+/// The host's IPv4 addresses for `name`, and whether the operator's /etc/hosts gave them;
+/// or the response code that says why there are none. The host's /etc/hosts first, read
+/// here: a statically linked agentvmd may have no NSS modules to read it through.
+async fn lookup(name: &str) -> Result<(Vec<Ipv4Addr>, bool), u8> {
     let listed = std::fs::read_to_string(HOSTS_FILE)
         .map(|text| hosts_file_addresses(&text, name))
         .unwrap_or_default();
     if !listed.is_empty() {
-        return Ok(listed);
+        return Ok((listed, true));
     }
     // Fully qualified: the host's search domains must not answer for the guest.
     let absolute = format!("{name}.");
@@ -207,7 +219,22 @@ async fn lookup(name: &str) -> Result<Vec<Ipv4Addr>, u8> {
     addresses.sort();
     addresses.dedup();
     addresses.truncate(16);
-    Ok(addresses)
+    Ok((addresses, false))
+}
+
+/// Networks of private use, `(network, prefix)`: RFC 1918, the shared address space of
+/// carrier NAT, and the benchmarking block.
+const PRIVATE: [(u32, u8); 5] = [
+    (0x0a00_0000, 8),
+    (0xac10_0000, 12),
+    (0xc0a8_0000, 16),
+    (0x6440_0000, 10),
+    (0xc612_0000, 15),
+];
+
+fn in_network(a: u32, (net, prefix): (u32, u8)) -> bool {
+    let mask = u32::MAX.checked_shl(32 - u32::from(prefix)).unwrap_or(0);
+    a & mask == net & mask
 }
 
 const HOSTS_FILE: &str = "/etc/hosts";
@@ -218,9 +245,26 @@ struct NeverOpen {
     pool: Ipv4Addr,
     /// The host's own addresses.
     host: Vec<Ipv4Addr>,
+    /// The address blocks the image allows, `(network, prefix)`.
+    named: Vec<(u32, u8)>,
 }
 
 impl NeverOpen {
+    /// Whether a DNS answer may give `a`: outside every private network, or inside a block
+    /// the image names that lies within that private network (a wide `0.0.0.0/0` names no
+    /// private network).
+    fn public(&self, a: Ipv4Addr) -> bool {
+        let a = u32::from(a);
+        PRIVATE
+            .iter()
+            .filter(|private| in_network(a, **private))
+            .all(|&(net, prefix)| {
+                self.named.iter().any(|&(block, len)| {
+                    len >= prefix && in_network(block, (net, prefix)) && in_network(a, (block, len))
+                })
+            })
+    }
+
     fn allows(&self, a: Ipv4Addr) -> bool {
         let [a0, ..] = a.octets();
         let in_pool = u32::from(a).wrapping_sub(u32::from(self.pool)) < super::SLOTS * 8;
@@ -410,6 +454,7 @@ mod tests {
         let never = NeverOpen {
             pool: Ipv4Addr::new(10, 77, 0, 0),
             host: vec![Ipv4Addr::new(192, 0, 2, 2)],
+            named: vec![(0, 0), (0x0a50_0000, 16)],
         };
         for refused in [
             "127.0.0.1",
@@ -430,6 +475,22 @@ mod tests {
         }
         for allowed in ["93.184.216.34", "10.78.1.2", "8.8.8.8", "192.0.2.3"] {
             assert!(never.allows(allowed.parse().unwrap()), "{allowed}");
+        }
+        // A DNS answer in a private network only inside a block the image names there
+        // (`0.0.0.0/0` names none of them; 10.80.0.0/16 names itself).
+        for private in [
+            "10.78.1.2",
+            "172.16.0.1",
+            "172.31.255.1",
+            "192.168.1.1",
+            "100.64.0.1",
+            "198.18.0.1",
+            "10.81.0.1",
+        ] {
+            assert!(!never.public(private.parse().unwrap()), "{private}");
+        }
+        for public in ["93.184.216.34", "172.32.0.1", "10.80.3.4", "100.128.0.1"] {
+            assert!(never.public(public.parse().unwrap()), "{public}");
         }
     }
 

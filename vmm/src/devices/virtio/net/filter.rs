@@ -5,8 +5,9 @@
 //! spoken as the guest, or IPv4 from the guest's address that is DNS to the gateway or that
 //! some rule allows. Host → guest, a frame passes when it is addressed to the guest and is
 //! ARP about the guest's address, or IPv4 that answers something the guest sent: a DNS reply
-//! from the gateway, a packet of a flow the guest opened, an echo reply to its ping, or an
-//! ICMP error from a network the policy lets it reach. Everything else is dropped.
+//! from the gateway, a packet of a flow the guest opened, an echo reply to its ping, an ICMP
+//! error about a packet of such a flow (what it quotes must be the guest's own), or a later
+//! fragment of a packet let in whole (its first fragment passed). Everything else is dropped.
 //!
 //! Every header is read defensively (lengths checked against the frame before a byte is
 //! read), so any sequence of bytes gets a verdict and none gets a panic.
@@ -25,6 +26,9 @@ fn mask(prefix: u8) -> u32 {
 /// Flows remembered per device; past this the oldest is forgotten (its replies are dropped
 /// until the guest sends on it again).
 pub const FLOW_CAPACITY: usize = 8192;
+/// Fragmented packets for the guest whose later fragments are awaited; past this the oldest
+/// is forgotten (its packet never reassembles, and the sender retransmits).
+pub const FRAGMENT_CAPACITY: usize = 512;
 
 const ETH_HEADER_LEN: usize = 14;
 const ETHERTYPE_IPV4: u16 = 0x0800;
@@ -78,7 +82,9 @@ pub struct EgressFilter {
     rules: Vec<ParsedRule>,
     /// The host's own reserved networks (the policy's `reserved`), beside [`RESERVED`].
     reserved: Vec<(u32, u8)>,
-    flows: FlowTable,
+    flows: RecencyTable<Flow>,
+    /// Packets for the guest whose first fragment was let in.
+    fragments: RecencyTable<Fragmented>,
 }
 
 impl EgressFilter {
@@ -90,7 +96,8 @@ impl EgressFilter {
             gateway_ip: u32::from(policy.gateway_ip),
             rules: policy.rules.clone(),
             reserved: policy.reserved.clone(),
-            flows: FlowTable::default(),
+            flows: RecencyTable::new(FLOW_CAPACITY),
+            fragments: RecencyTable::new(FRAGMENT_CAPACITY),
         }
     }
 
@@ -196,7 +203,7 @@ impl EgressFilter {
     }
 
     /// A frame for the guest.
-    pub fn inbound(&self, frame: &[u8]) -> Verdict {
+    pub fn inbound(&mut self, frame: &[u8]) -> Verdict {
         let Some(eth) = Ethernet::parse(frame) else {
             return Verdict::Drop("shorter than an Ethernet header");
         };
@@ -214,21 +221,33 @@ impl EgressFilter {
                 Some(ip) if ip.dst != self.guest_ip => {
                     Verdict::Drop("IPv4 destination is not the guest's address")
                 }
-                Some(ip) => self.inbound_ipv4(&ip),
+                Some(ip) => {
+                    let packet = Fragmented {
+                        src: ip.src,
+                        id: ip.id,
+                        protocol: ip.protocol,
+                    };
+                    if !ip.first_fragment {
+                        // Its ports are in the first fragment: it comes in with that one.
+                        return match self.fragments.contains(&packet) {
+                            true => Verdict::Pass,
+                            false => Verdict::Drop("a later fragment of no packet let in"),
+                        };
+                    }
+                    let verdict = self.inbound_ipv4(&ip);
+                    if verdict == Verdict::Pass && ip.more_fragments {
+                        self.fragments.record(packet);
+                    }
+                    verdict
+                }
                 None => Verdict::Drop("malformed IPv4"),
             },
             _ => Verdict::Drop("neither ARP nor IPv4"),
         }
     }
 
+    /// A whole packet, or the first fragment of one.
     fn inbound_ipv4(&self, ip: &Ipv4<'_>) -> Verdict {
-        if !ip.first_fragment {
-            // The gateway's DNS answers may come in fragments too.
-            return match ip.src == self.gateway_ip || self.any_port_allowed(ip.src, ip.protocol) {
-                true => Verdict::Pass,
-                false => Verdict::Drop("fragment from a source no portless rule covers"),
-            };
-        }
         match ip.protocol {
             PROTO_TCP | PROTO_UDP => {
                 let Some((src_port, dst_port)) = ports(ip.payload) else {
@@ -266,23 +285,50 @@ impl EgressFilter {
                         }
                     }
                     // Unreachable and time exceeded tell the guest why its own traffic
-                    // failed (path MTU discovery needs them); they may come from the gateway
-                    // (the first router) or from anywhere the policy lets the guest reach.
-                    ICMP_UNREACHABLE | ICMP_TIME_EXCEEDED => {
-                        match ip.src == self.gateway_ip
-                            || self
-                                .rules
-                                .iter()
-                                .any(|r| r.covers(ip.src) && self.reaches(r, ip.src))
-                        {
-                            true => Verdict::Pass,
-                            false => Verdict::Drop("ICMP error from an address no rule covers"),
-                        }
-                    }
+                    // failed (path MTU discovery needs them), from any router on the path;
+                    // what they quote must be a packet of a flow the guest opened.
+                    ICMP_UNREACHABLE | ICMP_TIME_EXCEEDED => match self.quoted_flow(ip.payload) {
+                        Some(flow) if self.flows.contains(&flow) => Verdict::Pass,
+                        Some(_) => Verdict::Drop("ICMP error about no flow the guest opened"),
+                        None => Verdict::Drop("ICMP error quoting no packet of the guest's"),
+                    },
                     _ => Verdict::Drop("ICMP other than echo reply or an error"),
                 }
             }
             _ => Verdict::Drop("IP protocol other than TCP, UDP or ICMP"),
+        }
+    }
+
+    /// The flow of the packet an ICMP error quotes (its IPv4 header and first 8 bytes after
+    /// the error's own 8), if the guest sent it.
+    fn quoted_flow(&self, icmp: &[u8]) -> Option<Flow> {
+        let quoted = icmp.get(8..)?;
+        let header_len = usize::from(*quoted.first()? & 0x0f) * 4;
+        if *quoted.first()? >> 4 != 4 || header_len < IPV4_MIN_HEADER {
+            return None;
+        }
+        if be32(quoted, 12)? != self.guest_ip {
+            return None;
+        }
+        let (protocol, remote) = (*quoted.get(9)?, be32(quoted, 16)?);
+        let transport = quoted.get(header_len..header_len + 8)?;
+        match protocol {
+            PROTO_TCP | PROTO_UDP => {
+                let (local_port, remote_port) = ports(transport)?;
+                Some(Flow {
+                    protocol,
+                    remote,
+                    remote_port,
+                    local_port,
+                })
+            }
+            PROTO_ICMP if transport[0] == ICMP_ECHO_REQUEST => Some(Flow {
+                protocol,
+                remote,
+                remote_port: be16(transport, 4)?,
+                local_port: 0,
+            }),
+            _ => None,
         }
     }
 
@@ -321,32 +367,51 @@ struct Flow {
     local_port: u16,
 }
 
-/// Flows by recency of the guest's last packet on them, at most [`FLOW_CAPACITY`].
-#[derive(Debug, Default)]
-struct FlowTable {
-    /// Flow → the tick of its last packet.
-    last_seen: HashMap<Flow, u64>,
-    /// Tick → flow, oldest first.
-    by_age: BTreeMap<u64, Flow>,
-    tick: u64,
+/// A fragmented packet for the guest, as IPv4 names it: its source, identification and
+/// protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Fragmented {
+    src: u32,
+    id: u16,
+    protocol: u8,
 }
 
-impl FlowTable {
-    fn record(&mut self, flow: Flow) {
+/// Keys by recency of their last use, at most `capacity`: past it the oldest is forgotten.
+#[derive(Debug)]
+struct RecencyTable<K> {
+    /// Key → the tick of its last use.
+    last_seen: HashMap<K, u64>,
+    /// Tick → key, oldest first.
+    by_age: BTreeMap<u64, K>,
+    tick: u64,
+    capacity: usize,
+}
+
+impl<K: Copy + Eq + std::hash::Hash> RecencyTable<K> {
+    fn new(capacity: usize) -> Self {
+        Self {
+            last_seen: HashMap::new(),
+            by_age: BTreeMap::new(),
+            tick: 0,
+            capacity,
+        }
+    }
+
+    fn record(&mut self, key: K) {
         self.tick += 1;
-        if let Some(previous) = self.last_seen.insert(flow, self.tick) {
+        if let Some(previous) = self.last_seen.insert(key, self.tick) {
             self.by_age.remove(&previous);
         }
-        self.by_age.insert(self.tick, flow);
-        if self.last_seen.len() > FLOW_CAPACITY
+        self.by_age.insert(self.tick, key);
+        if self.last_seen.len() > self.capacity
             && let Some((_, oldest)) = self.by_age.pop_first()
         {
             self.last_seen.remove(&oldest);
         }
     }
 
-    fn contains(&self, flow: &Flow) -> bool {
-        self.last_seen.contains_key(flow)
+    fn contains(&self, key: &K) -> bool {
+        self.last_seen.contains_key(key)
     }
 
     fn len(&self) -> usize {
@@ -416,8 +481,12 @@ struct Ipv4<'a> {
     src: u32,
     dst: u32,
     protocol: u8,
+    /// The identification its fragments share.
+    id: u16,
     /// Fragment offset 0: the packet starts with its transport header.
     first_fragment: bool,
+    /// More fragments follow this one.
+    more_fragments: bool,
     /// The transport bytes, within the header's total length.
     payload: &'a [u8],
 }
@@ -435,12 +504,14 @@ impl<'a> Ipv4<'a> {
         if total_len < header_len || total_len > packet.len() {
             return None;
         }
-        let fragment_offset = be16(packet, 6)? & 0x1fff;
+        let fragment = be16(packet, 6)?;
         Some(Self {
             src: be32(packet, 12)?,
             dst: be32(packet, 16)?,
             protocol: packet[9],
-            first_fragment: fragment_offset == 0,
+            id: be16(packet, 4)?,
+            first_fragment: fragment & 0x1fff == 0,
+            more_fragments: fragment & 0x2000 != 0,
             payload: packet.get(header_len..total_len)?,
         })
     }

@@ -269,7 +269,7 @@ impl Net {
             count(&self.stats.rx_dropped_malformed);
             return Inbound::Dropped;
         }
-        if let Some(filter) = &self.filter
+        if let Some(filter) = &mut self.filter
             && let Verdict::Drop(why) = filter.inbound(frame)
         {
             tracing::trace!(why, "virtio-net: frame for the guest refused");

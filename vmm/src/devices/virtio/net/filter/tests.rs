@@ -217,7 +217,7 @@ fn inbound_needs_a_flow_the_guest_opened_and_the_guest_as_destination() {
 }
 
 #[test]
-fn echo_needs_a_portless_rule_and_errors_come_from_covered_addresses() {
+fn echo_needs_a_portless_rule_and_errors_must_quote_a_flow() {
     let mut f = filter();
     let ping = |dst, id| {
         ethernet(
@@ -250,28 +250,53 @@ fn echo_needs_a_portless_rule_and_errors_come_from_covered_addresses() {
         &ipv4(GUEST_IP, PINGABLE, ICMP, 0, &icmp(13, 1)),
     );
     assert!(!passes(f.outbound(&timestamp)));
-    // Unreachable / time exceeded from a covered address or the gateway; not from others.
-    assert!(passes(f.inbound(&pong(GITHUB, 3, 0))));
-    assert!(passes(f.inbound(&pong(GATEWAY_IP, 3, 0))));
-    assert!(passes(f.inbound(&pong(PINGABLE, 11, 0))));
-    // The UDP rule covers every address.
-    assert!(passes(f.inbound(&pong(ELSEWHERE, 3, 0))));
-    let narrow = EgressPolicy {
-        guest_ip: GUEST_IP,
-        gateway_ip: GATEWAY_IP,
-        allow: vec![rule("1.1.1.1", None, None)],
-        reserved: Vec::new(),
-    };
-    let narrow = EgressFilter::new(GUEST_MAC, &narrow.parse().unwrap());
-    assert!(!passes(narrow.inbound(&pong(ELSEWHERE, 3, 0))));
     assert!(
-        !passes(narrow.inbound(&pong(PINGABLE, 5, 0))),
-        "redirects are refused"
-    );
-    assert!(
-        !passes(narrow.inbound(&pong(PINGABLE, 8, 0))),
+        !passes(f.inbound(&pong(PINGABLE, 8, 0))),
         "echo requests are refused"
     );
+    // Unreachable / time exceeded: from any router on the path, about a packet of a flow
+    // the guest opened.
+    let error = |from, kind, quoted: &[u8]| {
+        let mut body = vec![kind, 0, 0, 0, 0, 0, 0, 0];
+        body.extend_from_slice(&quoted[..quoted.len().min(28)]);
+        ethernet(
+            GUEST_MAC,
+            GATEWAY_MAC,
+            0x0800,
+            &ipv4(from, GUEST_IP, ICMP, 0, &body),
+        )
+    };
+    let sent = ipv4(GUEST_IP, GITHUB, TCP, 0, &transport(40000, 443, b"x"));
+    assert!(
+        !passes(f.inbound(&error(GATEWAY_IP, 3, &sent))),
+        "no such flow yet"
+    );
+    assert!(passes(f.outbound(&guest_sends(TCP, 40000, GITHUB, 443))));
+    assert!(passes(f.inbound(&error(GATEWAY_IP, 3, &sent))));
+    assert!(
+        passes(f.inbound(&error(ELSEWHERE, 11, &sent))),
+        "a router on the path"
+    );
+    let pinged = ipv4(GUEST_IP, PINGABLE, ICMP, 0, &icmp(8, 7));
+    assert!(passes(f.inbound(&error(GATEWAY_IP, 3, &pinged))));
+    // Quoting another flow, another sender's packet, too little, or a redirect: dropped.
+    let other = ipv4(GUEST_IP, GITHUB, TCP, 0, &transport(40001, 443, b"x"));
+    let not_guest = ipv4(
+        Ipv4Addr::new(10, 0, 0, 3),
+        GITHUB,
+        TCP,
+        0,
+        &transport(40000, 443, b"x"),
+    );
+    for (frame, why) in [
+        (error(GATEWAY_IP, 3, &other), "another flow"),
+        (error(GATEWAY_IP, 3, &not_guest), "not the guest's packet"),
+        (error(GATEWAY_IP, 3, &sent[..24]), "a truncated quote"),
+        (error(GATEWAY_IP, 5, &sent), "a redirect"),
+        (pong(GITHUB, 3, 0), "no quoted packet"),
+    ] {
+        assert!(!passes(f.inbound(&frame)), "{why}");
+    }
 }
 
 #[test]
@@ -310,20 +335,36 @@ fn fragments_without_ports_need_a_portless_rule() {
         ),
     );
     assert!(passes(f.outbound(&first)));
-    let inbound_fragment = |src| {
+    // For the guest, a later fragment comes in only after its packet's first one did
+    // (same source, identification and protocol): a large DNS answer does.
+    let for_guest = |src, fragment, payload: &[u8]| {
         ethernet(
             GUEST_MAC,
             GATEWAY_MAC,
             0x0800,
-            &ipv4(src, GUEST_IP, UDP, 185, &[0xab; 32]),
+            &ipv4(src, GUEST_IP, UDP, fragment, payload),
         )
     };
-    assert!(passes(f.inbound(&inbound_fragment(PINGABLE))));
+    let later = |src| for_guest(src, 185, &[0xab; 32]);
     assert!(
-        passes(f.inbound(&inbound_fragment(GATEWAY_IP))),
-        "large DNS answers"
+        !passes(f.inbound(&later(GATEWAY_IP))),
+        "no first fragment yet"
     );
-    assert!(!passes(f.inbound(&inbound_fragment(GITHUB))));
+    assert!(
+        !passes(f.inbound(&later(PINGABLE))),
+        "a portless rule is not enough"
+    );
+    let dns_first = for_guest(GATEWAY_IP, 0x2000, &transport(53, 40000, &[0; 64]));
+    assert!(passes(f.inbound(&dns_first)));
+    assert!(passes(f.inbound(&later(GATEWAY_IP))));
+    assert!(
+        !passes(f.inbound(&later(PINGABLE))),
+        "another source's packet"
+    );
+    // A first fragment refused lets none of its later ones in.
+    let unsolicited = for_guest(GITHUB, 0x2000, &transport(443, 40000, &[0; 64]));
+    assert!(!passes(f.inbound(&unsolicited)));
+    assert!(!passes(f.inbound(&later(GITHUB))));
 }
 
 #[test]
