@@ -266,6 +266,20 @@ impl VmmClient {
         self.put_json(endpoint::VM_EGRESS_ALLOW, &body).await
     }
 
+    /// `PUT vm.egress-revoke` (extension): take `rules` out of the egress policy of the net
+    /// device `id` (the VM's first when `None`).
+    pub async fn egress_revoke(
+        &self,
+        id: Option<&str>,
+        rules: &[crate::config::EgressRule],
+    ) -> Result<(), ClientError> {
+        let body = crate::types::VmEgressAllow {
+            id: id.map(str::to_owned),
+            rules: rules.to_vec(),
+        };
+        self.put_json(endpoint::VM_EGRESS_REVOKE, &body).await
+    }
+
     /// `PUT vmm.ram-dir` (agentvm extension).
     pub async fn set_ram_dir(&self, path: Option<&std::path::Path>) -> Result<(), ClientError> {
         let body = crate::types::VmmRamDir {

@@ -34,6 +34,9 @@ pub const VM_FORK: &str = "vm.fork";
 /// `PUT` with a `VmEgressAllow` body (agentvm extension): append allow rules to a booted
 /// VM's egress policy.
 pub const VM_EGRESS_ALLOW: &str = "vm.egress-allow";
+/// `PUT` with a `VmEgressAllow` body (agentvm extension): take allow rules back out of a
+/// booted VM's egress policy (flows already open stay open).
+pub const VM_EGRESS_REVOKE: &str = "vm.egress-revoke";
 
 /// `PUT` with a `VmmRamDir` body (agentvm extension): where the next VM's RAM file goes. A
 /// VMM started ahead of its VM (a node's pool) learns its directory only once it is claimed.

@@ -652,21 +652,9 @@ impl VmmBackend for Vmm {
                 ));
             }
         };
-        let index = match &request.id {
-            None if !config.net.is_empty() => 0,
-            None => return Err(ApiError::not_found("the VM has no network device")),
-            Some(id) => (0..config.net.len())
-                .find(|&i| config.net[i].device_id(i) == *id)
-                .ok_or_else(|| {
-                    ApiError::not_found(format!("id: the VM has no network device {id:?}"))
-                })?,
-        };
+        let index = net_index(config, request.id.as_deref())?;
         let id = config.net[index].device_id(index);
-        let Some(policy) = config.net[index].egress.as_mut() else {
-            return Err(ApiError::bad_request(format!(
-                "network device {id:?} has no egress policy: all traffic crosses it already"
-            )));
-        };
+        let policy = egress_policy(config, index)?;
         // Rules it holds already are not added again (a resolver re-allows the addresses
         // of every answer), so repeats never use up the policy's room.
         let mut held = agentvm_vmm_api::config::parse_rules(&policy.allow)
@@ -693,6 +681,42 @@ impl VmmBackend for Vmm {
         // vm.info shows the policy in force, and a snapshot carries it.
         policy.allow.extend(added.into_iter().map(|(rule, _)| rule));
         tracing::debug!(device = %id, added = new.len(), "egress rules added");
+        Ok(())
+    }
+
+    fn egress_revoke(&self, request: VmEgressAllow) -> Result<(), ApiError> {
+        let parsed = request
+            .parse()
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        let mut inner = lock(&self.inner);
+        let (config, booted) = match &mut inner.slot {
+            Slot::Running(config, booted) | Slot::Paused(config, booted) => (config, booted),
+            _ => {
+                return Err(ApiError::not_found(
+                    "no VM is booted (vm.boot or vm.restore first)",
+                ));
+            }
+        };
+        let index = net_index(config, request.id.as_deref())?;
+        let id = config.net[index].device_id(index);
+        let policy = egress_policy(config, index)?;
+        let held = agentvm_vmm_api::config::parse_rules(&policy.allow)
+            .map_err(|e| ApiError::internal(format!("the policy in force: {e}")))?;
+        let kept: Vec<usize> = (0..held.len())
+            .filter(|&i| !parsed.contains(&held[i]))
+            .collect();
+        let removed: Vec<_> = held
+            .iter()
+            .filter(|r| parsed.contains(r))
+            .copied()
+            .collect();
+        booted
+            .vm
+            .egress_revoke(index, &removed)
+            .map_err(|e| ApiError::from_error(500, &e))?;
+        // vm.info shows the policy in force, and a snapshot carries it.
+        policy.allow = kept.into_iter().map(|i| policy.allow[i].clone()).collect();
+        tracing::debug!(device = %id, removed = removed.len(), "egress rules revoked");
         Ok(())
     }
 
@@ -725,4 +749,28 @@ fn apply_net_overrides(request: &RestoreConfig, config: &mut VmConfig) -> Result
         entry.apply(&mut config.net[index]);
     }
     Ok(())
+}
+
+/// The index of the VM's network device `id` (its first when `None`).
+fn net_index(config: &VmConfig, id: Option<&str>) -> Result<usize, ApiError> {
+    match id {
+        None if !config.net.is_empty() => Ok(0),
+        None => Err(ApiError::not_found("the VM has no network device")),
+        Some(id) => (0..config.net.len())
+            .find(|&i| config.net[i].device_id(i) == id)
+            .ok_or_else(|| ApiError::not_found(format!("id: the VM has no network device {id:?}"))),
+    }
+}
+
+/// The egress policy of network device `index` (400 for a device without one).
+fn egress_policy(
+    config: &mut VmConfig,
+    index: usize,
+) -> Result<&mut agentvm_vmm_api::config::EgressPolicy, ApiError> {
+    let id = config.net[index].device_id(index);
+    config.net[index].egress.as_mut().ok_or_else(|| {
+        ApiError::bad_request(format!(
+            "network device {id:?} has no egress policy: all traffic crosses it already"
+        ))
+    })
 }

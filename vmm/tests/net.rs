@@ -202,6 +202,28 @@ async fn a_vm_attaches_its_tap_takes_new_rules_and_restores_onto_another_tap() {
         ),
         404
     );
+    // Revoked, a rule leaves the policy in force (and a rule not held is ignored).
+    vmm.client
+        .egress_revoke(None, std::slice::from_ref(&added))
+        .await
+        .unwrap();
+    assert_eq!(allow(vmm.client.info().await.unwrap()).len(), 1);
+    vmm.client
+        .egress_revoke(None, std::slice::from_ref(&added))
+        .await
+        .unwrap();
+    assert_eq!(
+        status(
+            vmm.client
+                .egress_revoke(Some("eth9"), std::slice::from_ref(&added))
+                .await
+        ),
+        404
+    );
+    vmm.client
+        .egress_allow(None, std::slice::from_ref(&added))
+        .await
+        .unwrap();
     let many: Vec<EgressRule> = (0..4095u32)
         .map(|i| EgressRule::host(Ipv4Addr::from(0x0b00_0000 + i)))
         .collect();

@@ -62,6 +62,14 @@ pub trait VmmBackend: Send + Sync + 'static {
         Err(ApiError::not_found("this VMM has no network devices"))
     }
 
+    /// `PUT vm.egress-revoke` (extension): remove `request.rules` from the policy of a booted
+    /// VM's net device (a rule it does not hold is ignored); flows the guest already opened
+    /// stay open. Errors as [`Self::egress_allow`].
+    fn egress_revoke(&self, request: VmEgressAllow) -> Result<(), ApiError> {
+        let _ = request;
+        Err(ApiError::not_found("this VMM has no network devices"))
+    }
+
     /// `PUT vmm.ram-dir`: where the next booted VM's RAM file goes. A backend that keeps
     /// guest RAM elsewhere need not implement it.
     fn set_ram_dir(&self, request: VmmRamDir) -> Result<(), ApiError> {

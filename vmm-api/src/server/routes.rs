@@ -119,6 +119,12 @@ static ROUTES: &[Route] = &[
         egress_allow,
     ),
     route(
+        endpoint::VM_EGRESS_REVOKE,
+        Verb::Put,
+        BodyRule::Required,
+        egress_revoke,
+    ),
+    route(
         endpoint::VMM_RAM_DIR,
         Verb::Put,
         BodyRule::Required,
@@ -245,6 +251,14 @@ fn egress_allow(body: &[u8]) -> Result<Call, ApiError> {
         .parse()
         .map_err(|e| ApiError::bad_request("invalid egress rules").caused_by(e.to_string()))?;
     call(move |b| no_content(b.egress_allow(request)))
+}
+
+fn egress_revoke(body: &[u8]) -> Result<Call, ApiError> {
+    let request: crate::types::VmEgressAllow = decode(body, "egress rules")?;
+    request
+        .parse()
+        .map_err(|e| ApiError::bad_request("invalid egress rules").caused_by(e.to_string()))?;
+    call(move |b| no_content(b.egress_revoke(request)))
 }
 
 fn ram_dir(body: &[u8]) -> Result<Call, ApiError> {

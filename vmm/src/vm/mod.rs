@@ -480,6 +480,20 @@ impl Vm {
             .map_err(EgressAllowError::Device)
     }
 
+    /// Takes `rules` out of the egress policy of network device `index`; flows its guest
+    /// already opened stay open.
+    pub fn egress_revoke(
+        &self,
+        index: usize,
+        rules: &[agentvm_vmm_api::config::ParsedRule],
+    ) -> Result<(), EgressAllowError> {
+        let net = self.nets.get(index).ok_or(EgressAllowError::NoDevice)?;
+        virtio_net::lock(&net.device)
+            .device_mut()
+            .revoke_egress(rules)
+            .map_err(EgressAllowError::Device)
+    }
+
     fn drain_serial(&self) {
         if let Some(serial) = &self.serial {
             serial.lock().unwrap_or_else(|p| p.into_inner()).drain();

@@ -13,11 +13,13 @@
 //! Private networks (RFC 1918, shared address space, the benchmark block) come through only
 //! where the operator named them: in the node's /etc/hosts, or inside an address block the
 //! image allows. Otherwise a wildcard zone could point a guest at any service of the
-//! operator's own network.
+//! operator's own network. And what an answer opened closes again
+//! [`LEARNED_LIFETIME`] after the last answer that gave it (connections already open go
+//! on): a name that once pointed somewhere does not keep it reachable for good.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddr};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use agentvm_guest::egress::AllowEntry;
 use agentvm_vmm_api::VmmClient;
@@ -36,6 +38,12 @@ const TTL_SECONDS: u32 = 30;
 const LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
 /// The most addresses one VM's resolver lets through (the device holds 4096 rules).
 const MAX_LEARNED: usize = 2048;
+/// How long an address stays let through after the last answer that gave it: long past the
+/// guest's cache of the answer ([`TTL_SECONDS`]), short enough that a name pointed
+/// elsewhere soon stops reaching the old address.
+const LEARNED_LIFETIME: Duration = Duration::from_secs(300);
+/// How often addresses past their lifetime are taken back out of the device's policy.
+const SWEEP_EVERY: Duration = Duration::from_secs(30);
 
 mod rcode {
     pub const NOERROR: u8 = 0;
@@ -52,8 +60,67 @@ pub struct Resolver {
     vmm: VmmClient,
     /// What an answer may never open.
     never: NeverOpen,
-    /// (address, ports) already let through.
-    learned: HashSet<(Ipv4Addr, Option<String>)>,
+    learned: Learned,
+}
+
+/// An (address, ports) pair an answer let through.
+type Opened = (Ipv4Addr, Option<String>);
+
+/// What answers let through, and until when.
+#[derive(Debug, Default)]
+struct Learned {
+    until: HashMap<Opened, Instant>,
+}
+
+impl Learned {
+    /// Notes `pairs` as answered at `now` (each open until [`LEARNED_LIFETIME`] from now);
+    /// returns those not let through yet, or why no more can be.
+    fn answered(&mut self, pairs: Vec<Opened>, now: Instant) -> Result<Vec<Opened>, String> {
+        let new: Vec<Opened> = pairs
+            .iter()
+            .filter(|p| !self.until.contains_key(*p))
+            .cloned()
+            .collect();
+        if self.until.len() + new.len() > MAX_LEARNED {
+            return Err(format!("{MAX_LEARNED} addresses already let through"));
+        }
+        for pair in pairs {
+            self.until.insert(pair, now + LEARNED_LIFETIME);
+        }
+        Ok(new)
+    }
+
+    /// Takes out and returns what is past its lifetime at `now`.
+    fn expired(&mut self, now: Instant) -> Vec<Opened> {
+        let gone: Vec<Opened> = self
+            .until
+            .iter()
+            .filter(|(_, until)| **until <= now)
+            .map(|(pair, _)| pair.clone())
+            .collect();
+        for pair in &gone {
+            self.until.remove(pair);
+        }
+        gone
+    }
+
+    /// Puts back `pairs` a revoke could not take out of the device.
+    fn keep(&mut self, pairs: Vec<Opened>, now: Instant) {
+        for pair in pairs {
+            self.until.insert(pair, now + SWEEP_EVERY);
+        }
+    }
+}
+
+fn rules_of(pairs: &[Opened]) -> Vec<EgressRule> {
+    pairs
+        .iter()
+        .map(|(address, ports)| EgressRule {
+            cidr: format!("{address}/32"),
+            ports: ports.clone(),
+            protocol: None,
+        })
+        .collect()
 }
 
 /// One parsed question.
@@ -93,22 +160,57 @@ impl Resolver {
                 host: host_addresses(),
                 named,
             },
-            learned: HashSet::new(),
+            learned: Learned::default(),
         })
     }
 
     pub async fn serve(mut self) {
         let mut buf = [0u8; MAX_MESSAGE];
+        let mut sweep = tokio::time::interval(SWEEP_EVERY);
+        sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            let (n, from) = match self.socket.recv_from(&mut buf).await {
-                Ok(got) => got,
-                Err(e) => {
-                    tracing::warn!(error = %e, "guest resolver stopped");
-                    return;
+            let (n, from) = tokio::select! {
+                received = self.socket.recv_from(&mut buf) => match received {
+                    Ok(got) => got,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "guest resolver stopped");
+                        return;
+                    }
+                },
+                _ = sweep.tick() => {
+                    self.close_expired().await;
+                    continue;
                 }
             };
             if let Some(reply) = self.answer(&buf[..n]).await {
                 let _ = self.socket.send_to(&reply, from).await;
+            }
+        }
+    }
+
+    /// Takes what is past its lifetime back out of the device's policy.
+    async fn close_expired(&mut self) {
+        let now = Instant::now();
+        let gone = self.learned.expired(now);
+        if gone.is_empty() {
+            return;
+        }
+        let body = VmEgressAllow {
+            id: Some(DEVICE_ID.into()),
+            rules: rules_of(&gone),
+        };
+        match self
+            .vmm
+            .put_json(agentvm_vmm_api::endpoint::VM_EGRESS_REVOKE, &body)
+            .await
+        {
+            Ok(()) => tracing::debug!(
+                closed = gone.len(),
+                "guest resolver closed expired addresses"
+            ),
+            Err(e) => {
+                tracing::warn!(error = %e, "guest resolver could not close expired addresses");
+                self.learned.keep(gone, now);
             }
         }
     }
@@ -154,40 +256,37 @@ impl Resolver {
         Some(reply(query, &question, rcode::NOERROR, &addresses))
     }
 
-    /// Adds rules for the addresses not let through yet.
+    /// Adds rules for the addresses not let through yet, and keeps every one of them open
+    /// [`LEARNED_LIFETIME`] from now.
     async fn let_through(
         &mut self,
         addresses: &[Ipv4Addr],
         ports: &[Option<String>],
     ) -> Result<(), String> {
-        let mut rules = Vec::new();
-        for address in addresses {
-            for p in ports {
-                if self.learned.contains(&(*address, p.clone())) {
-                    continue;
-                }
-                if self.learned.len() >= MAX_LEARNED {
-                    return Err(format!("{MAX_LEARNED} addresses already let through"));
-                }
-                self.learned.insert((*address, p.clone()));
-                rules.push(EgressRule {
-                    cidr: format!("{address}/32"),
-                    ports: p.clone(),
-                    protocol: None,
-                });
-            }
-        }
-        if rules.is_empty() {
+        let pairs: Vec<Opened> = addresses
+            .iter()
+            .flat_map(|a| ports.iter().map(|p| (*a, p.clone())))
+            .collect();
+        let new = self.learned.answered(pairs, Instant::now())?;
+        if new.is_empty() {
             return Ok(());
         }
         let body = VmEgressAllow {
             id: Some(DEVICE_ID.into()),
-            rules,
+            rules: rules_of(&new),
         };
-        self.vmm
+        let added = self
+            .vmm
             .put_json(agentvm_vmm_api::endpoint::VM_EGRESS_ALLOW, &body)
             .await
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string());
+        if added.is_err() {
+            // Not let through: nothing to close later, and the next answer tries again.
+            for pair in &new {
+                self.learned.until.remove(pair);
+            }
+        }
+        added
     }
 }
 
@@ -492,6 +591,42 @@ mod tests {
         for public in ["93.184.216.34", "172.32.0.1", "10.80.3.4", "100.128.0.1"] {
             assert!(never.public(public.parse().unwrap()), "{public}");
         }
+    }
+
+    #[test]
+    fn learned_addresses_close_a_lifetime_after_the_last_answer_that_gave_them() {
+        let mut learned = Learned::default();
+        let t0 = Instant::now();
+        let a = (Ipv4Addr::new(93, 184, 216, 34), Some("443".to_owned()));
+        let b = (Ipv4Addr::new(93, 184, 216, 35), None);
+        assert_eq!(
+            learned.answered(vec![a.clone(), b.clone()], t0).unwrap(),
+            [a.clone(), b.clone()]
+        );
+        // Answered again later: nothing new to open, and `a` stays open longer.
+        let later = t0 + LEARNED_LIFETIME / 2;
+        assert!(learned.answered(vec![a.clone()], later).unwrap().is_empty());
+        assert!(learned.expired(t0 + LEARNED_LIFETIME / 3).is_empty());
+        assert_eq!(
+            learned.expired(t0 + LEARNED_LIFETIME),
+            std::slice::from_ref(&b)
+        );
+        assert_eq!(
+            learned.expired(later + LEARNED_LIFETIME),
+            std::slice::from_ref(&a)
+        );
+        // Closed, it is new again; one that could not be closed is tried at the next sweep.
+        assert_eq!(
+            learned.answered(vec![b.clone()], later).unwrap(),
+            std::slice::from_ref(&b)
+        );
+        learned.keep(vec![a.clone()], later);
+        assert_eq!(learned.expired(later + SWEEP_EVERY), [a]);
+        // Bounded.
+        let many: Vec<Opened> = (0..MAX_LEARNED as u32)
+            .map(|i| (Ipv4Addr::from(0x5d00_0000 + i), None))
+            .collect();
+        assert!(learned.answered(many, later).is_err());
     }
 
     #[test]

@@ -116,6 +116,12 @@ impl EgressFilter {
         Ok(())
     }
 
+    /// Removes every rule equal to one of `rules`. Flows the guest opened under them stay
+    /// open: a connection outlives the rule that let it start.
+    pub fn revoke(&mut self, rules: &[ParsedRule]) {
+        self.rules.retain(|r| !rules.contains(r));
+    }
+
     /// How many flows are remembered.
     pub fn flow_count(&self) -> usize {
         self.flows.len()
@@ -164,7 +170,15 @@ impl EgressFilter {
                 };
                 let tcp = ip.protocol == PROTO_TCP;
                 let dns = ip.dst == self.gateway_ip && dst_port == DNS_PORT;
+                let flow = Flow {
+                    protocol: ip.protocol,
+                    remote: ip.dst,
+                    remote_port: dst_port,
+                    local_port: src_port,
+                };
+                // A flow already open goes on even if the rule that let it start was revoked.
                 if !dns
+                    && !self.flows.contains(&flow)
                     && !self
                         .rules
                         .iter()
@@ -172,12 +186,7 @@ impl EgressFilter {
                 {
                     return Verdict::Drop("no rule allows the destination");
                 }
-                self.flows.record(Flow {
-                    protocol: ip.protocol,
-                    remote: ip.dst,
-                    remote_port: dst_port,
-                    local_port: src_port,
-                });
+                self.flows.record(flow);
                 Verdict::Pass
             }
             PROTO_ICMP => {

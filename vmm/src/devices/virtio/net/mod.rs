@@ -200,6 +200,13 @@ impl Net {
         Ok(())
     }
 
+    /// Takes rules out of the egress policy, from the next frame on.
+    pub fn revoke_egress(&mut self, rules: &[ParsedRule]) -> Result<(), EgressAllowError> {
+        let filter = self.filter.as_mut().ok_or(EgressAllowError::NoPolicy)?;
+        filter.revoke(rules);
+        Ok(())
+    }
+
     /// Sends the frame of one transmit chain, if it is well-formed and allowed.
     fn transmit(
         &mut self,

@@ -368,6 +368,33 @@ fn fragments_without_ports_need_a_portless_rule() {
 }
 
 #[test]
+fn a_revoked_rule_opens_nothing_new_and_its_open_flows_go_on() {
+    let mut f = filter();
+    assert!(passes(f.outbound(&guest_sends(TCP, 40000, GITHUB, 443))));
+    let https = EgressPolicy {
+        guest_ip: GUEST_IP,
+        gateway_ip: GATEWAY_IP,
+        allow: vec![rule("140.82.112.0/20", Some("443"), Some("tcp"))],
+        reserved: Vec::new(),
+    }
+    .parse()
+    .unwrap()
+    .rules;
+    f.revoke(&https);
+    assert_eq!(f.rules().len(), 2);
+    assert_eq!(
+        f.outbound(&guest_sends(TCP, 40001, GITHUB, 443)),
+        Verdict::Drop("no rule allows the destination")
+    );
+    // The connection opened before goes on, both ways.
+    assert!(passes(f.outbound(&guest_sends(TCP, 40000, GITHUB, 443))));
+    assert!(passes(f.inbound(&guest_receives(TCP, GITHUB, 443, 40000))));
+    // Revoking what it does not hold changes nothing.
+    f.revoke(&https);
+    assert_eq!(f.rules().len(), 2);
+}
+
+#[test]
 fn the_oldest_flow_is_forgotten_first() {
     let mut f = filter();
     let open = |f: &mut EgressFilter, port: u16| {
