@@ -1975,6 +1975,19 @@ async fn a_networked_vm_gets_its_own_address_policy_and_resolver() {
     assert!(addresses.is_empty(), "{addresses:?}");
     let after = net_of(&node, &s).await.egress.unwrap();
     assert_eq!(after.allow, policy.allow, "no rule was learned");
+    // From the host (routed to every gateway), the resolver answers nothing.
+    let host = std::net::UdpSocket::bind((std::net::Ipv4Addr::UNSPECIFIED, 0)).unwrap();
+    host.set_read_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    let query = [
+        0xab, 0xcd, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 9, b'l', b'o', b'c', b'a', b'l', b'h', b'o',
+        b's', b't', 0, 0, 1, 0, 1,
+    ];
+    host.send_to(&query, (policy.gateway_ip, 53)).unwrap();
+    assert!(
+        host.recv(&mut [0u8; 512]).is_err(),
+        "the resolver answered the host"
+    );
 
     let children = fork(&mut c, &s, 1).await;
     assert_eq!(turn(&mut c, &children[0]).await, "2");

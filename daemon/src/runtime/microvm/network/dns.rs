@@ -56,6 +56,9 @@ mod rcode {
 
 pub struct Resolver {
     socket: tokio::net::UdpSocket,
+    /// The address it answers: its own VM's (the host routes to every gateway, so anyone
+    /// on the host could ask otherwise).
+    guest: Ipv4Addr,
     allow: Vec<AllowEntry>,
     vmm: VmmClient,
     /// What an answer may never open.
@@ -137,12 +140,14 @@ struct Question {
 }
 
 impl Resolver {
-    /// `pool` is the first address of the guest network pool this VM's slot is in.
+    /// `pool` is the first address of the guest network pool this VM's slot is in, `guest`
+    /// the VM's own address.
     pub fn new(
         socket: std::net::UdpSocket,
         allow: Vec<AllowEntry>,
         vmm: VmmClient,
         pool: Ipv4Addr,
+        guest: Ipv4Addr,
     ) -> std::io::Result<Self> {
         let named = allow
             .iter()
@@ -153,6 +158,7 @@ impl Resolver {
             .collect();
         Ok(Self {
             socket: tokio::net::UdpSocket::from_std(socket)?,
+            guest,
             allow,
             vmm,
             never: NeverOpen {
@@ -182,6 +188,13 @@ impl Resolver {
                     continue;
                 }
             };
+            // Its VM, or its own namespace (the gateway: what the VMM's namespace sends
+            // from); never a host or another VM routed to it.
+            let local = self.socket.local_addr().map(|a| a.ip()).ok();
+            if from.ip() != std::net::IpAddr::V4(self.guest) && Some(from.ip()) != local {
+                tracing::debug!(%from, "guest resolver ignored a query from another address");
+                continue;
+            }
             if let Some(reply) = self.answer(&buf[..n]).await {
                 let _ = self.socket.send_to(&reply, from).await;
             }

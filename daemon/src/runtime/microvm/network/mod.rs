@@ -328,7 +328,7 @@ impl Networks {
         let path = attached_file(api);
         std::fs::write(&path, serde_json::to_vec(&record).unwrap_or_default())
             .map_err(|e| format!("{}: {e}", path.display()))?;
-        self.serve_resolver(session, socket, image.allow.clone(), api)?;
+        self.serve_resolver(session, socket, image.allow.clone(), api, slot.guest())?;
         tracing::debug!(session, address = %slot.guest(), "guest network attached");
         Ok(slot)
     }
@@ -361,7 +361,7 @@ impl Networks {
         let socket = tokio::task::spawn_blocking(move || netns::rebind_resolver(pid, &slot))
             .await
             .map_err(|e| format!("the guest's resolver: {e}"))??;
-        self.serve_resolver(session, socket, allow, api)
+        self.serve_resolver(session, socket, allow, api, slot.guest())
     }
 
     fn serve_resolver(
@@ -370,12 +370,14 @@ impl Networks {
         socket: std::net::UdpSocket,
         allow: Vec<AllowEntry>,
         api: &Path,
+        guest: Ipv4Addr,
     ) -> Result<(), String> {
         let resolver = dns::Resolver::new(
             socket,
             allow,
             agentvm_vmm_api::VmmClient::new(api),
             self.pool,
+            guest,
         )
         .map_err(|e| format!("the guest's resolver: {e}"))?;
         let task = tokio::spawn(tracing::Instrument::in_current_span(resolver.serve()));

@@ -130,13 +130,27 @@ fn vmm_uid(pid: u32) -> Result<u32, String> {
 }
 
 /// Routing between the tap, the veth and the host's interfaces. In a VMM's namespace the
-/// setting is its own; on the host it is what routing to any guest needs.
+/// setting is its own; on the host it is what routing to any guest needs. A router does
+/// not take source-routed packets (a guest must not pick its own path through the host).
 fn forward_ipv4() -> Result<(), String> {
-    let path = "/proc/sys/net/ipv4/ip_forward";
-    if std::fs::read_to_string(path).is_ok_and(|v| v.trim() == "1") {
-        return Ok(());
+    for (path, value, what) in [
+        (
+            "/proc/sys/net/ipv4/conf/all/accept_source_route",
+            "0",
+            "refusing source-routed packets",
+        ),
+        (
+            "/proc/sys/net/ipv4/ip_forward",
+            "1",
+            "enabling IPv4 forwarding",
+        ),
+    ] {
+        if std::fs::read_to_string(path).is_ok_and(|v| v.trim() == value) {
+            continue;
+        }
+        std::fs::write(path, value).map_err(|e| format!("{what}: {e}"))?;
     }
-    std::fs::write(path, "1").map_err(|e| format!("enabling IPv4 forwarding: {e}"))
+    Ok(())
 }
 
 /// iproute2's `ip` where Debian puts it (a busybox `ip` earlier on PATH lacks `-batch`).
