@@ -26,6 +26,37 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
     pages::hex(&Sha256::digest(bytes))
 }
 
+/// The largest manifest read: one lists a handful of files.
+pub const MAX_MANIFEST: u64 = 1 << 20;
+
+/// The bytes of the regular file at `path`, at most `max` of them: opened without following
+/// a symlink and without blocking on a FIFO, refused if it is anything but a regular file.
+pub fn read_regular(path: &Path, max: u64) -> Result<Vec<u8>, SnapshotError> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc_flags::NOFOLLOW_NONBLOCK)
+        .open(path)
+        .map_err(io(path))?;
+    let meta = file.metadata().map_err(io(path))?;
+    if !meta.is_file() || meta.len() > max {
+        return Err(SnapshotError::Manifest(format!(
+            "{} is not a regular file of at most {max} bytes",
+            path.display()
+        )));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.take(max).read_to_end(&mut bytes).map_err(io(path))?;
+    Ok(bytes)
+}
+
+/// `O_NOFOLLOW | O_NONBLOCK`, for files a VMM could have replaced.
+pub(crate) mod libc_flags {
+    pub const NOFOLLOW_NONBLOCK: i32 =
+        (rustix::fs::OFlags::NOFOLLOW.bits() | rustix::fs::OFlags::NONBLOCK.bits()) as i32;
+}
+
 /// Writes a snapshot into an existing, empty-of-snapshot directory.
 pub struct SnapshotWriter {
     dir: PathBuf,
@@ -163,10 +194,12 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
-    /// Reads the manifest (strictly). Digests are checked by [`Snapshot::verify`].
+    /// Reads the manifest (strictly). Digests are checked by [`Snapshot::verify`]. A VMM
+    /// wrote it: it is read only as a regular file (never through a symlink, never a FIFO or
+    /// a device) of at most [`MAX_MANIFEST`] bytes.
     pub fn open(dir: &Path) -> Result<Self, SnapshotError> {
         let path = dir.join(MANIFEST_FILE);
-        let bytes = std::fs::read(&path).map_err(io(&path))?;
+        let bytes = read_regular(&path, MAX_MANIFEST)?;
         let manifest = Manifest::from_json(&bytes)?;
         let dir = std::fs::canonicalize(dir).map_err(io(dir))?;
         Ok(Self {

@@ -61,18 +61,70 @@ fn check_name(kind: &str, name: &str) -> Result<(), SnapshotError> {
     }
 }
 
+/// A VMM wrote what is copied: directories and regular files only, none reached through a
+/// symlink (a link to a host file must not pull that file into the store).
 fn copy_tree(from: &Path, to: &Path) -> Result<(), SnapshotError> {
+    if !std::fs::symlink_metadata(from).map_err(io(from))?.is_dir() {
+        return Err(not_plain(from));
+    }
     std::fs::create_dir(to).map_err(io(to))?;
     for entry in std::fs::read_dir(from).map_err(io(from))? {
         let entry = entry.map_err(io(from))?;
         let (src, dst) = (entry.path(), to.join(entry.file_name()));
-        if entry.file_type().map_err(io(&src))?.is_dir() {
+        let kind = entry.file_type().map_err(io(&src))?;
+        if kind.is_dir() {
             copy_tree(&src, &dst)?;
+        } else if kind.is_file() {
+            let mut source = open_regular(&src)?;
+            let mut target = std::fs::File::create_new(&dst).map_err(io(&dst))?;
+            std::io::copy(&mut source, &mut target).map_err(io(&src))?;
         } else {
-            std::fs::copy(&src, &dst).map_err(io(&src))?;
+            return Err(not_plain(&src));
         }
     }
     Ok(())
+}
+
+fn not_plain(path: &Path) -> SnapshotError {
+    SnapshotError::Manifest(format!(
+        "{} is neither a regular file nor a directory (a snapshot holds nothing else)",
+        path.display()
+    ))
+}
+
+/// Opens the regular file at `path` for reading, never through a symlink and never blocking
+/// on a FIFO; anything else is refused.
+fn open_regular(path: &Path) -> Result<std::fs::File, SnapshotError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(crate::dir::libc_flags::NOFOLLOW_NONBLOCK)
+        .open(path)
+        .map_err(|_| not_plain(path))?;
+    match file.metadata().map_err(io(path))?.is_file() {
+        true => Ok(file),
+        false => Err(not_plain(path)),
+    }
+}
+
+/// Takes the directory a VMM wrote out of its hands, before a byte of it is read: it must
+/// be a directory (not a symlink to one), and becomes this process's, mode 0700, so the VMM
+/// (which may still hold a descriptor of it) can change nothing in it any more.
+fn take_over(dir: &Path) -> Result<(), SnapshotError> {
+    use rustix::fs::{Mode, OFlags};
+    let fd = rustix::fs::open(
+        dir,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|_| not_plain(dir))?;
+    rustix::fs::fchown(
+        &fd,
+        Some(rustix::fs::Uid::from_raw(nix::unistd::geteuid().as_raw())),
+        Some(rustix::fs::Gid::from_raw(nix::unistd::getegid().as_raw())),
+    )
+    .map_err(|e| io(dir)(e.into()))?;
+    rustix::fs::fchmod(&fd, Mode::from_raw_mode(0o700)).map_err(|e| io(dir)(e.into()))
 }
 
 /// Copies the files of the snapshot in `from` into a new directory `to`, each synced; memory
@@ -85,7 +137,7 @@ fn copy_snapshot_files(from: &Path, to: &Path) -> Result<(), SnapshotError> {
         if !entry.file_type().map_err(io(&src))?.is_file() {
             continue;
         }
-        let source = std::fs::File::open(&src).map_err(io(&src))?;
+        let source = open_regular(&src)?;
         let target = std::fs::File::create(&dst).map_err(io(&dst))?;
         crate::pages::copy_extents(&source, &target).map_err(io(&src))?;
         target.sync_all().map_err(io(&dst))?;
@@ -155,7 +207,9 @@ fn restamp(dir: &Path) -> Result<(), SnapshotError> {
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o444)).map_err(io(&path))
 }
 
-/// Makes every file under `dir` read-only and owned by this process's user and group.
+/// Makes every file under `dir` read-only and owned by this process's user and group. Each
+/// directory is taken before its entries are looked at; anything but a regular file or a
+/// directory (a symlink a VMM planted to a host file) is refused.
 fn seal(dir: &Path) -> Result<(), SnapshotError> {
     use std::os::unix::fs::PermissionsExt;
     let (uid, gid) = (
@@ -173,6 +227,8 @@ fn seal(dir: &Path) -> Result<(), SnapshotError> {
             std::os::unix::fs::lchown(&path, Some(uid), Some(gid)).map_err(io(&path))?;
             std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o444))
                 .map_err(io(&path))?;
+        } else {
+            return Err(not_plain(&path));
         }
     }
     Ok(())
@@ -244,6 +300,10 @@ impl LocalStore {
     /// its own directory) into the store as `id`, and seals it: owned by the store's owner,
     /// every file read-only. Any VMM restoring it later, whatever its uid, can read it and
     /// none can change it.
+    ///
+    /// `written` is in a directory the VMM owns: whatever it left there (a symlink to a host
+    /// directory, a FIFO) is moved in and judged here, never followed; nothing stays if it
+    /// is refused.
     pub fn adopt(&self, id: &str, written: &Path) -> Result<PathBuf, SnapshotError> {
         let dir = self.unused_dir(id)?;
         match std::fs::rename(written, &dir) {
@@ -257,9 +317,22 @@ impl LocalStore {
             }
             Err(e) => return Err(io(written)(e)),
         }
-        self.settle_bases(&dir)?;
-        seal(&dir)?;
-        restamp(&dir)?;
+        let adopted = take_over(&dir)
+            .and_then(|()| self.settle_bases(&dir))
+            .and_then(|()| seal(&dir))
+            .and_then(|()| restamp(&dir));
+        if let Err(e) = adopted {
+            // `remove_dir_all` removes a symlink itself, never what it points to.
+            match std::fs::symlink_metadata(&dir).map(|m| m.is_dir()) {
+                Ok(true) => {
+                    let _ = std::fs::remove_dir_all(&dir);
+                }
+                _ => {
+                    let _ = std::fs::remove_file(&dir);
+                }
+            }
+            return Err(e);
+        }
         Ok(dir)
     }
 
@@ -601,6 +674,78 @@ mod tests {
             MemoryLayout { size: 0, base },
         )
         .unwrap();
+    }
+
+    /// A snapshot as a VMM writes it, in `written` (created).
+    fn written_by_a_vmm(written: &Path) {
+        std::fs::create_dir(written).unwrap();
+        let mut w = SnapshotWriter::create(written, false).unwrap();
+        w.write_file(STATE_FILE, b"{}").unwrap();
+        w.finish(
+            HostIdentity::current("PVM"),
+            "t",
+            MemoryLayout {
+                size: 0,
+                base: None,
+            },
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn what_a_vmm_plants_in_its_snapshot_never_reaches_host_files() {
+        use std::os::unix::fs::PermissionsExt;
+        let root = tempfile::tempdir().unwrap();
+        let store = LocalStore::open(root.path()).unwrap();
+        // A host directory with a secret the VMM must never have read or changed.
+        let host = tempfile::tempdir().unwrap();
+        let secret = host.path().join("secret");
+        std::fs::write(&secret, b"root's").unwrap();
+        std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let untouched = |what: &str| {
+            let mode = std::fs::metadata(&secret).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o600, "{what}: the host file's mode changed");
+            assert_eq!(std::fs::read(&secret).unwrap(), b"root's", "{what}");
+            assert!(
+                store.list().unwrap().is_empty(),
+                "{what}: {:?}",
+                store.list()
+            );
+        };
+        let outside = tempfile::tempdir().unwrap();
+        let written = outside.path().join("snapshot");
+
+        // The snapshot directory itself a symlink to the host directory: sealing it would
+        // have made every file there 0444.
+        std::os::unix::fs::symlink(host.path(), &written).unwrap();
+        assert!(store.adopt("s1", &written).is_err());
+        untouched("a symlinked snapshot directory");
+
+        // A file of the snapshot a symlink to the host file: bound into a restore's jail
+        // it would show the VMM that file.
+        written_by_a_vmm(&written);
+        std::fs::remove_file(written.join(STATE_FILE)).unwrap();
+        std::os::unix::fs::symlink(&secret, written.join(STATE_FILE)).unwrap();
+        assert!(store.adopt("s2", &written).is_err());
+        untouched("a symlinked snapshot file");
+
+        // A manifest that never ends, or never comes: refused at once.
+        let zero: fn(&Path) = |m| std::os::unix::fs::symlink("/dev/zero", m).unwrap();
+        let fifo: fn(&Path) = |m| nix::unistd::mkfifo(m, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        for (what, plant) in [("/dev/zero", zero), ("a FIFO", fifo)] {
+            written_by_a_vmm(&written);
+            std::fs::remove_file(written.join(crate::manifest::MANIFEST_FILE)).unwrap();
+            plant(&written.join(crate::manifest::MANIFEST_FILE));
+            assert!(store.adopt("s3", &written).is_err(), "{what}");
+            untouched(what);
+        }
+
+        // A copy (a live fork's) takes regular files only.
+        written_by_a_vmm(&written);
+        std::fs::remove_file(written.join(STATE_FILE)).unwrap();
+        std::os::unix::fs::symlink(&secret, written.join(STATE_FILE)).unwrap();
+        assert!(store.copy_in("s4", &written).is_err());
+        untouched("a copy through a symlink");
     }
 
     #[test]
