@@ -1962,6 +1962,16 @@ async fn a_networked_vm_gets_its_own_address_policy_and_resolver() {
     assert_eq!(policy.allow.len(), 1, "the address entry: {policy:?}");
     assert_eq!(policy.allow[0].cidr, "192.0.2.0/24");
     assert_eq!(policy.allow[0].ports.as_deref(), Some("443"));
+    // Its record (slot, allow list) is root's, beside the VMM directories, not in the
+    // VMM's own, where the VMM could widen its list for the next daemon.
+    let vms = vm_dir(&node, &s).parent().unwrap().to_owned();
+    let record = vms.join(".networks").join(format!("{s}.json"));
+    assert!(record.is_file(), "{}", record.display());
+    {
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!(std::fs::metadata(vms.join(".networks")).unwrap().uid(), 0);
+    }
+    assert!(!vm_dir(&node, &s).join("network.json").exists());
     let pid = vmm_pid(&node, &s);
     assert_eq!(
         ask_resolver(pid, policy.gateway_ip, "example.com").0,

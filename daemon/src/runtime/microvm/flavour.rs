@@ -276,9 +276,35 @@ pub fn prepare_clone_source(snapshot: &Path, target: &RestoreTarget) -> Result<(
     let mut config = read_config(snapshot)?;
     rewrite_for(&mut config, target)
         .map_err(|e| format!("{}: {e}", snapshot.join(CH_CONFIG_FILE).display()))?;
-    let target = target.scratch;
-
-    std::fs::create_dir_all(target).map_err(|e| format!("creating {}: {e}", target.display()))?;
+    // The scratch is in the VMM's directory: whatever it left there goes, and everything is
+    // put in through a descriptor of the directory made here (a symlink the VMM swaps in
+    // after is never followed).
+    let scratch = target.scratch;
+    match std::fs::symlink_metadata(scratch) {
+        Ok(m) if m.is_dir() => std::fs::remove_dir_all(scratch),
+        Ok(_) => std::fs::remove_file(scratch),
+        Err(_) => Ok(()),
+    }
+    .map_err(|e| format!("clearing {}: {e}", scratch.display()))?;
+    if let Some(vmm_dir) = scratch.parent() {
+        std::fs::create_dir_all(vmm_dir)
+            .map_err(|e| format!("creating {}: {e}", vmm_dir.display()))?;
+    }
+    std::fs::create_dir(scratch).map_err(|e| format!("creating {}: {e}", scratch.display()))?;
+    let held = rustix::fs::open(
+        scratch,
+        rustix::fs::OFlags::RDONLY
+            | rustix::fs::OFlags::DIRECTORY
+            | rustix::fs::OFlags::NOFOLLOW
+            | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )
+    .map_err(|e| format!("opening {}: {e}", scratch.display()))?;
+    let target = PathBuf::from(format!(
+        "/proc/self/fd/{}",
+        std::os::fd::AsRawFd::as_raw_fd(&held)
+    ));
+    let target = target.as_path();
     let entries =
         std::fs::read_dir(snapshot).map_err(|e| format!("reading {}: {e}", snapshot.display()))?;
     for entry in entries {
@@ -291,7 +317,7 @@ pub fn prepare_clone_source(snapshot: &Path, target: &RestoreTarget) -> Result<(
     }
     let out = target.join(CH_CONFIG_FILE);
     let bytes = serde_json::to_vec(&config).map_err(|e| format!("encoding config: {e}"))?;
-    std::fs::write(&out, bytes).map_err(|e| format!("writing {}: {e}", out.display()))
+    super::vmm_process::write_vmm_file(&out, &bytes)
 }
 
 /// Points the config's vsock device and a file-backed serial port at `target`'s, and its
@@ -369,6 +395,7 @@ fn path_value(path: &Path) -> serde_json::Value {
 }
 
 fn link_or_copy(from: &Path, to: &PathBuf) -> Result<(), String> {
+    // Removed first: a symlink the VMM planted there goes, never what it points to.
     let _ = std::fs::remove_file(to);
     if std::fs::hard_link(from, to).is_ok() {
         return Ok(());

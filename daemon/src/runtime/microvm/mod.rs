@@ -401,8 +401,8 @@ impl MicrovmRuntime {
     /// Whether the VM in `dir` runs a harness whose state lives in RAM. A VM restored from a
     /// snapshot (no harness file) always does: only memory-tier sessions are snapshotted.
     fn keeps_memory(&self, dir: &VmmDir) -> bool {
-        std::fs::read_to_string(dir.harness_file())
-            .ok()
+        vmm_process::read_vmm_file(&dir.harness_file(), 256)
+            .and_then(|harness| String::from_utf8(harness).ok())
             .and_then(|harness| self.image(harness.trim()).map(|i| i.memory_snapshot))
             .unwrap_or(true)
     }
@@ -1070,7 +1070,9 @@ fn prepare_outbox(dir: &VmmDir, outbox: &Path) -> std::result::Result<(), String
     std::fs::create_dir(outbox).map_err(|e| format!("creating {}: {e}", outbox.display()))?;
     let owner = std::fs::metadata(&dir.dir).map_err(|e| format!("{}: {e}", dir.dir.display()))?;
     use std::os::unix::fs::MetadataExt;
-    std::os::unix::fs::chown(outbox, Some(owner.uid()), Some(owner.gid()))
+    // lchown: the VMM may have put a symlink in its place already (a chown through it would
+    // give the VMM whatever it points to).
+    std::os::unix::fs::lchown(outbox, Some(owner.uid()), Some(owner.gid()))
         .map_err(|e| format!("chown {}: {e}", outbox.display()))
 }
 
@@ -1179,8 +1181,7 @@ impl Runtime for MicrovmRuntime {
                     .create(&config)
                     .await
                     .map_err(|e| format!("vm.create: {e}"))?;
-                std::fs::write(dir.harness_file(), &spec.harness)
-                    .map_err(|e| format!("{}: {e}", dir.harness_file().display()))?;
+                vmm_process::write_vmm_file(&dir.harness_file(), spec.harness.as_bytes())?;
                 confined.wait().await?;
                 client.boot().await.map_err(|e| format!("vm.boot: {e}"))?;
                 let (conn, _) =

@@ -330,7 +330,7 @@ pub fn recorded_pid(dir: &VmmDir) -> Option<u32> {
 /// A small file in a directory the VMM can write: read without following a symlink it may
 /// have planted, and only if it is a regular file of at most `max` bytes (a FIFO or
 /// /dev/zero in its place must not hang or flood the daemon).
-fn read_vmm_file(path: &Path, max: u64) -> Option<Vec<u8>> {
+pub(super) fn read_vmm_file(path: &Path, max: u64) -> Option<Vec<u8>> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
     let file = std::fs::OpenOptions::new()
@@ -345,6 +345,26 @@ fn read_vmm_file(path: &Path, max: u64) -> Option<Vec<u8>> {
     let mut bytes = Vec::new();
     file.take(max).read_to_end(&mut bytes).ok()?;
     Some(bytes)
+}
+
+/// Writes `bytes` to `path` in a directory the VMM can write: never through a symlink it may
+/// have planted there (root would write wherever it points), truncating a regular file.
+pub(super) fn write_vmm_file(path: &Path, bytes: &[u8]) -> Result<(), String> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o644)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| format!("writing {}: {e}", path.display()))?;
+    if !file.metadata().is_ok_and(|m| m.is_file()) {
+        return Err(format!("writing {}: not a regular file", path.display()));
+    }
+    file.write_all(bytes)
+        .map_err(|e| format!("writing {}: {e}", path.display()))
 }
 
 /// Whether process `pid` runs as `uid`: its real, effective, saved and filesystem uids all.
@@ -396,6 +416,7 @@ fn signal(pid: u32, signal: Option<nix::sys::signal::Signal>) -> nix::Result<()>
 /// Removes what the VMM in `dir` left on the host: its directory and private RAM directory.
 pub fn remove_files(dir: &VmmDir) {
     let _ = std::fs::remove_dir_all(&dir.dir);
+    super::network::forget(&dir.dir);
     if dir.private_ram {
         let _ = std::fs::remove_dir_all(&dir.ram);
         return;
@@ -532,6 +553,23 @@ mod tests {
 
     /// A VMM's uid can rewrite its pid file: root must then act on none of root's processes,
     /// nor follow a link it planted, nor hang on a FIFO in its place.
+    #[test]
+    fn root_writes_no_file_through_a_link_the_vmm_planted() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("root-owned");
+        std::fs::write(&victim, b"root's").unwrap();
+        let planted = dir.path().join("harness");
+        std::os::unix::fs::symlink(&victim, &planted).unwrap();
+        assert!(write_vmm_file(&planted, b"testguest").is_err());
+        assert_eq!(std::fs::read(&victim).unwrap(), b"root's");
+        // A regular file is written (truncated), and read back only as a small regular file.
+        std::fs::remove_file(&planted).unwrap();
+        std::fs::write(&planted, b"something much longer").unwrap();
+        write_vmm_file(&planted, b"testguest").unwrap();
+        assert_eq!(read_vmm_file(&planted, 256).unwrap(), b"testguest");
+        assert_eq!(read_vmm_file(&planted, 4), None);
+    }
+
     #[test]
     fn a_rewritten_pid_file_steers_root_to_nothing_but_the_vmms_own_processes() {
         if !nix::unistd::geteuid().is_root() {

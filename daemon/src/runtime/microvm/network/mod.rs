@@ -210,15 +210,40 @@ impl ImageNetwork {
     }
 }
 
-/// What a VM's network was given, kept beside its VMM for a daemon that restarts.
+/// What a VM's network was given, kept for a daemon that restarts: in the run directory's
+/// `.networks/`, which only root writes. (Beside the VMM, the VMM could rewrite it: widen
+/// its own allow list, or point root's write at a file of root's through a symlink.)
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Attached {
     slot: u32,
     allow: Vec<String>,
 }
 
-fn attached_file(api: &Path) -> std::path::PathBuf {
-    api.with_file_name("network.json")
+/// The record of the VMM whose API socket is `api` (`RUN_DIR/SESSION/api.sock`):
+/// `RUN_DIR/.networks/SESSION.json`.
+fn attached_file(api: &Path) -> Option<std::path::PathBuf> {
+    let vmm_dir = api.parent()?;
+    record_of(vmm_dir)
+}
+
+fn record_of(vmm_dir: &Path) -> Option<std::path::PathBuf> {
+    let session = vmm_dir.file_name()?.to_str()?;
+    Some(
+        vmm_dir
+            .parent()?
+            .join(RECORDS)
+            .join(format!("{session}.json")),
+    )
+}
+
+/// Where the records are, in the run directory.
+const RECORDS: &str = ".networks";
+
+/// Drops the network record of the VMM that ran in `vmm_dir` (it is gone).
+pub fn forget(vmm_dir: &Path) {
+    if let Some(path) = record_of(vmm_dir) {
+        let _ = std::fs::remove_file(path);
+    }
 }
 
 /// Whether `outer` allows everything `inner` does.
@@ -325,7 +350,15 @@ impl Networks {
             slot: slot.index,
             allow: image.allow.iter().map(|e| e.text.clone()).collect(),
         };
-        let path = attached_file(api);
+        let path = attached_file(api).ok_or("the VMM's directory has no name")?;
+        if let Some(records) = path.parent() {
+            use std::os::unix::fs::DirBuilderExt;
+            match std::fs::DirBuilder::new().mode(0o700).create(records) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(format!("{}: {e}", records.display())),
+            }
+        }
         std::fs::write(&path, serde_json::to_vec(&record).unwrap_or_default())
             .map_err(|e| format!("{}: {e}", path.display()))?;
         self.serve_resolver(session, socket, image.allow.clone(), api, slot.guest())?;
@@ -345,7 +378,9 @@ impl Networks {
         {
             return Ok(());
         }
-        let path = attached_file(api);
+        let Some(path) = attached_file(api) else {
+            return Ok(());
+        };
         let Ok(bytes) = std::fs::read(&path) else {
             return Ok(());
         };
