@@ -150,13 +150,12 @@ const API: &[libc::c_long] = &[
 
 /// One argument condition: the call passes when, for one of `alternatives`, the low 32 bits
 /// of argument `index` masked with `.0` equal `.1` (ints, flags and ioctl numbers all fit in
-/// them, and the kernel ignores or refuses the high ones). Otherwise it gets `mismatch`.
+/// them, and the kernel ignores or refuses the high ones). Otherwise the process is killed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rule {
     pub nr: libc::c_long,
     pub index: u8,
     pub alternatives: Vec<(u32, u32)>,
-    pub mismatch: u32,
 }
 
 const EXACT: u32 = u32::MAX;
@@ -173,7 +172,6 @@ fn kill_unless(nr: libc::c_long, index: u8, alternatives: Vec<(u32, u32)>) -> Ru
         nr,
         index,
         alternatives,
-        mismatch: SECCOMP_RET_KILL_PROCESS,
     }
 }
 
@@ -240,14 +238,6 @@ pub fn rules(role: Role, pid: u32) -> Vec<Rule> {
                     0,
                     vec![(libc::CLONE_THREAD as u32, libc::CLONE_THREAD as u32)],
                 ),
-                // Its flags sit in memory a filter cannot read: refused, so the C library
-                // falls back to `clone`, whose flags it can.
-                Rule {
-                    nr: libc::SYS_clone3,
-                    index: 0,
-                    alternatives: Vec::new(),
-                    mismatch: SECCOMP_RET_ERRNO | libc::ENOSYS as u32,
-                },
             ]);
         }
         Role::Vcpu => rules.push(kill_unless(libc::SYS_ioctl, 1, ioctl(&[]))),
@@ -260,91 +250,68 @@ pub fn rules(role: Role, pid: u32) -> Vec<Rule> {
     rules
 }
 
-const AUDIT_ARCH_X86_64: u32 = 0xc000_003e;
-const SECCOMP_RET_KILL_PROCESS: u32 = 0x8000_0000;
-const SECCOMP_RET_ERRNO: u32 = 0x0005_0000;
-const SECCOMP_RET_ALLOW: u32 = 0x7fff_0000;
-// offsetof(struct seccomp_data, nr / arch / args[0])
-const DATA_NR: u32 = 0;
-const DATA_ARCH: u32 = 4;
-const DATA_ARGS: u32 = 16;
-
-fn stmt(code: u32, k: u32) -> libc::sock_filter {
-    libc::sock_filter {
-        code: code as u16,
-        jt: 0,
-        jf: 0,
-        k,
-    }
+/// A filter could not be built (a rule the library refuses: a bug, caught by the tests).
+#[derive(Debug, thiserror::Error)]
+#[error("building the {role:?} seccomp filter: {source}")]
+pub struct BuildError {
+    role: Role,
+    source: seccompiler::BackendError,
 }
 
-fn jeq(k: u32, jt: usize) -> libc::sock_filter {
-    libc::sock_filter {
-        code: (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16,
-        jt: u8::try_from(jt).expect("a seccomp jump fits in a byte"),
-        jf: 0,
-        k,
-    }
-}
-
-const LOAD: u32 = libc::BPF_LD | libc::BPF_W | libc::BPF_ABS;
-const RET: u32 = libc::BPF_RET | libc::BPF_K;
-const AND: u32 = libc::BPF_ALU | libc::BPF_AND | libc::BPF_K;
-
-/// One rule's block: each alternative loads and tests the argument and jumps to the block's
-/// final allow; falling through every one returns the mismatch verdict.
-fn block(rule: &Rule) -> Vec<libc::sock_filter> {
-    let mut alternatives: Vec<[libc::sock_filter; 3]> = Vec::new();
-    let n = rule.alternatives.len();
-    for (i, (mask, value)) in rule.alternatives.iter().enumerate() {
-        // Instructions after this jump up to the allow: the later alternatives and the
-        // mismatch return.
-        let to_allow = (n - 1 - i) * 3 + 1;
-        alternatives.push([
-            stmt(LOAD, DATA_ARGS + 8 * u32::from(rule.index)),
-            stmt(AND, *mask),
-            jeq(*value, to_allow),
-        ]);
-    }
-    let mut b: Vec<libc::sock_filter> = alternatives.into_iter().flatten().collect();
-    b.push(stmt(RET, rule.mismatch));
-    b.push(stmt(RET, SECCOMP_RET_ALLOW));
-    b
-}
-
-/// The BPF program of `role` for the process `pid`: x86-64 only; then one comparison per
-/// allowed number, straight to the allow or to the block that checks its argument.
-pub fn program(role: Role, pid: u32) -> Vec<libc::sock_filter> {
-    let rules = rules(role, pid);
-    let plain: Vec<libc::c_long> = allowed(role)
+/// `role`'s filter for the process `pid`, compiled by rust-vmm's `seccompiler`: x86-64
+/// only; every call of [`allowed`] passes, those with a [`rules`] entry only with the
+/// arguments it names; anything else kills the process.
+pub fn program(role: Role, pid: u32) -> Result<seccompiler::BpfProgram, BuildError> {
+    use seccompiler::{SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompRule};
+    let err = |source| BuildError { role, source };
+    let mut map: std::collections::BTreeMap<i64, Vec<SeccompRule>> = allowed(role)
         .into_iter()
-        .filter(|nr| !rules.iter().any(|r| r.nr == *nr))
+        .map(|nr| (nr, Vec::new()))
         .collect();
-    let mut p = vec![
-        stmt(LOAD, DATA_ARCH),
-        jeq(AUDIT_ARCH_X86_64, 1),
-        stmt(RET, SECCOMP_RET_KILL_PROCESS),
-        stmt(LOAD, DATA_NR),
-    ];
-    let dispatch = plain.len() + rules.len();
-    // Index of the kill and allow after the dispatch, then the blocks.
-    let kill = p.len() + dispatch;
-    let allow = kill + 1;
-    for nr in &plain {
-        let at = p.len();
-        p.push(jeq(*nr as u32, allow - at - 1));
+    for rule in rules(role, pid) {
+        let mut alternatives = Vec::new();
+        for (mask, value) in &rule.alternatives {
+            let op = match *mask {
+                EXACT => SeccompCmpOp::Eq,
+                mask => SeccompCmpOp::MaskedEq(u64::from(mask)),
+            };
+            let condition =
+                SeccompCondition::new(rule.index, SeccompCmpArgLen::Dword, op, u64::from(*value))
+                    .map_err(err)?;
+            alternatives.push(SeccompRule::new(vec![condition]).map_err(err)?);
+        }
+        map.insert(rule.nr, alternatives);
     }
-    let blocks: Vec<Vec<libc::sock_filter>> = rules.iter().map(block).collect();
-    let mut block_at = allow + 1;
-    for (rule, b) in rules.iter().zip(&blocks) {
-        let at = p.len();
-        p.push(jeq(rule.nr as u32, block_at - at - 1));
-        block_at += b.len();
-    }
-    p.push(stmt(RET, SECCOMP_RET_KILL_PROCESS));
-    p.push(stmt(RET, SECCOMP_RET_ALLOW));
-    p.extend(blocks.into_iter().flatten());
-    p
+    let filter = seccompiler::SeccompFilter::new(
+        map,
+        seccompiler::SeccompAction::KillProcess,
+        seccompiler::SeccompAction::Allow,
+        seccompiler::TargetArch::x86_64,
+    )
+    .map_err(err)?;
+    filter.try_into().map_err(err)
+}
+
+/// A second filter, stacked over the API one: `clone3` answers ENOSYS. Its flags sit in
+/// memory a filter cannot read, so it is refused, and the C library falls back to `clone`,
+/// whose flags the API filter checks. (Of stacked filters the strictest verdict wins: this
+/// one's errno over the other's allow; every other call it allows.)
+pub fn clone3_refusal() -> Result<seccompiler::BpfProgram, BuildError> {
+    let err = |source| BuildError {
+        role: Role::Api,
+        source,
+    };
+    seccompiler::SeccompFilter::new(
+        [(libc::SYS_clone3, Vec::new())]
+            .into_iter()
+            .collect(),
+        seccompiler::SeccompAction::Allow,
+        seccompiler::SeccompAction::Errno(libc::ENOSYS as u32),
+        seccompiler::TargetArch::x86_64,
+    )
+    .map_err(err)?
+    .try_into()
+    .map_err(err)
 }
 
 /// Every call `role` may make (sorted, without repeats), argument-checked ones included.
@@ -389,27 +356,14 @@ pub fn enter(role: Role) {
 
 /// Installs `role`'s filter on the calling thread (and the threads it starts from now on).
 pub fn install(role: Role) -> io::Result<()> {
-    let filter = program(role, std::process::id());
-    let prog = libc::sock_fprog {
-        len: filter.len() as u16,
-        filter: filter.as_ptr() as *mut libc::sock_filter,
-    };
-    // SAFETY: PR_SET_NO_NEW_PRIVS takes integer arguments; it is required to install a filter
-    // without CAP_SYS_ADMIN and harmless with it.
-    if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
-        return Err(io::Error::last_os_error());
+    let mut filters = vec![program(role, std::process::id()).map_err(io::Error::other)?];
+    if role == Role::Api {
+        filters.push(clone3_refusal().map_err(io::Error::other)?);
     }
-    // SAFETY: `prog` points at `filter`, alive for the call; the kernel copies the program.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_seccomp,
-            libc::SECCOMP_SET_MODE_FILTER,
-            0,
-            &prog as *const libc::sock_fprog,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
+    for filter in &filters {
+        // Sets no-new-privs (required without CAP_SYS_ADMIN, harmless with it), then the
+        // filter, on this thread.
+        seccompiler::apply_filter(filter).map_err(io::Error::other)?;
     }
     Ok(())
 }
@@ -439,42 +393,66 @@ mod tests {
         assert!(!allowed(Role::Api).contains(&libc::SYS_execve));
     }
 
-    /// A tiny interpreter for the instructions `program` emits, to check verdicts without
-    /// installing anything.
-    fn run(p: &[libc::sock_filter], nr: libc::c_long, args: [u64; 6]) -> u32 {
+    const AUDIT_ARCH_X86_64: u32 = 0xc000_003e;
+    const SECCOMP_RET_KILL_PROCESS: u32 = 0x8000_0000;
+    const SECCOMP_RET_ERRNO: u32 = 0x0005_0000;
+    const SECCOMP_RET_ALLOW: u32 = 0x7fff_0000;
+
+    fn run(p: &[seccompiler::sock_filter], nr: libc::c_long, args: [u64; 6]) -> u32 {
+        run_on(p, nr, AUDIT_ARCH_X86_64, args)
+    }
+
+    /// A tiny classic-BPF interpreter for the instructions seccompiler emits, to check
+    /// verdicts without installing anything: call `nr` with `args` made on `arch`.
+    fn run_on(p: &[seccompiler::sock_filter], nr: libc::c_long, arch: u32, args: [u64; 6]) -> u32 {
         let mut data = [0u8; 64];
         data[..4].copy_from_slice(&(nr as u32).to_le_bytes());
-        data[4..8].copy_from_slice(&AUDIT_ARCH_X86_64.to_le_bytes());
+        data[4..8].copy_from_slice(&arch.to_le_bytes());
         for (i, a) in args.iter().enumerate() {
             data[16 + 8 * i..24 + 8 * i].copy_from_slice(&a.to_le_bytes());
         }
         let (mut a, mut pc) = (0u32, 0usize);
         loop {
-            let ins = p[pc];
-            match u32::from(ins.code) {
-                LOAD => {
+            let ins = &p[pc];
+            let jump = |taken: bool| if taken { ins.jt } else { ins.jf } as usize;
+            pc += match u32::from(ins.code) {
+                c if c == libc::BPF_LD | libc::BPF_W | libc::BPF_ABS => {
                     let k = ins.k as usize;
                     a = u32::from_le_bytes(data[k..k + 4].try_into().unwrap());
+                    0
                 }
-                AND => a &= ins.k,
-                RET => return ins.k,
-                c if c == libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K => {
-                    pc += if a == ins.k { ins.jt } else { ins.jf } as usize;
+                c if c == libc::BPF_ALU | libc::BPF_AND | libc::BPF_K => {
+                    a &= ins.k;
+                    0
                 }
+                c if c == libc::BPF_RET | libc::BPF_K => return ins.k,
+                c if c == libc::BPF_JMP | libc::BPF_JA => ins.k as usize,
+                c if c == libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K => jump(a == ins.k),
+                c if c == libc::BPF_JMP | libc::BPF_JGT | libc::BPF_K => jump(a > ins.k),
+                c if c == libc::BPF_JMP | libc::BPF_JGE | libc::BPF_K => jump(a >= ins.k),
+                c if c == libc::BPF_JMP | libc::BPF_JSET | libc::BPF_K => jump(a & ins.k != 0),
                 other => panic!("unexpected instruction {other:#x}"),
-            }
+            };
             pc += 1;
         }
     }
 
     #[test]
     fn arguments_decide_where_a_rule_applies() {
-        let api = program(Role::Api, 42);
-        let vcpu = program(Role::Vcpu, 42);
+        // The API thread runs under both of its filters: the first verdict other than
+        // allow is what the kernel does (the two never disagree otherwise).
+        let clone3 = clone3_refusal().unwrap();
+        let api = program(Role::Api, 42).unwrap();
+        let vcpu = program(Role::Vcpu, 42).unwrap();
+        let devices = program(Role::Devices, 42).unwrap();
         let allow = SECCOMP_RET_ALLOW;
         let kill = SECCOMP_RET_KILL_PROCESS;
-        let call = |p: &[libc::sock_filter], nr, a0: u64, a1: u64, a2: u64| {
-            run(p, nr, [a0, a1, a2, 0, 0, 0])
+        let call = |p: &[seccompiler::sock_filter], nr, a0: u64, a1: u64, a2: u64| {
+            let args = [a0, a1, a2, 0, 0, 0];
+            match (run(p, nr, args), run(&clone3, nr, args)) {
+                (SECCOMP_RET_ALLOW, second) => second,
+                (first, _) => first,
+            }
         };
         let (unix, inet) = (libc::AF_UNIX as u64, libc::AF_INET as u64);
         assert_eq!(call(&api, libc::SYS_socket, unix, 1, 0), allow);
@@ -525,7 +503,6 @@ mod tests {
         // Taps are attached while building, never from a device or vCPU thread.
         assert_eq!(call(&api, libc::SYS_ioctl, 5, libc::TUNSETIFF, 0), allow);
         assert_eq!(call(&api, libc::SYS_ioctl, 5, libc::FICLONE, 0), allow);
-        let devices = program(Role::Devices, 42);
         assert_eq!(call(&devices, libc::SYS_ioctl, 5, libc::TUNSETIFF, 0), kill);
         assert_eq!(call(&vcpu, libc::SYS_ioctl, 5, libc::TUNSETIFF, 0), kill);
         assert_eq!(call(&devices, libc::SYS_read, 5, 0, 0), allow);
@@ -534,5 +511,7 @@ mod tests {
         assert_eq!(call(&vcpu, libc::SYS_futex, 0, 0, 0), allow);
         assert_eq!(call(&vcpu, libc::SYS_socket, unix, 0, 0), kill);
         assert_eq!(call(&api, libc::SYS_execve, 0, 0, 0), kill);
+        // Another architecture's calls are refused whatever their number (an i386 read).
+        assert_eq!(run_on(&api, libc::SYS_read, 0x4000_0003, [0; 6]), kill);
     }
 }
