@@ -302,9 +302,7 @@ pub fn clone3_refusal() -> Result<seccompiler::BpfProgram, BuildError> {
         source,
     };
     seccompiler::SeccompFilter::new(
-        [(libc::SYS_clone3, Vec::new())]
-            .into_iter()
-            .collect(),
+        [(libc::SYS_clone3, Vec::new())].into_iter().collect(),
         seccompiler::SeccompAction::Allow,
         seccompiler::SeccompAction::Errno(libc::ENOSYS as u32),
         seccompiler::TargetArch::x86_64,
