@@ -64,7 +64,17 @@ pub struct Resolver {
     /// What an answer may never open.
     never: NeverOpen,
     learned: Learned,
+    /// Recent lookups by name, so a guest asking again and again costs the host (and the
+    /// name's servers, which see every lookup) one lookup per [`TTL_SECONDS`].
+    cache: HashMap<String, (Instant, Lookup)>,
 }
+
+/// What a lookup found: the addresses and whether /etc/hosts gave them, or the response
+/// code that says why there are none.
+type Lookup = Result<(Vec<Ipv4Addr>, bool), u8>;
+
+/// The most names one VM's resolver remembers.
+const MAX_CACHED: usize = 256;
 
 /// An (address, ports) pair an answer let through.
 type Opened = (Ipv4Addr, Option<String>);
@@ -167,6 +177,7 @@ impl Resolver {
                 named,
             },
             learned: Learned::default(),
+            cache: HashMap::new(),
         })
     }
 
@@ -199,6 +210,27 @@ impl Resolver {
                 let _ = self.socket.send_to(&reply, from).await;
             }
         }
+    }
+
+    /// [`lookup`], answered from the cache while its answer is younger than the TTL the
+    /// guest was given.
+    async fn cached_lookup(&mut self, name: &str) -> Lookup {
+        let now = Instant::now();
+        let fresh = Duration::from_secs(u64::from(TTL_SECONDS));
+        if let Some((at, found)) = self.cache.get(name)
+            && now.duration_since(*at) < fresh
+        {
+            return found.clone();
+        }
+        let found = lookup(name).await;
+        if self.cache.len() >= MAX_CACHED {
+            self.cache
+                .retain(|_, (at, _)| now.duration_since(*at) < fresh);
+        }
+        if self.cache.len() < MAX_CACHED {
+            self.cache.insert(name.to_owned(), (now, found.clone()));
+        }
+        found
     }
 
     /// Takes what is past its lifetime back out of the device's policy.
@@ -252,7 +284,7 @@ impl Resolver {
             return Some(reply(query, &question, rcode::NOERROR, &[]));
         }
         let ports: Vec<Option<String>> = entries.iter().map(|e| e.ports_text()).collect();
-        let (mut addresses, from_hosts_file) = match lookup(&question.name).await {
+        let (mut addresses, from_hosts_file) = match self.cached_lookup(&question.name).await {
             Ok(a) => a,
             Err(code) => return Some(reply(query, &question, code, &[])),
         };
@@ -306,7 +338,7 @@ impl Resolver {
 /// The host's IPv4 addresses for `name`, and whether the operator's /etc/hosts gave them;
 /// or the response code that says why there are none. The host's /etc/hosts first, read
 /// here: a statically linked agentvmd may have no NSS modules to read it through.
-async fn lookup(name: &str) -> Result<(Vec<Ipv4Addr>, bool), u8> {
+async fn lookup(name: &str) -> Lookup {
     let listed = std::fs::read_to_string(HOSTS_FILE)
         .map(|text| hosts_file_addresses(&text, name))
         .unwrap_or_default();
@@ -640,6 +672,33 @@ mod tests {
             .map(|i| (Ipv4Addr::from(0x5d00_0000 + i), None))
             .collect();
         assert!(learned.answered(many, later).is_err());
+    }
+
+    #[tokio::test]
+    async fn a_name_asked_again_within_its_ttl_is_answered_from_the_cache() {
+        let socket = std::net::UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        socket.set_nonblocking(true).unwrap();
+        let mut resolver = Resolver::new(
+            socket,
+            Vec::new(),
+            VmmClient::new("/nonexistent/api.sock"),
+            Ipv4Addr::new(10, 77, 0, 0),
+            Ipv4Addr::new(10, 77, 0, 2),
+        )
+        .unwrap();
+        let first = resolver.cached_lookup("localhost").await;
+        assert_eq!(resolver.cache.len(), 1);
+        // What the cache holds is what the next ask gets, with no lookup, until the TTL.
+        resolver.cache.get_mut("localhost").unwrap().1 = Err(rcode::SERVFAIL);
+        assert_eq!(
+            resolver.cached_lookup("localhost").await,
+            Err(rcode::SERVFAIL)
+        );
+        let aged = Instant::now()
+            .checked_sub(Duration::from_secs(u64::from(TTL_SECONDS)))
+            .unwrap();
+        resolver.cache.get_mut("localhost").unwrap().0 = aged;
+        assert_eq!(resolver.cached_lookup("localhost").await, first);
     }
 
     #[test]
