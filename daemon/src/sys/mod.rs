@@ -5,7 +5,7 @@
 //! - [`clone_and_exec`] starts a (jailed) child with clone(CLONE_VM) and runs its [`Step`]s between
 //!   clone and exec: code there may not allocate, so it makes raw calls on memory prepared
 //!   before the clone.
-//! - [`pidfd_open`], [`dup_above`] and [`die_with_parent`] have no wrapper in `nix`, and
+//! - [`pidfd_open`], [`pidfd_send_signal`], [`dup_above`] and [`die_with_parent`] have no wrapper in `nix`, and
 //!   tokio registers a descriptor with its reactor only on the caller's word
 //!   ([`watch_fd`]).
 
@@ -34,6 +34,27 @@ pub fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
     }
     // SAFETY: the syscall returned a fresh fd that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// Sends `signal` (0: only checks it may be sent) to the process `pidfd` holds
+/// (pidfd_send_signal(2)): it reaches that process or, once it is gone, none, however soon
+/// its pid is reused.
+pub fn pidfd_send_signal(pidfd: BorrowedFd<'_>, signal: i32) -> io::Result<()> {
+    // SAFETY: the call reads only its integer arguments (no siginfo is passed); the fd is
+    // borrowed for its duration.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            signal,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// `fd` registered with tokio's reactor for `interest`.

@@ -182,7 +182,8 @@ pub fn remove_leftovers(run_dir: &Path) {
         // The slot is the pooled VMM's (its uid owns it): its pid file only names a process
         // to check, as a session's does.
         let owner = VmmDir::new(slot.clone(), VmmFlavour::Agentvm, slot.clone(), false);
-        if let Some(pid) = vmm_process::pid_of(&owner) {
+        if let Some(vmm) = vmm_process::pinned_vmm(&owner) {
+            let pid = vmm.pid;
             let api = slot.join("api.sock");
             let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
             let ours = cmdline
@@ -190,7 +191,7 @@ pub fn remove_leftovers(run_dir: &Path) {
                 .any(|arg| arg == api.as_os_str().as_encoded_bytes());
             if ours {
                 tracing::info!(pid, slot = %slot.display(), "reconcile: stopping an unclaimed pooled VMM");
-                vmm_process::kill(pid);
+                vmm.kill();
             }
         }
         let _ = std::fs::remove_dir_all(&slot);

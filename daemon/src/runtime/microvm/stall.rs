@@ -75,8 +75,9 @@ fn frozen_group(root: &Path, proc_cgroup: &str) -> Option<PathBuf> {
 
 /// Kills a stalled process for good: SIGKILL first, so it is pending when a frozen group
 /// thaws (the task then dies before it runs another instruction of its own), then the thaw.
-pub fn kill(pid: u32, stall: &Stall) {
-    super::vmm_process::kill(pid);
+pub fn kill(vmm: &super::vmm_process::Pinned, stall: &Stall) {
+    let pid = vmm.pid;
+    vmm.kill();
     if let Stall::Frozen(group) = stall {
         let (file, thawed) = match group.join("freezer.state").exists() {
             true => ("freezer.state", "THAWED"),
@@ -186,7 +187,8 @@ mod tests {
         std::fs::write(group.join("cgroup.procs"), pid.to_string()).unwrap();
         std::fs::write(group.join("freezer.state"), "FROZEN").unwrap();
         eventually(pid, Some(Stall::Frozen(group.clone())));
-        kill(pid, &Stall::Frozen(group.clone()));
+        let pinned = super::super::vmm_process::Pinned::open(pid).unwrap();
+        kill(&pinned, &Stall::Frozen(group.clone()));
         let status = frozen.child.as_mut().unwrap().0.wait().unwrap();
         assert_eq!(
             std::os::unix::process::ExitStatusExt::signal(&status),

@@ -314,9 +314,48 @@ fn names(run_dir: &Path, keep: impl Fn(&str) -> bool) -> Vec<String> {
 /// runs, with every one of its uids, as the user that owns the directory. A VMM that
 /// rewrites its pid file can then point root at nothing but its own processes.
 pub fn pid_of(dir: &VmmDir) -> Option<u32> {
+    pinned_vmm(dir).map(|p| p.pid)
+}
+
+/// The VMM of `dir` (as [`pid_of`] finds it), pinned by a pidfd taken *before* its identity
+/// was checked: a signal sent through it reaches that process or none, even if it exits
+/// and its pid is reused by then.
+pub fn pinned_vmm(dir: &VmmDir) -> Option<Pinned> {
     use std::os::unix::fs::MetadataExt;
     let owner = std::fs::symlink_metadata(&dir.dir).ok()?.uid();
-    recorded_pid(dir).filter(|&pid| pid > 1 && runs_as(pid, owner))
+    let claimed = recorded_pid(dir).filter(|&pid| pid > 1)?;
+    let pinned = Pinned::open(claimed)?;
+    runs_as(claimed, owner).then_some(pinned)
+}
+
+/// A process held by a pidfd.
+#[derive(Debug)]
+pub struct Pinned {
+    pub pid: u32,
+    fd: std::os::fd::OwnedFd,
+}
+
+impl Pinned {
+    /// Pins `pid` (None once it is gone).
+    pub fn open(pid: u32) -> Option<Self> {
+        let fd = crate::sys::pidfd_open(pid).ok()?;
+        Some(Self { pid, fd })
+    }
+
+    /// Sends `signal` (0: only whether it may be signalled) to the pinned process.
+    fn signal(&self, signal: i32) -> bool {
+        use std::os::fd::AsFd;
+        crate::sys::pidfd_send_signal(self.fd.as_fd(), signal).is_ok()
+    }
+
+    /// Whether the pinned process still runs (a finished zombie does not).
+    pub fn alive(&self) -> bool {
+        self.signal(0) && !finished_zombie(self.pid)
+    }
+
+    pub fn kill(&self) {
+        self.signal(libc::SIGKILL);
+    }
 }
 
 /// What the pid file says, unchecked: only to tell whether a VMM that exited was the one on
@@ -449,7 +488,7 @@ pub async fn stop(dir: &VmmDir, watch: &ExitWatch) {
 /// milliseconds), so the asking is quick and the rest can wait.
 pub struct Stopping {
     dir: VmmDir,
-    pid: Option<u32>,
+    vmm: Option<Pinned>,
     polite: bool,
     asked: Duration,
     started: std::time::Instant,
@@ -457,18 +496,19 @@ pub struct Stopping {
 
 /// Asks the VMM in `dir` to shut down; its exit is expected from now on.
 pub async fn ask_stop(dir: &VmmDir, watch: &ExitWatch) -> Stopping {
-    let pid = pid_of(dir);
-    if let Some(pid) = pid {
-        watch.expect_exit(pid);
+    let vmm = pinned_vmm(dir);
+    if let Some(vmm) = &vmm {
+        watch.expect_exit(vmm.pid);
     }
     let started = std::time::Instant::now();
     // A VMM that cannot run cannot answer either: asking would only wait out the timeout.
-    if let Some((pid, stall)) = pid.and_then(|pid| super::stall::stall(pid).map(|s| (pid, s))) {
-        tracing::info!(pid, %stall, "killing a VMM that cannot run");
-        super::stall::kill(pid, &stall);
+    let stall = vmm.as_ref().and_then(|vmm| super::stall::stall(vmm.pid));
+    if let (Some(pinned), Some(stall)) = (&vmm, stall) {
+        tracing::info!(pid = pinned.pid, %stall, "killing a VMM that cannot run");
+        super::stall::kill(pinned, &stall);
         return Stopping {
             dir: dir.clone(),
-            pid: Some(pid),
+            vmm,
             polite: false,
             asked: started.elapsed(),
             started,
@@ -477,7 +517,7 @@ pub async fn ask_stop(dir: &VmmDir, watch: &ExitWatch) -> Stopping {
     let polite = tokio::time::timeout(STOP_TIMEOUT, dir.client().shutdown_vmm()).await;
     Stopping {
         dir: dir.clone(),
-        pid,
+        vmm,
         polite: matches!(polite, Ok(Ok(()))),
         asked: started.elapsed(),
         started,
@@ -492,18 +532,19 @@ impl Stopping {
     }
 
     pub fn pid(&self) -> Option<u32> {
-        self.pid
+        self.vmm.as_ref().map(|vmm| vmm.pid)
     }
 
-    /// Waits until the VMM is gone, killing it if it does not go in time.
+    /// Waits until the VMM is gone, killing it (through its pidfd) if it does not go in
+    /// time.
     pub async fn exited(&self) {
-        if let Some(pid) = self.pid {
+        if let Some(vmm) = &self.vmm {
             let deadline = tokio::time::Instant::now() + STOP_TIMEOUT;
-            while alive(pid) && tokio::time::Instant::now() < deadline && self.polite {
+            while vmm.alive() && tokio::time::Instant::now() < deadline && self.polite {
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
-            if alive(pid) {
-                kill(pid);
+            if vmm.alive() {
+                vmm.kill();
             }
         }
     }
@@ -568,6 +609,23 @@ mod tests {
         write_vmm_file(&planted, b"testguest").unwrap();
         assert_eq!(read_vmm_file(&planted, 256).unwrap(), b"testguest");
         assert_eq!(read_vmm_file(&planted, 4), None);
+    }
+
+    /// A pidfd follows its process, not its number: once the process is reaped, signals
+    /// through it go nowhere, whoever gets the number next.
+    #[test]
+    fn a_pinned_vmm_is_signalled_only_while_that_process_lives() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        let pinned = Pinned::open(child.id()).expect("pidfd_open on a live child");
+        assert!(pinned.alive());
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(!pinned.alive(), "a reaped process still counts as alive");
+        assert!(!pinned.signal(0), "a signal reached a reaped process's pid");
+        pinned.kill();
     }
 
     #[test]
