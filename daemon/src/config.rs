@@ -76,7 +76,8 @@ fn is_root() -> bool {
     nix::unistd::geteuid().is_root()
 }
 
-/// `/var/lib/agentvm` as root, else `$XDG_STATE_HOME/agentvm` (or `~/.local/state/agentvm`).
+/// `/var/lib/agentvm` as root, else `$XDG_STATE_HOME/agentvm` (or `~/.local/state/agentvm`,
+/// or `/tmp/agentvm-UID`).
 pub fn default_state_dir() -> PathBuf {
     if is_root() {
         return PathBuf::from("/var/lib/agentvm");
@@ -84,8 +85,15 @@ pub fn default_state_dir() -> PathBuf {
     std::env::var_os("XDG_STATE_HOME")
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".local/state")))
-        .unwrap_or_else(std::env::temp_dir)
-        .join("agentvm")
+        .map(|base| base.join("agentvm"))
+        .unwrap_or_else(per_user_temp_dir)
+}
+
+/// `/tmp/agentvm-UID`: the last resort of a non-root daemon with no home or runtime
+/// directory. Named for its user so another user's directory is never taken for ours
+/// ([`crate::private_dir`] refuses one anyway).
+fn per_user_temp_dir() -> PathBuf {
+    std::env::temp_dir().join(format!("agentvm-{}", nix::unistd::geteuid()))
 }
 
 /// `unix:/run/agentvm/agentvmd.sock` as root, else under `$XDG_RUNTIME_DIR`.
@@ -93,10 +101,10 @@ pub fn default_listen() -> ListenAddr {
     if is_root() {
         return ListenAddr::Unix(PathBuf::from("/run/agentvm/agentvmd.sock"));
     }
-    let base = std::env::var_os("XDG_RUNTIME_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir);
-    ListenAddr::Unix(base.join("agentvm/agentvmd.sock"))
+    let dir = std::env::var_os("XDG_RUNTIME_DIR")
+        .map(|base| PathBuf::from(base).join("agentvm"))
+        .unwrap_or_else(per_user_temp_dir);
+    ListenAddr::Unix(dir.join("agentvmd.sock"))
 }
 
 /// The admin (HarnessRegistry) listener: `admin.sock` beside a unix API socket, else in the

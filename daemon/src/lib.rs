@@ -16,6 +16,7 @@ pub mod lenient_authority;
 pub mod metrics;
 pub mod model;
 pub mod node;
+pub mod private_dir;
 pub mod quota;
 pub mod registry;
 pub mod runtime;

@@ -263,8 +263,8 @@ pub struct Node {
 
 impl Node {
     pub fn open(cfg: NodeConfig) -> anyhow::Result<Node> {
-        std::fs::create_dir_all(&cfg.state_dir)
-            .with_context(|| format!("creating state directory {}", cfg.state_dir.display()))?;
+        crate::private_dir::ensure(&cfg.state_dir, crate::private_dir::Use::Own)
+            .context("state directory")?;
         let journal_path = config::journal_path(&cfg.state_dir);
         // A fleet's journal also keeps its harness registry; a node's own keeps it in its file.
         let (journal, harnesses): (Arc<dyn Journal>, RegistryStore) = match &cfg.journal_url {

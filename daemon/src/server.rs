@@ -178,9 +178,9 @@ pub enum Bound {
 pub async fn bind(addr: &ListenAddr, socket_mode: u32) -> anyhow::Result<Bound> {
     match addr {
         ListenAddr::Unix(path) => {
-            if let Some(dir) = path.parent() {
-                std::fs::create_dir_all(dir)
-                    .with_context(|| format!("creating {}", dir.display()))?;
+            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                crate::private_dir::ensure(dir, crate::private_dir::Use::SocketParent)
+                    .context("the socket's directory")?;
             }
             clear_stale_socket(path)?;
             let listener =

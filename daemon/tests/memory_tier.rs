@@ -47,6 +47,16 @@ struct MemoryRuntime {
     next: AtomicU64,
     calls: Mutex<Vec<String>>,
     pause: Arc<PausePoint>,
+    /// What each counter Start carried: its session, `history_after_seq` and the kinds of
+    /// its history.
+    starts: Arc<Mutex<Vec<SeenStart>>>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct SeenStart {
+    session: String,
+    after: i64,
+    history: Vec<EventKind>,
 }
 
 /// Where a test holds the next runtime operation or harness run once armed, so other calls
@@ -227,7 +237,11 @@ impl Runtime for MemoryRuntime {
         let harness: Arc<dyn Harness> = match inc.address.as_str() {
             "testguest" => Arc::new(GatedMemoryHarness),
             "echo" => Arc::new(PausingEcho { pause }),
-            _ => Arc::new(CellCounter { cell, pause }),
+            _ => Arc::new(CellCounter {
+                cell,
+                pause,
+                starts: self.starts.clone(),
+            }),
         };
         Ok(Arc::new(InProcessEndpoint::new(harness)))
     }
@@ -244,6 +258,7 @@ fn memory_caps() -> Option<Capabilities> {
 struct CellCounter {
     cell: Arc<AtomicU64>,
     pause: Arc<PausePoint>,
+    starts: Arc<Mutex<Vec<SeenStart>>>,
 }
 
 #[async_trait::async_trait]
@@ -256,7 +271,17 @@ impl Harness for CellCounter {
             ..Default::default()
         }
     }
-    async fn run(&self, _exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure> {
+    async fn run(&self, exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure> {
+        self.starts.lock().unwrap().push(SeenStart {
+            session: exec.session.clone(),
+            after: exec.start.history_after_seq,
+            history: exec
+                .start
+                .history
+                .iter()
+                .map(|e| EventKind::try_from(e.kind).unwrap())
+                .collect(),
+        });
         self.pause.pass().await;
         let n = self.cell.fetch_add(1, Ordering::SeqCst) + 1;
         sink.output(Message {
@@ -623,6 +648,73 @@ async fn scenario_75_memory_continuity_across_suspend_resume() {
     assert!(
         records.last().unwrap().fence > fence_before,
         "new fence after restore"
+    );
+}
+
+/// A memory-tier harness is sent only what its compute does not hold: nothing more on a live
+/// VM, the SUSPEND and RESUME after a restore, the FORK record on a fork child, so a turn's
+/// Start does not grow with the session.
+#[tokio::test]
+async fn a_memory_tier_start_carries_only_what_the_vm_has_not_seen() {
+    use EventKind::EventLifecycle as Lifecycle;
+    let n = start().await;
+    let uid = n.create("counter").await;
+    for _ in 0..5 {
+        n.turn(&uid).await.unwrap();
+    }
+    let starts = || n.runtime.starts.lock().unwrap().clone();
+    let seen = starts();
+    // Created fresh: the first turn gets the (empty) whole log; each later one, nothing.
+    assert_eq!((seen[0].after, seen[0].history.len()), (0, 0));
+    let turn_records = 4; // EXECUTION_START, INPUT, OUTPUT, END
+    for (i, s) in seen.iter().enumerate().skip(1) {
+        assert_eq!(s.after, i as i64 * turn_records, "turn {i}");
+        assert!(s.history.is_empty(), "turn {i}: {:?}", s.history);
+    }
+    let head = n.replay(&uid).await.last().unwrap().seq;
+
+    n.suspend(&uid).await;
+    n.resume(&uid).await;
+    assert_eq!(n.turn(&uid).await, Ok("6".into()));
+    let after_restore = starts().last().unwrap().clone();
+    assert_eq!(after_restore.after, head);
+    assert_eq!(after_restore.history, [Lifecycle, Lifecycle]);
+
+    let head = n.replay(&uid).await.last().unwrap().seq;
+    let child = n
+        .client
+        .clone()
+        .fork(ForkRequest {
+            session: uid.clone(),
+            count: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .children[0]
+        .metadata
+        .clone()
+        .unwrap()
+        .uid;
+    assert_eq!(n.turn(&child).await, Ok("7".into()));
+    let in_child = starts().last().unwrap().clone();
+    assert_eq!(in_child.session, child);
+    assert_eq!(in_child.after, head);
+    assert_eq!(
+        in_child.history,
+        [Lifecycle],
+        "the child's FORK record only"
+    );
+    // The parent goes on from what it held: only its fork's lifecycle records are new.
+    assert_eq!(n.turn(&uid).await, Ok("7".into()));
+    let in_parent = starts().last().unwrap().clone();
+    assert_eq!(in_parent.after, head);
+    assert!(!in_parent.history.is_empty());
+    assert!(
+        in_parent.history.iter().all(|k| *k == Lifecycle),
+        "{:?}",
+        in_parent.history
     );
 }
 

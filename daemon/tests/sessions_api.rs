@@ -2066,7 +2066,13 @@ impl Tmpfs {
     fn mount(at: &std::path::Path, size: &str) -> Result<Tmpfs, String> {
         std::fs::create_dir_all(at).unwrap();
         let out = std::process::Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size},mode=0700"),
+                "tmpfs",
+            ])
             .arg(at)
             .output()
             .map_err(|e| format!("mount: {e}"))?;

@@ -416,11 +416,29 @@ fn actual_fields() -> BTreeMap<(String, String), String> {
     out
 }
 
+// agentvm's own fields on upstream messages, which upstream peers skip as unknown fields.
+// Numbered from 100, far above upstream's, so a field upstream adds later never collides.
+const EXTENSIONS: &str = "
+Start history_after_seq 100 int64
+";
+
+#[test]
+fn extensions_stay_clear_of_upstream_numbers() {
+    for line in EXTENSIONS.lines().filter(|l| !l.trim().is_empty()) {
+        let number: u32 = line.split(' ').nth(2).unwrap().parse().unwrap();
+        assert!(number >= 100, "{line}: an extension is numbered from 100");
+    }
+}
+
 #[test]
 fn every_field_matches_the_wire_table() {
     let actual = actual_fields();
     let mut expected = BTreeMap::new();
-    for line in FIELDS.lines().filter(|l| !l.trim().is_empty()) {
+    for line in FIELDS
+        .lines()
+        .chain(EXTENSIONS.lines())
+        .filter(|l| !l.trim().is_empty())
+    {
         let mut parts = line.splitn(3, ' ');
         let (msg, field, rest) = (
             parts.next().unwrap(),

@@ -262,8 +262,8 @@ fn check(s: Settings) -> anyhow::Result<()> {
 /// lock is held until the process exits (the kernel drops it then, even on kill -9).
 fn lock_state_dir(state_dir: &std::path::Path) -> anyhow::Result<std::fs::File> {
     use std::io::{Read, Seek, Write};
-    std::fs::create_dir_all(state_dir)
-        .with_context(|| format!("creating state_dir {}", state_dir.display()))?;
+    agentvmd::private_dir::ensure(state_dir, agentvmd::private_dir::Use::Own)
+        .context("state_dir")?;
     let path = state_dir.join("agentvmd.lock");
     let mut file = std::fs::OpenOptions::new()
         .read(true)

@@ -15,6 +15,7 @@ pub mod endpoint;
 pub mod error;
 pub mod log;
 pub mod sink;
+pub mod tail;
 pub mod tools;
 
 #[cfg(test)]
@@ -92,6 +93,10 @@ pub struct Turn {
     pub observer: Option<mpsc::Sender<ExecUpdate>>,
     pub deadline: Option<tokio::time::Instant>,
     pub interrupt: Option<watch::Receiver<Option<Interrupt>>>,
+    /// How far the dialed harness already holds the log in its memory: a memory-tier
+    /// harness on a VM that ran, was restored to or was forked at that point. Its Start
+    /// then carries only the events after it. None: it holds nothing of the log.
+    pub harness_holds_through: Option<i64>,
 }
 
 impl Turn {
@@ -334,23 +339,55 @@ impl Controller {
         SessionLog::parse(self.journal.read(session, 1, 0)?)
     }
 
+    /// The session's head and its latest execution (see [`tail`]): what a new execution
+    /// must know of the log, read in time bounded by that execution, not the session.
+    fn read_tail(&self, session: &str) -> Result<(i64, SessionLog)> {
+        let head = self
+            .journal
+            .get_session(session)?
+            .map_or(0, |row| row.last_seq);
+        let log = SessionLog::parse(tail::read_tail(self.journal.as_ref(), session, head)?)?;
+        Ok((head, log))
+    }
+
+    /// What the harness of `turn` is sent of the log before a new execution at `head`:
+    /// the events after what it holds (with that seq), or every event.
+    fn history_for(&self, turn: &Turn, head: i64) -> Result<(Vec<Event>, i64)> {
+        let after = match turn.harness_holds_through {
+            Some(seen) if turn.memory_tier() && (1..=head).contains(&seen) => seen,
+            _ => 0,
+        };
+        let events = self
+            .journal
+            .read(&turn.session, after + 1, head)?
+            .into_iter()
+            .filter_map(|r| r.event)
+            .collect();
+        Ok((events, after))
+    }
+
     /// A new execution with `new.inputs`.
     pub async fn exec(&self, turn: &Turn, new: NewExecution) -> Result<TurnOutcome> {
-        let log = self.read_log(&turn.session)?;
+        let (head, log) = self.read_tail(&turn.session)?;
         if let Some(x) = log.pending().filter(|x| x.is_legacy()) {
             return Err(ControllerError::InvalidExecutionLog(format!(
                 "the legacy turn at seq {} never finished; a new execution after it would be ambiguous",
                 x.first_seq
             )));
         }
-        let expected = new.expected_last_seq.unwrap_or(log.head());
+        let expected = new.expected_last_seq.unwrap_or(head);
         check_input_sizes(&new.inputs)?;
+        let (history, history_after_seq) = match head {
+            0 => (Vec::new(), 0),
+            head => self.history_for(turn, head)?,
+        };
         let start = Start {
             config: new.config,
-            history: log.records.into_iter().filter_map(|r| r.event).collect(),
+            history,
             inputs: new.inputs,
             identity: identity_context(turn),
             resume_from_seq: new.resume_from_seq,
+            history_after_seq,
         };
         check_start_size(&start, turn.endpoint.max_start_bytes())?;
         let execution_id = new_execution_id();
@@ -416,6 +453,7 @@ impl Controller {
             inputs: x.inputs.clone(),
             identity: identity_context(turn),
             resume_from_seq: start_record.resume_from_seq,
+            history_after_seq: 0,
         };
         let sink = EffectSink::new(
             self.io(turn),
@@ -449,6 +487,7 @@ impl Controller {
                 inputs: x.inputs.clone(),
                 identity: identity_context(turn),
                 resume_from_seq: recorded_start.resume_from_seq,
+                history_after_seq: 0,
             };
             let mut sink = EffectSink::new(
                 self.io(turn),

@@ -114,6 +114,7 @@ fn turn_with(uid: &str, fence: i64, harness: Arc<dyn Harness>) -> Turn {
         observer: None,
         deadline: None,
         interrupt: None,
+        harness_holds_through: None,
     }
 }
 
@@ -305,12 +306,21 @@ impl Harness for Fails {
 #[derive(Default)]
 struct StartRecorder {
     starts: Mutex<Vec<Execution>>,
+    /// Declares the memory tier.
+    memory: bool,
 }
 
 #[async_trait::async_trait]
 impl Harness for StartRecorder {
     fn descriptor(&self) -> HarnessDescriptor {
-        agentvm_harnesses::echo::Echo.descriptor()
+        let mut d = agentvm_harnesses::echo::Echo.descriptor();
+        if self.memory {
+            d.capabilities = Some(Capabilities {
+                resumability: Resumability::RequiresMemorySnapshot as i32,
+                ..Default::default()
+            });
+        }
+        d
     }
     async fn run(&self, exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure> {
         self.starts.lock().unwrap().push(exec.clone());
@@ -1027,6 +1037,60 @@ async fn scenario_38_inputless_execution_resumes_and_runs_once() {
     c.resume(&f.turn(echo())).await.unwrap().unwrap();
     assert_eq!(provider.calls.load(Ordering::SeqCst), 2);
     assert_eq!(*f.kinds().last().unwrap(), EventKind::EventEnd);
+}
+
+/// A memory-tier harness is sent only the events after what it holds in memory, with the
+/// seq they follow; one that holds nothing, and every stateless harness, gets them all.
+#[tokio::test]
+async fn a_memory_tier_harness_is_sent_only_what_it_does_not_hold() {
+    let f = Fixture::new();
+    let c = controller(f.journal.clone(), Arc::new(EchoProvider));
+    c.exec(&f.turn(echo()), inputs(&["one"])).await.unwrap();
+    c.exec(&f.turn(echo()), inputs(&["two"])).await.unwrap();
+    let records = f.records();
+    let first_turn_end = 5;
+    let run = |memory: bool, holds: Option<i64>| {
+        let recorder = Arc::new(StartRecorder {
+            memory,
+            ..Default::default()
+        });
+        let mut turn = f.turn(recorder.clone());
+        turn.harness_holds_through = holds;
+        let c = &c;
+        async move {
+            c.exec(&turn, inputs(&["more"])).await.unwrap();
+            let start = recorder.starts.lock().unwrap()[0].start.clone();
+            (start.history, start.history_after_seq)
+        }
+    };
+    let kinds_of = |events: &[Event]| events.iter().map(|e| e.kind).collect::<Vec<_>>();
+    let (history, after) = run(true, Some(first_turn_end)).await;
+    assert_eq!(after, first_turn_end);
+    let unseen: Vec<Event> = records[first_turn_end as usize..]
+        .iter()
+        .filter_map(|r| r.event.clone())
+        .collect();
+    assert_eq!(history, unseen, "the second turn's events, nothing before");
+
+    let head = f.records().last().unwrap().seq;
+    let (history, after) = run(true, Some(head)).await;
+    assert!(history.is_empty(), "{:?}", kinds_of(&history));
+    assert_eq!(after, head);
+
+    for (memory, holds) in [(true, None), (true, Some(0)), (false, Some(5))] {
+        let head = f.records().last().unwrap().seq;
+        let (history, after) = run(memory, holds).await;
+        assert_eq!(after, 0);
+        assert_eq!(
+            history.len() as i64,
+            head,
+            "memory {memory}, holds {holds:?}"
+        );
+    }
+    // What it claims to hold beyond the head is not believed.
+    let head = f.records().last().unwrap().seq;
+    let (history, after) = run(true, Some(head + 10)).await;
+    assert_eq!((history.len() as i64, after), (head, 0));
 }
 
 #[tokio::test]

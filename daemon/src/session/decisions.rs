@@ -130,7 +130,7 @@ impl SessionHost {
             .preempt_and_hold(&uid, Hold::Checkpoint, Interrupt::Cancel(reason.clone()))
             .await
             .map_err(|b| busy(&uid, b))?;
-        let log = SessionLog::parse(self.records(&uid)?).map_err(Status::from)?;
+        let log = SessionLog::parse(self.tail(&self.row(&uid)?)?).map_err(Status::from)?;
         let Some(x) = log.pending() else {
             let last = log.executions.last();
             let just_canceled = last.is_some_and(|x| {

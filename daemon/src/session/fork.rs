@@ -10,10 +10,11 @@ use tracing::Instrument;
 
 use super::guard::Hold;
 use super::turns::lifecycle_event;
-use super::{SessionHost, busy, new_session_uid, resume_point, runtime_status};
+use super::{SessionHost, busy, new_session_uid, resume_record, runtime_status};
 use crate::api::status::journal_status;
 use crate::clock::now_nanos;
 use crate::controller::Interrupt;
+use crate::controller::tail::last_execution_record;
 use crate::crash_point;
 use crate::journal::{OperationKind, SessionRow};
 use crate::runtime::placement::can_place;
@@ -104,6 +105,7 @@ impl SessionHost {
         .map_err(|b| busy(&uid, b))
         .map(Some)?;
 
+        let mut children_hold = None;
         let source = if memory {
             let fence = self
                 .journal
@@ -124,6 +126,8 @@ impl SessionHost {
                      again there"
                 )));
             }
+            // What the parent's harness holds of the log is what its children's clones hold.
+            children_hold = self.live_holds_through(&uid);
             let live = match self.live_get(&uid) {
                 Some(_) => self.checkpoint_live(&uid).await?,
                 None => None,
@@ -168,7 +172,10 @@ impl SessionHost {
             } else {
                 // Cold (suspended, or an earlier fork already parked it): its head is the
                 // last snapshot it took, so the children start from that one.
-                resume_point(&self.records(&uid)?, parent.fork_seq).unwrap_or_default()
+                let records = self.records(&uid)?;
+                let (seq, snapshot) = resume_record(&records, parent.fork_seq).unwrap_or_default();
+                children_hold = Some(last_execution_record(&records, seq));
+                snapshot
             };
             if snapshot.external_uri.is_empty() {
                 return Err(Status::failed_precondition(format!(
@@ -227,7 +234,9 @@ impl SessionHost {
         let mut children = Vec::with_capacity(count);
         for (child, inc) in provisioned {
             if let Some(inc) = inc {
+                let incarnation = inc.id.clone();
                 self.live_put(&child, &parent.project, inc, &placement);
+                self.live_holds(&child, &incarnation, children_hold);
             }
             children.push(self.view(&child)?);
         }

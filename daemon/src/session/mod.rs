@@ -71,6 +71,9 @@ struct Live {
     /// The session's project, and the guest memory of its VM if it runs one (quotas).
     project: String,
     vm_mib: Option<u64>,
+    /// How far its harness holds the log in memory (memory tier): see
+    /// [`crate::controller::Turn::harness_holds_through`].
+    holds_through: Option<i64>,
 }
 
 /// The fields a new session takes from its creator.
@@ -228,8 +231,28 @@ impl SessionHost {
                 endpoint: None,
                 project: project.to_owned(),
                 vm_mib: placement.runtime.vm_memory_mib(&placement.harness),
+                holds_through: None,
             },
         );
+    }
+
+    /// The harness of `uid`'s compute holds the log through `seq` in its memory.
+    fn live_holds(&self, uid: &str, incarnation: &str, seq: Option<i64>) {
+        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(l) = live
+            .get_mut(uid)
+            .filter(|l| l.incarnation.id == incarnation)
+        {
+            l.holds_through = seq;
+        }
+    }
+
+    fn live_holds_through(&self, uid: &str) -> Option<i64> {
+        self.live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(uid)
+            .and_then(|l| l.holds_through)
     }
 
     /// The harness `uid`'s live compute serves.
@@ -409,11 +432,18 @@ impl SessionHost {
         self.journal.read(uid, 1, 0).map_err(|e| journal_status(&e))
     }
 
+    /// `row`'s latest execution and what follows it: all a turn, a view or a cancel needs of
+    /// the log, read in time that does not grow with the session
+    /// ([`crate::controller::tail`]).
+    fn tail(&self, row: &SessionRow) -> Result<Vec<LogRecord>, Status> {
+        crate::controller::tail::read_tail(self.journal.as_ref(), &row.uid, row.last_seq)
+            .map_err(|e| journal_status(&e))
+    }
+
     /// The API view, re-read from the journal.
     pub fn view(&self, uid: &str) -> Result<Session, Status> {
         let row = self.row(uid)?;
-        let records = self.records(uid)?;
-        Ok(view_of(&row, &records))
+        Ok(view_of(&row, &self.tail(&row)?))
     }
 
     pub fn create(&self, new: NewSession) -> Result<Session, Status> {
@@ -493,7 +523,7 @@ impl SessionHost {
         let mut sessions = Vec::with_capacity(rows.len());
         let mut bytes = 0;
         for r in &rows {
-            let view = view_of(r, &self.records(&r.uid)?);
+            let view = view_of(r, &self.tail(r)?);
             bytes += prost::Message::encoded_len(&view);
             if !sessions.is_empty() && bytes > crate::api::metadata_limits::MAX_PAGE_BYTES {
                 full = true;
@@ -620,6 +650,11 @@ pub fn view_of(row: &SessionRow, records: &[LogRecord]) -> Session {
 /// record names. Records up to `fork_seq` were copied from the parent and are not its own
 /// (an older SUSPEND there is an earlier state of the parent, not of this session).
 pub fn resume_point(records: &[LogRecord], fork_seq: i64) -> Option<SnapshotRef> {
+    resume_record(records, fork_seq).map(|(_, snapshot)| snapshot)
+}
+
+/// [`resume_point`] with the seq of the record naming it.
+pub fn resume_record(records: &[LogRecord], fork_seq: i64) -> Option<(i64, SnapshotRef)> {
     records
         .iter()
         .rev()
@@ -630,12 +665,15 @@ pub fn resume_point(records: &[LogRecord], fork_seq: i64) -> Option<SnapshotRef>
                     || l.kind == LifecycleKind::LifecycleFork as i32)
                     && l.snapshot_memory =>
             {
-                Some(SnapshotRef {
-                    local: l.snapshot_local.clone(),
-                    external_uri: l.snapshot_external_uri.clone(),
-                    memory: l.snapshot_memory,
-                    sealed: l.snapshot_sealed,
-                })
+                Some((
+                    r.seq,
+                    SnapshotRef {
+                        local: l.snapshot_local.clone(),
+                        external_uri: l.snapshot_external_uri.clone(),
+                        memory: l.snapshot_memory,
+                        sealed: l.snapshot_sealed,
+                    },
+                ))
             }
             _ => None,
         })

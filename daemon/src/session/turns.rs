@@ -11,12 +11,13 @@ use tracing::Instrument;
 use super::guard::{Held, Hold};
 use super::intent::Intent;
 use super::{
-    NewSession, Placement, SessionHost, busy, resume_point, runtime_status, snapshot_status,
+    NewSession, Placement, SessionHost, busy, resume_record, runtime_status, snapshot_status,
     view_of,
 };
 use crate::api::status::journal_status;
 use crate::controller::error::ControllerError;
 use crate::controller::log::SessionLog;
+use crate::controller::tail::last_execution_record;
 use crate::controller::{
     GateState, Interrupt, NewExecution, Turn, TurnOutcome, gate_state, inherited_open_intent, stamp,
 };
@@ -193,7 +194,7 @@ impl SessionHost {
             expected_last_seq = ?req.expected_last_seq,
             "exec"
         );
-        let records = self.records(&uid)?;
+        let records = self.tail(&row)?;
         let first = session_frame(view_of(&row, &records));
         let log = parse_log(records)?;
         let pending = log.pending().filter(|x| !x.is_legacy());
@@ -263,6 +264,7 @@ impl SessionHost {
         // The compute is live (and counted as such) from here.
         drop(quota);
         let (turn, forward) = turn;
+        let incarnation = self.live_get(&uid).map(|(inc, _)| inc.id);
         let outcome = if recovering {
             self.controller.resume(&turn).await
         } else {
@@ -293,8 +295,13 @@ impl SessionHost {
             }
             Some(TurnOutcome::Completed { .. }) | None => false,
         };
-        drop(held);
         let view = self.view(&uid)?;
+        // The harness ran the whole turn: it holds the log through its last record. (A failed
+        // turn leaves the mark where it was: resending records never loses any.)
+        if let (false, Some(incarnation)) = (parked, &incarnation) {
+            self.live_holds(&uid, incarnation, Some(view.last_seq));
+        }
+        drop(held);
         tracing::info!(
             session = %uid,
             last_seq = view.last_seq,
@@ -471,6 +478,7 @@ impl SessionHost {
                 observer,
                 deadline,
                 interrupt: Some(held.interrupt.clone()),
+                harness_holds_through: self.live_holds_through(&row.uid),
             },
             forward,
         ))
@@ -532,24 +540,28 @@ impl SessionHost {
                     "its VMM was gone when the next turn came",
                 )?;
             }
-            resume_point(&self.records(&row.uid)?, row.fork_seq)
+            let records = self.records(&row.uid)?;
+            // The snapshot's harness has seen the log through the last execution before it.
+            resume_record(&records, row.fork_seq)
+                .map(|(seq, snapshot)| (snapshot, last_execution_record(&records, seq)))
         } else {
             None
         };
         crash_point::reached(crash_point::START_BEGUN);
-        let (inc, how) = match snapshot {
-            Some(r) => {
+        let (inc, how, holds) = match snapshot {
+            Some((r, holds)) => {
                 let restored = placement.runtime.restore(&r, &spec).await;
                 if let Err(RuntimeError::Corrupt { reason, .. }) = &restored {
                     self.record_unusable_snapshot(&row.uid, &r, reason);
                 }
-                (restored, "restored")
+                (restored, "restored", Some(holds))
             }
-            None => (placement.runtime.create(&spec).await, "created"),
+            None => (placement.runtime.create(&spec).await, "created", None),
         };
         let inc = inc.map_err(|e| runtime_status(&e))?;
         crash_point::reached(crash_point::START_READY);
         self.live_put(&row.uid, &row.project, inc.clone(), placement);
+        self.live_holds(&row.uid, &inc.id, holds);
         Ok((inc, how))
     }
 

@@ -538,6 +538,7 @@ fn start(id: u64, stream: u64, exec: &str) -> Envelope {
             inputs: vec![input],
             identity: None,
             resume_from_seq: 4,
+            history_after_seq: 0,
         }),
     )
 }
@@ -721,6 +722,7 @@ fn start_with_inputs(id: u64, stream: u64, exec: &str, last: Vec<Part>) -> Envel
             ],
             identity: None,
             resume_from_seq: 0,
+            history_after_seq: 0,
         }),
     )
 }
