@@ -79,6 +79,47 @@ async fn turn(c: &mut SessionsClient<Channel>, session: &str) -> (Duration, Dura
     (first.unwrap_or_default(), start.elapsed())
 }
 
+/// One test-guest session (memory tier) run to `turns` turns, its turn latency at marks
+/// along the way (the 11 turns ending at each mark): a turn must cost the same at turn 2,000
+/// as at turn 10.
+async fn long_session(
+    c: &mut SessionsClient<Channel>,
+    turns: usize,
+    out: &mut serde_json::Map<String, serde_json::Value>,
+) {
+    let s = create(c).await;
+    let mut latency = Vec::with_capacity(turns);
+    for _ in 0..turns {
+        latency.push(ms(turn(c, &s).await.1));
+    }
+    let mut medians = Vec::new();
+    for mark in [10, 100, 500, 1000, 2000, turns] {
+        if mark > turns || medians.iter().any(|(m, _)| *m == mark) {
+            continue;
+        }
+        let mut window = latency[mark.saturating_sub(11)..mark].to_vec();
+        window.sort_by(|a, b| a.total_cmp(b));
+        medians.push((mark, window[window.len() / 2]));
+        stats(
+            &format!("long session (testguest), turn {mark}"),
+            "ms",
+            window,
+            out,
+        );
+    }
+    if let (Some((_, first)), Some((last, at_last))) = (medians.first(), medians.last()) {
+        let ratio = at_last / first;
+        println!(
+            "{:<44} {ratio:>8.2}  (median turn {last} / median turn 10)",
+            "long session (testguest), growth"
+        );
+        out.insert("long_session_growth".into(), json!(ratio));
+    }
+    c.delete_session(DeleteSessionRequest { uid: s })
+        .await
+        .unwrap();
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -463,6 +504,11 @@ async fn main() {
             .unwrap();
         }
     }
+    let long_turns = std::env::var("AGENTVM_BENCH_LONG_TURNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(if quick { 20 } else { 2000 });
+    long_session(&mut c, long_turns, &mut out).await;
     density(&c, if quick { 4 } else { 200 }, &mut out).await;
     cross_node(&binary, runs, &mut out).await;
 

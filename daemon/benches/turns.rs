@@ -81,6 +81,34 @@ async fn turn(c: &mut SessionsClient<Channel>, uid: &str, i: usize) -> Duration 
     start.elapsed()
 }
 
+/// One echo session run to `turns` turns, its turn latency at marks along the way (the 11
+/// turns ending at each mark). Echo is stateless: each Start carries the whole history, so
+/// this shows what that costs as a session grows.
+async fn long_session(c: &mut SessionsClient<Channel>, turns: usize) {
+    let uid = create(c).await;
+    let mut latency = Vec::with_capacity(turns);
+    for i in 0..turns {
+        latency.push(turn(c, &uid, i).await);
+    }
+    let mut medians = Vec::new();
+    for mark in [10, 100, 500, 1000, 2000, turns] {
+        if mark > turns || medians.iter().any(|(m, _)| *m == mark) {
+            continue;
+        }
+        let mut window = latency[mark.saturating_sub(11)..mark].to_vec();
+        window.sort();
+        medians.push((mark, window[window.len() / 2]));
+        report(&format!("long session (echo), turn {mark}"), window);
+    }
+    if let (Some((_, first)), Some((last, at_last))) = (medians.first(), medians.last()) {
+        println!(
+            "{:<44} {:>7.2}  (median turn {last} / median turn 10)",
+            "long session (echo), growth",
+            at_last.as_secs_f64() / first.as_secs_f64()
+        );
+    }
+}
+
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
@@ -125,6 +153,12 @@ fn main() {
             warm.push(turn(&mut c, &uid, i).await);
         }
         report("turn, echo harness, one session", warm);
+
+        let long_turns = std::env::var("AGENTVM_BENCH_LONG_TURNS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(if quick { 20 } else { 2000 });
+        long_session(&mut c, long_turns).await;
 
         for sessions in [4usize, 16] {
             let mut uids = Vec::new();

@@ -1927,6 +1927,24 @@ async fn random_requests_never_break_the_server() {
     }
 }
 
+/// The built-in echo as an upstream harness is: it keeps no history, so each Start carries
+/// the whole of it.
+struct WholeHistoryEcho;
+
+#[async_trait::async_trait]
+impl Harness for WholeHistoryEcho {
+    fn descriptor(&self) -> HarnessDescriptor {
+        let mut d = agentvm_harnesses::echo::Echo.descriptor();
+        if let Some(caps) = d.capabilities.as_mut() {
+            caps.incremental_history = false;
+        }
+        d
+    }
+    async fn run(&self, exec: &Execution, sink: &mut Sink) -> Result<(), HarnessFailure> {
+        agentvm_harnesses::echo::Echo.run(exec, sink).await
+    }
+}
+
 /// Issue: an 8 MiB input was journaled and then failed every later turn and replay for
 /// good. Inputs over the limit are refused with INVALID_ARGUMENT naming it, before anything
 /// is written; a history that would outgrow the harness's Start is refused with
@@ -1934,8 +1952,11 @@ async fn random_requests_never_break_the_server() {
 #[tokio::test]
 async fn oversized_input_is_refused_before_it_is_journaled_and_the_session_goes_on() {
     let n = start().await;
+    // The built-in echo takes a history of any length (`incremental_history`); a harness
+    // that does not declare it is sent the whole history in one Start, as upstream's are.
+    n.register("plain-echo", Arc::new(WholeHistoryEcho));
     let mut c = n.c();
-    let id = uid(&n.create("echo").await);
+    let id = uid(&n.create("plain-echo").await);
     assert_eq!(exec(&mut c, exec_req(&id, "first")).await.code(), Code::Ok);
     let before = n.replay(&id).await;
 
@@ -2414,6 +2435,40 @@ async fn a_page_of_large_sessions_stops_short_of_a_response_s_limit() {
 /// Upstream's Go SDK forks with `ForkOptions{}`, leaving `count` unset: one child, as
 /// upstream's server takes it. A negative or too large count is still refused, changing
 /// nothing.
+/// Issue: a stateless session with 8 KiB turns stopped for good near turn 170 with
+/// `HistoryTooLarge` (its Start would pass the 4 MiB a gRPC harness reads). The built-in echo
+/// keeps its history (`incremental_history`, the SDK's cache in its process), so the host sends
+/// its process only what is new, and a fresh process (after a suspend) the whole history in
+/// pieces. The session goes on past 4 MiB, and after the suspend too.
+#[tokio::test]
+async fn a_stateless_session_goes_on_past_the_start_frame_cap() {
+    let n = start().await;
+    let mut c = n.c();
+    let id = uid(&n.create("echo").await);
+    let big = "y".repeat(8 << 10);
+    let turns = 300; // ~16 KiB of events a turn: ~5 MiB of history at the end
+    for i in 0..turns {
+        let r = exec(&mut c, exec_req(&id, &big)).await;
+        assert_eq!(r.code(), Code::Ok, "turn {i}: {:?}", r.end);
+    }
+    let history: usize = n
+        .replay(&id)
+        .await
+        .iter()
+        .map(|r| prost::Message::encoded_len(r.event.as_ref().unwrap()))
+        .sum();
+    assert!(history > 4 << 20, "the history is {history} bytes");
+    c.suspend(SuspendRequest {
+        session: id.clone(),
+    })
+    .await
+    .unwrap();
+    let r = exec(&mut c, exec_req(&id, "after the suspend")).await;
+    assert_eq!(r.code(), Code::Ok, "{:?}", r.end);
+    assert_eq!(r.outputs(), ["echo:after the suspend"]);
+    verify_chain(&n.replay(&id).await).unwrap();
+}
+
 #[tokio::test]
 async fn fork_with_count_unset_makes_one_child() {
     let n = start().await;

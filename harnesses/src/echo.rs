@@ -20,6 +20,8 @@ impl Harness for Echo {
             capabilities: Some(Capabilities {
                 resumability: Resumability::StatelessReplay as i32,
                 fork_safe: true,
+                // The SDK keeps each session's history in this process (`HistoryCache`).
+                incremental_history: true,
                 ..Default::default()
             }),
             version: VERSION.into(),

@@ -263,15 +263,20 @@ pub struct ToolAnswer {
     pub approval: Option<ApprovalResult>,
 }
 
-fn unexpected(waiting_for: &str, got: &Frame) -> SinkError {
-    let name = match got {
+fn frame_name(frame: &Frame) -> &'static str {
+    match frame {
         Frame::Start(_) => "start",
         Frame::Cancel(_) => "cancel",
         Frame::Approval(_) => "approval",
         Frame::Tool(_) => "tool",
         Frame::Model(_) => "model",
         Frame::Park(_) => "park",
-    };
+        Frame::History(_) => "history",
+    }
+}
+
+fn unexpected(waiting_for: &str, got: &Frame) -> SinkError {
+    let name = frame_name(got);
     SinkError::Protocol(format!(
         "a {name} frame while waiting for a {waiting_for} reply"
     ))
@@ -292,13 +297,108 @@ fn end_event(execution_id: &str, state: &str, error: Option<EventError>) -> Even
 
 /// Serves one Connect stream with `harness`: the first frame must be a `start` with an
 /// execution id; the run's outcome becomes END{COMPLETED}, END{FAILED} or (parked) nothing.
-pub async fn drive(harness: Arc<dyn Harness>, mut frames: FrameStream, events: EventSender) {
+pub async fn drive(harness: Arc<dyn Harness>, frames: FrameStream, events: EventSender) {
+    drive_with(harness, frames, events, None).await
+}
+
+/// The history each session's executions have brought this harness process, for a harness
+/// that declares `incremental_history`. The host then sends only what is new
+/// (`Start.history_after_seq`) and a long history in pieces; the cache hands the harness the
+/// whole history every time, as if it had all been sent, so the harness's code is the same
+/// either way. One per harness process (or per host connection), shared by its streams.
+#[derive(Default)]
+pub struct HistoryCache {
+    sessions: std::sync::Mutex<std::collections::HashMap<String, Vec<Event>>>,
+}
+
+/// Sessions a cache keeps at once; past that, the least recently used one is dropped (the
+/// host sends only what is new only to a process of one session, so a shared harness never
+/// depends on this).
+const CACHED_SESSIONS: usize = 64;
+
+impl HistoryCache {
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, Vec<Event>>> {
+        self.sessions.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Makes `start.history` the whole history of `session`: what this process holds up to
+    /// `history_after_seq`, then what the host sent. Err when the host sent from further on
+    /// than this process holds (a process that lost what it had).
+    pub fn complete(&self, session: &str, start: &mut Start) -> Result<(), String> {
+        let after = start.history_after_seq;
+        if after <= 0 {
+            return Ok(());
+        }
+        let mut held = self.lock().remove(session).unwrap_or_default();
+        if (held.len() as i64) < after {
+            return Err(format!(
+                "HistoryGap: the host sent session {session}'s history after seq {after}, but \
+                 this harness process holds {} events of it",
+                held.len()
+            ));
+        }
+        // The records are numbered from 1 with no gap, so event i is seq i + 1.
+        held.truncate(after as usize);
+        held.append(&mut start.history);
+        start.history = held;
+        start.history_after_seq = 0;
+        Ok(())
+    }
+
+    /// Keeps `history`, the whole history of `session` as its last execution began, for the
+    /// next one.
+    pub fn keep(&self, session: &str, history: Vec<Event>) {
+        let mut sessions = self.lock();
+        if !sessions.contains_key(session) && sessions.len() >= CACHED_SESSIONS {
+            let evict = sessions.keys().next().cloned();
+            if let Some(evict) = evict {
+                sessions.remove(&evict);
+            }
+        }
+        sessions.insert(session.to_owned(), history);
+    }
+}
+
+/// Reads the rest of a Start's history (`history_continues`): [`Frame::History`] pieces until
+/// the last.
+async fn rest_of_history(frames: &mut FrameStream, start: &mut Start) -> Result<(), String> {
+    let mut more = start.history_continues;
+    while more {
+        match frames.next().await {
+            Some(Ok(ControllerFrame {
+                frame: Some(Frame::History(mut chunk)),
+                ..
+            })) => {
+                start.history.append(&mut chunk.events);
+                more = chunk.more;
+            }
+            Some(Ok(other)) => {
+                return Err(format!(
+                    "the Start's history continues, but the next frame is {:?}",
+                    other.frame.map(|f| frame_name(&f))
+                ));
+            }
+            Some(Err(_)) | None => return Err("the host ended the stream mid-history".into()),
+        }
+    }
+    start.history_continues = false;
+    Ok(())
+}
+
+/// [`drive`], for a harness process that keeps `cache` across its streams: a harness
+/// declaring `incremental_history` then gets its whole history on every execution.
+pub async fn drive_with(
+    harness: Arc<dyn Harness>,
+    mut frames: FrameStream,
+    events: EventSender,
+    cache: Option<&HistoryCache>,
+) {
     let first = match frames.next().await {
         Some(Ok(f)) => f,
         // The host went away before starting anything: nothing to answer.
         Some(Err(_)) | None => return,
     };
-    let start = match first.frame {
+    let mut start = match first.frame {
         Some(Frame::Start(start)) if !first.execution_id.is_empty() => start,
         _ => {
             let _ = events
@@ -309,7 +409,27 @@ pub async fn drive(harness: Arc<dyn Harness>, mut frames: FrameStream, events: E
             return;
         }
     };
-    let exec = Execution {
+    let keeps_history = harness
+        .descriptor()
+        .capabilities
+        .is_some_and(|c| c.incremental_history);
+    let assembled = match rest_of_history(&mut frames, &mut start).await {
+        Ok(()) => match (keeps_history, cache) {
+            (true, Some(cache)) => cache.complete(&first.session, &mut start),
+            (true, None) if start.history_after_seq > 0 => Err(format!(
+                "HistoryGap: the host sent only the history after seq {}, and this harness \
+                 keeps none",
+                start.history_after_seq
+            )),
+            _ => Ok(()),
+        },
+        Err(e) => Err(e),
+    };
+    if let Err(why) = assembled {
+        let _ = events.send(Err(Status::failed_precondition(why))).await;
+        return;
+    }
+    let mut exec = Execution {
         session: first.session.clone(),
         execution_id: first.execution_id.clone(),
         start,
@@ -322,6 +442,9 @@ pub async fn drive(harness: Arc<dyn Harness>, mut frames: FrameStream, events: E
         sticky: None,
     };
     let outcome = harness.run(&exec, &mut sink).await;
+    if let (true, Some(cache)) = (keeps_history, cache) {
+        cache.keep(&exec.session, std::mem::take(&mut exec.start.history));
+    }
     let end = match (outcome, sink.sticky.take()) {
         // The park ack is already sent; the stream closes without END.
         (_, Some(SinkError::Parked(_))) => return,

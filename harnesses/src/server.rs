@@ -11,18 +11,23 @@ use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::sdk::{Harness, drive};
+use crate::sdk::{Harness, HistoryCache, drive_with};
 
 /// Events buffered per stream before the harness waits for the host to read.
 const EVENT_BUFFER: usize = 64;
 
 pub struct GrpcHarness {
     harness: Arc<dyn Harness>,
+    /// What each session's executions brought this process (for a harness that keeps it).
+    history: Arc<HistoryCache>,
 }
 
 impl GrpcHarness {
     pub fn new(harness: Arc<dyn Harness>) -> Self {
-        Self { harness }
+        Self {
+            harness,
+            history: Arc::default(),
+        }
     }
 
     pub fn into_service(self) -> HarnessServer<Self> {
@@ -47,7 +52,8 @@ impl HarnessService for GrpcHarness {
     ) -> Result<Response<Self::ConnectStream>, Status> {
         let frames = Box::pin(request.into_inner());
         let (tx, rx) = mpsc::channel(EVENT_BUFFER);
-        tokio::spawn(drive(self.harness.clone(), frames, tx));
+        let (harness, history) = (self.harness.clone(), self.history.clone());
+        tokio::spawn(async move { drive_with(harness, frames, tx, Some(&history)).await });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 }

@@ -1,4 +1,5 @@
-//! One `Harness.Connect` stream from the host side: send Start, answer each harness event
+//! One `Harness.Connect` stream from the host side: send Start (and, to a harness that
+//! takes it in pieces, the rest of the history), answer each harness event
 //! through the [`EffectSink`], and end at END, at a clean close after a park acknowledgement,
 //! or at the first violation (semantics.md §5).
 
@@ -31,12 +32,15 @@ fn protocol<T>(why: impl Into<String>) -> Result<T, ControllerError> {
 pub async fn run_stream(
     sink: &mut EffectSink<'_>,
     stream: HarnessStream,
-    start: ControllerFrame,
+    opening: Vec<ControllerFrame>,
     idle: Duration,
 ) -> Result<RunEnd, ControllerError> {
     let HarnessStream { frames, mut events } = stream;
-    let session = start.session.clone();
-    let execution_id = start.execution_id.clone();
+    let Some(first) = opening.first() else {
+        return protocol("an execution opens with its Start");
+    };
+    let session = first.session.clone();
+    let execution_id = first.execution_id.clone();
     let send = |frame: Frame| {
         let frames = frames.clone();
         let msg = ControllerFrame {
@@ -51,10 +55,12 @@ pub async fn run_stream(
                 .map_err(|_| ControllerError::HarnessFailed("the harness closed its stream".into()))
         }
     };
-    frames
-        .send(start)
-        .await
-        .map_err(|_| ControllerError::HarnessFailed("the harness closed its stream".into()))?;
+    for frame in opening {
+        frames
+            .send(frame)
+            .await
+            .map_err(|_| ControllerError::HarnessFailed("the harness closed its stream".into()))?;
+    }
 
     // Set once the host has answered a gated call with a park; true after the harness acked.
     let mut parked: Option<(ApprovalRef, bool)> = None;

@@ -8,7 +8,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use tracing::Instrument;
 
-use agentvm_harnesses::sdk::{Harness, drive};
+use agentvm_harnesses::sdk::{Harness, HistoryCache, drive_with};
 use agentvm_proto::v1::harness_client::HarnessClient;
 use agentvm_proto::v1::{ControllerFrame, DescribeRequest, Event, HarnessDescriptor};
 use tokio::sync::mpsc;
@@ -119,11 +119,16 @@ impl HarnessEndpoint for GrpcEndpoint {
 #[derive(Clone)]
 pub struct InProcessEndpoint {
     harness: Arc<dyn Harness>,
+    /// What each session's executions brought this harness (for one that keeps it).
+    history: Arc<HistoryCache>,
 }
 
 impl InProcessEndpoint {
     pub fn new(harness: Arc<dyn Harness>) -> Self {
-        Self { harness }
+        Self {
+            harness,
+            history: Arc::default(),
+        }
     }
 }
 
@@ -140,7 +145,11 @@ impl HarnessEndpoint for InProcessEndpoint {
             ReceiverStream::new(frame_rx),
             Ok::<_, Status>,
         ));
-        tokio::spawn(drive(self.harness.clone(), frames, event_tx).in_current_span());
+        let (harness, history) = (self.harness.clone(), self.history.clone());
+        tokio::spawn(
+            async move { drive_with(harness, frames, event_tx, Some(&history)).await }
+                .in_current_span(),
+        );
         Ok(HarnessStream {
             frames: frame_tx,
             events: Box::pin(ReceiverStream::new(event_rx)),

@@ -26,8 +26,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use agentvm_proto::v1::{
     ApprovalRef, ControllerFrame, Error as EventError, Event, EventKind, ExecUpdate,
-    ExecutionStart, HarnessDescriptor, HarnessEnd, IdentityContext, IdentityRef, Lifecycle,
-    Mediation, Message, Resumability, Start, controller_frame::Frame, event::Body,
+    ExecutionStart, HarnessDescriptor, HarnessEnd, HistoryChunk, IdentityContext, IdentityRef,
+    Lifecycle, Mediation, Message, Resumability, Start, controller_frame::Frame, event::Body,
     lifecycle::Kind as LifecycleKind,
 };
 use rand::Rng;
@@ -106,6 +106,15 @@ impl Turn {
             .as_ref()
             .is_some_and(|c| c.resumability == Resumability::RequiresMemorySnapshot as i32)
     }
+
+    /// The harness declared `incremental_history`: it keeps what it was sent, so it may be
+    /// sent only what is new, and a long history in pieces.
+    pub fn incremental_history(&self) -> bool {
+        self.descriptor
+            .capabilities
+            .as_ref()
+            .is_some_and(|c| c.incremental_history)
+    }
 }
 
 /// The model a call that names none gets on a session created without one: the built-in
@@ -147,11 +156,78 @@ fn check_start_size(start: &Start, limit: usize) -> Result<()> {
         return Err(ControllerError::HistoryTooLarge(format!(
             "this turn's Start (history {} events, inputs, config) would be {n} bytes; this \
              harness takes at most {limit}. Nothing was journaled: send less, or fork the \
-             session at an earlier seq and continue there",
+             session at an earlier seq and continue there (a harness declaring \
+             incremental_history takes a history of any length, in pieces)",
             start.history.len()
         )));
     }
     Ok(())
+}
+
+/// How much history one frame carries to a harness that takes it in pieces: well under any
+/// harness's frame limit, with room for the Start's inputs and config beside the first piece.
+pub const HISTORY_PIECE_BYTES: usize = 512 << 10;
+
+/// For a harness that takes its history in pieces: `start.history` cut to its first piece
+/// (`history_continues` set when more follow), and the rest as [`HistoryChunk`]s.
+fn split_history(start: &mut Start, piece_bytes: usize) -> Vec<HistoryChunk> {
+    let mut pieces: Vec<Vec<Event>> = vec![Vec::new()];
+    let mut size = 0;
+    for event in std::mem::take(&mut start.history) {
+        let n = prost::Message::encoded_len(&event);
+        let current = pieces.last_mut().expect("one piece at least");
+        if size + n > piece_bytes && !current.is_empty() {
+            pieces.push(Vec::new());
+            size = 0;
+        }
+        size += n;
+        pieces.last_mut().expect("just pushed").push(event);
+    }
+    let mut pieces = pieces.into_iter();
+    start.history = pieces.next().unwrap_or_default();
+    let rest: Vec<Vec<Event>> = pieces.collect();
+    start.history_continues = !rest.is_empty();
+    let last = rest.len().saturating_sub(1);
+    rest.into_iter()
+        .enumerate()
+        .map(|(i, events)| HistoryChunk {
+            events,
+            more: i < last,
+        })
+        .collect()
+}
+
+/// The frames that open an execution's stream: its Start, then (to a harness that takes
+/// its history in pieces) the rest of the history. Each must fit what the harness reads.
+fn opening_frames(
+    turn: &Turn,
+    execution_id: &str,
+    mut start: Start,
+) -> Result<Vec<ControllerFrame>> {
+    let limit = turn.endpoint.max_start_bytes();
+    let chunks = match turn.incremental_history() {
+        true => split_history(&mut start, HISTORY_PIECE_BYTES.min(limit / 2)),
+        false => Vec::new(),
+    };
+    check_start_size(&start, limit)?;
+    let frame = |frame: Frame| ControllerFrame {
+        session: turn.session.clone(),
+        execution_id: execution_id.to_owned(),
+        frame: Some(frame),
+    };
+    let mut frames = vec![frame(Frame::Start(start))];
+    for chunk in chunks {
+        let n = prost::Message::encoded_len(&chunk);
+        if n > limit {
+            return Err(ControllerError::HistoryTooLarge(format!(
+                "one event of the history is {n} bytes encoded; this harness takes at most \
+                 {limit} in a frame. Nothing was journaled: fork the session before that \
+                 event and continue there"
+            )));
+        }
+        frames.push(frame(Frame::History(chunk)));
+    }
+    Ok(frames)
 }
 
 /// What a new execution brings.
@@ -168,12 +244,12 @@ pub struct NewExecution {
 pub enum TurnOutcome {
     Completed {
         execution_id: String,
+        /// The last seq of the history a new execution sent its harness (what a harness
+        /// that keeps its history now holds); None for a re-run.
+        history_through: Option<i64>,
     },
     /// Stopped at an approval gate; `head` is the log head the park left (for the SUSPEND).
-    Parked {
-        park: ApprovalRef,
-        head: i64,
-    },
+    Parked { park: ApprovalRef, head: i64 },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -354,7 +430,12 @@ impl Controller {
     /// the events after what it holds (with that seq), or every event.
     fn history_for(&self, turn: &Turn, head: i64) -> Result<(Vec<Event>, i64)> {
         let after = match turn.harness_holds_through {
-            Some(seen) if turn.memory_tier() && (1..=head).contains(&seen) => seen,
+            Some(seen)
+                if (turn.memory_tier() || turn.incremental_history())
+                    && (1..=head).contains(&seen) =>
+            {
+                seen
+            }
             _ => 0,
         };
         let events = self
@@ -388,8 +469,8 @@ impl Controller {
             identity: identity_context(turn),
             resume_from_seq: new.resume_from_seq,
             history_after_seq,
+            history_continues: false,
         };
-        check_start_size(&start, turn.endpoint.max_start_bytes())?;
         let execution_id = new_execution_id();
         let mut bodies = vec![(
             EventKind::EventExecutionStart,
@@ -407,6 +488,8 @@ impl Controller {
                 .iter()
                 .map(|m| (EventKind::EventInput, Body::Message(m.clone()))),
         );
+        // Whether the harness can take it is known before anything is journaled.
+        let opening = opening_frames(turn, &execution_id, start)?;
         let mut sink = EffectSink::new(
             self.io(turn),
             execution_id.clone(),
@@ -415,7 +498,14 @@ impl Controller {
             expected,
         );
         sink.append(bodies).await?;
-        self.run(turn, sink, start).await
+        let outcome = self.run(turn, sink, opening).await?;
+        Ok(match outcome {
+            TurnOutcome::Completed { execution_id, .. } => TurnOutcome::Completed {
+                execution_id,
+                history_through: Some(head),
+            },
+            parked => parked,
+        })
     }
 
     /// Re-drives the trailing unfinished execution; `Ok(None)` when there is none.
@@ -454,7 +544,9 @@ impl Controller {
             identity: identity_context(turn),
             resume_from_seq: start_record.resume_from_seq,
             history_after_seq: 0,
+            history_continues: false,
         };
+        let opening = opening_frames(turn, &x.id, start)?;
         let sink = EffectSink::new(
             self.io(turn),
             x.id.clone(),
@@ -462,7 +554,7 @@ impl Controller {
             x.effects.clone(),
             log.head(),
         );
-        self.run(turn, sink, start).await.map(Some)
+        self.run(turn, sink, opening).await.map(Some)
     }
 
     /// Runs every completed execution against the journal (R7): read-only, no model, no tools.
@@ -488,6 +580,7 @@ impl Controller {
                 identity: identity_context(turn),
                 resume_from_seq: recorded_start.resume_from_seq,
                 history_after_seq: 0,
+                history_continues: false,
             };
             let mut sink = EffectSink::new(
                 self.io(turn),
@@ -501,8 +594,8 @@ impl Controller {
                 .connect()
                 .await
                 .map_err(|s| ControllerError::HarnessUnavailable(s.message().to_owned()))?;
-            let frame = start_frame(turn, &x.id, start);
-            match run_stream(&mut sink, stream, frame, self.harness_idle_timeout).await? {
+            let opening = opening_frames(turn, &x.id, start)?;
+            match run_stream(&mut sink, stream, opening, self.harness_idle_timeout).await? {
                 RunEnd::Completed => {}
                 RunEnd::Parked(p) => {
                     return Err(ControllerError::ReplayDiverged(format!(
@@ -517,16 +610,25 @@ impl Controller {
         })
     }
 
-    async fn run(&self, turn: &Turn, sink: EffectSink<'_>, start: Start) -> Result<TurnOutcome> {
+    async fn run(
+        &self,
+        turn: &Turn,
+        sink: EffectSink<'_>,
+        opening: Vec<ControllerFrame>,
+    ) -> Result<TurnOutcome> {
         let execution_id = start_execution_id(&sink);
+        let inputs = match opening.first().and_then(|f| f.frame.as_ref()) {
+            Some(Frame::Start(start)) => start.inputs.len(),
+            _ => 0,
+        };
         tracing::info!(
             session = %turn.session,
             execution_id = %execution_id,
             harness = %turn.harness,
-            inputs = start.inputs.len(),
+            inputs,
             "execution started"
         );
-        let result = self.run_to_end(turn, sink, start, &execution_id).await;
+        let result = self.run_to_end(turn, sink, opening, &execution_id).await;
         crate::metrics::global().executions.inc(match &result {
             Ok(TurnOutcome::Completed { .. }) => "completed",
             Ok(TurnOutcome::Parked { .. }) => "parked",
@@ -558,13 +660,11 @@ impl Controller {
         &self,
         turn: &Turn,
         mut sink: EffectSink<'_>,
-        start: Start,
+        opening: Vec<ControllerFrame>,
         execution_id: &str,
     ) -> Result<TurnOutcome> {
         let execution_id = execution_id.to_owned();
-        let outcome = self
-            .run_interruptible(turn, &mut sink, &execution_id, start)
-            .await;
+        let outcome = self.run_interruptible(turn, &mut sink, opening).await;
         match outcome {
             Ok(RunEnd::Completed) => {
                 sink.append(vec![(
@@ -575,7 +675,10 @@ impl Controller {
                     }),
                 )])
                 .await?;
-                Ok(TurnOutcome::Completed { execution_id })
+                Ok(TurnOutcome::Completed {
+                    execution_id,
+                    history_through: None,
+                })
             }
             Ok(RunEnd::Parked(park)) => Ok(TurnOutcome::Parked {
                 park,
@@ -639,20 +742,14 @@ impl Controller {
         &self,
         turn: &Turn,
         sink: &mut EffectSink<'_>,
-        execution_id: &str,
-        start: Start,
+        opening: Vec<ControllerFrame>,
     ) -> Result<RunEnd> {
         let stream = turn
             .endpoint
             .connect()
             .await
             .map_err(|s| ControllerError::HarnessUnavailable(s.message().to_owned()))?;
-        let run = run_stream(
-            sink,
-            stream,
-            start_frame(turn, execution_id, start),
-            self.harness_idle_timeout,
-        );
+        let run = run_stream(sink, stream, opening, self.harness_idle_timeout);
         let mut interrupt = turn.interrupt.clone();
         let interrupted = async {
             match interrupt.as_mut() {
@@ -686,14 +783,6 @@ impl Controller {
 
 fn start_execution_id(sink: &EffectSink<'_>) -> String {
     sink.execution_id().to_owned()
-}
-
-fn start_frame(turn: &Turn, execution_id: &str, start: Start) -> ControllerFrame {
-    ControllerFrame {
-        session: turn.session.clone(),
-        execution_id: execution_id.to_owned(),
-        frame: Some(Frame::Start(start)),
-    }
 }
 
 fn identity_context(turn: &Turn) -> Option<IdentityContext> {

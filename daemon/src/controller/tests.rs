@@ -16,7 +16,7 @@ use agentvm_proto::v1::{
 use prost_types::{Struct, Value, value::Kind};
 use tokio::sync::mpsc;
 
-use super::endpoint::{HarnessEndpoint, InProcessEndpoint};
+use super::endpoint::{HarnessEndpoint, HarnessStream, InProcessEndpoint};
 use super::error::ControllerError;
 use super::tools::{ToolCallContext, ToolExecutor};
 use super::*;
@@ -308,17 +308,18 @@ struct StartRecorder {
     starts: Mutex<Vec<Execution>>,
     /// Declares the memory tier.
     memory: bool,
+    /// Declares `incremental_history` (stateless, the SDK keeping what it was sent).
+    keeps_history: bool,
 }
 
 #[async_trait::async_trait]
 impl Harness for StartRecorder {
     fn descriptor(&self) -> HarnessDescriptor {
         let mut d = agentvm_harnesses::echo::Echo.descriptor();
+        let caps = d.capabilities.get_or_insert_with(Default::default);
+        caps.incremental_history = self.keeps_history;
         if self.memory {
-            d.capabilities = Some(Capabilities {
-                resumability: Resumability::RequiresMemorySnapshot as i32,
-                ..Default::default()
-            });
+            caps.resumability = Resumability::RequiresMemorySnapshot as i32;
         }
         d
     }
@@ -1091,6 +1092,97 @@ async fn a_memory_tier_harness_is_sent_only_what_it_does_not_hold() {
     let head = f.records().last().unwrap().seq;
     let (history, after) = run(true, Some(head + 10)).await;
     assert_eq!((history.len() as i64, after), (head, 0));
+}
+
+/// An endpoint that reads small frames: a long history no longer fits one Start.
+struct SmallFrames(InProcessEndpoint);
+
+#[async_trait::async_trait]
+impl HarnessEndpoint for SmallFrames {
+    async fn describe(&self) -> Result<HarnessDescriptor, tonic::Status> {
+        self.0.describe().await
+    }
+    async fn connect(&self) -> Result<HarnessStream, tonic::Status> {
+        self.0.connect().await
+    }
+    fn max_start_bytes(&self) -> usize {
+        16 << 10
+    }
+}
+
+/// A harness that keeps its history (`incremental_history`) is sent a long history in
+/// pieces, and only what is new once it holds the rest; either way it sees the whole
+/// history. A plain stateless harness at the same size is refused before anything is written.
+#[tokio::test]
+async fn a_harness_that_keeps_its_history_takes_any_length_and_only_what_is_new() {
+    let f = Fixture::new();
+    let c = controller(f.journal.clone(), Arc::new(EchoProvider));
+    let big = "x".repeat(3 << 10);
+    // ~12 turns of 3 KiB in and out: the history outgrows a 16 KiB frame.
+    for _ in 0..12 {
+        c.exec(&f.turn(echo()), inputs(&[big.as_str()]))
+            .await
+            .unwrap();
+    }
+    let events = |records: &[LogRecord]| -> Vec<Event> {
+        records.iter().filter_map(|r| r.event.clone()).collect()
+    };
+
+    let plain = Arc::new(StartRecorder::default());
+    let mut turn = f.turn(plain.clone());
+    turn.endpoint = Arc::new(SmallFrames(InProcessEndpoint::new(plain.clone())));
+    let before = f.records();
+    let err = c.exec(&turn, inputs(&["hi"])).await.unwrap_err();
+    assert!(
+        matches!(err, ControllerError::HistoryTooLarge(_)),
+        "{err:?}"
+    );
+    assert_eq!(f.records(), before, "nothing was journaled");
+
+    let keeper = Arc::new(StartRecorder {
+        keeps_history: true,
+        ..Default::default()
+    });
+    let endpoint: Arc<dyn HarnessEndpoint> =
+        Arc::new(SmallFrames(InProcessEndpoint::new(keeper.clone())));
+    let mut turn = f.turn(keeper.clone());
+    turn.endpoint = endpoint.clone();
+    let outcome = c.exec(&turn, inputs(&["hi"])).await.unwrap();
+    let sent_through = match outcome {
+        TurnOutcome::Completed {
+            history_through, ..
+        } => history_through.unwrap(),
+        parked => panic!("{parked:?}"),
+    };
+    assert_eq!(sent_through, before.last().unwrap().seq);
+    let seen = keeper.starts.lock().unwrap()[0].start.clone();
+    assert_eq!(
+        seen.history,
+        events(&before),
+        "the whole history, from its pieces"
+    );
+
+    // The same process, told it holds the history it was sent: only what is new goes, and
+    // its SDK puts the whole history together again.
+    let before = f.records();
+    let mut turn = f.turn(keeper.clone());
+    turn.endpoint = endpoint.clone();
+    turn.harness_holds_through = Some(sent_through);
+    c.exec(&turn, inputs(&["again"])).await.unwrap();
+    let seen = keeper.starts.lock().unwrap()[1].start.clone();
+    assert_eq!(seen.history, events(&before));
+    assert_eq!(
+        seen.history_after_seq, 0,
+        "the harness sees a whole history"
+    );
+
+    // A fresh process claimed to hold the history has nothing to put it together from: the
+    // host sent only what was new, and the SDK says so rather than run on part of it.
+    let mut turn = f.turn(keeper.clone());
+    turn.endpoint = Arc::new(SmallFrames(InProcessEndpoint::new(keeper.clone())));
+    turn.harness_holds_through = Some(sent_through);
+    let err = c.exec(&turn, inputs(&["gap"])).await.unwrap_err();
+    assert!(err.to_string().contains("HistoryGap"), "{err}");
 }
 
 #[tokio::test]

@@ -159,6 +159,15 @@ pub trait Runtime: Send + Sync {
         None
     }
 
+    /// Whether a session's harness process lives exactly as long as its incarnation here
+    /// (one process, or one VM, per session, started and stopped by this runtime): what it
+    /// was sent in an earlier turn it still holds, so a harness that keeps its history may
+    /// be sent only what is new. False where the harness is shared or outlives what the
+    /// runtime sees (a remote harness may restart unseen).
+    fn harness_lives_with_incarnation(&self) -> bool {
+        false
+    }
+
     /// Starts a session's compute from nothing (or attaches to it when already running).
     async fn create(&self, spec: &SessionSpec) -> Result<Incarnation>;
 

@@ -132,6 +132,10 @@ async fn wait_listening(child: &mut Child, socket: &Path) -> std::result::Result
 
 #[async_trait::async_trait]
 impl Runtime for ProcessRuntime {
+    fn harness_lives_with_incarnation(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> &'static str {
         NAME
     }

@@ -282,24 +282,36 @@ impl SessionHost {
                 .map(Some)
         };
         let fence = turn.fence;
+        let keeps_history =
+            turn.incremental_history() && placement.runtime.harness_lives_with_incarnation();
         drop(turn);
         let _ = forward.await;
         let outcome = match outcome {
             Ok(outcome) => outcome,
             Err(e) => return Err(self.turn_failed(&row, &placement, e).await),
         };
-        let parked = match outcome {
+        let (parked, history_through) = match outcome {
             Some(TurnOutcome::Parked { head, .. }) => {
                 self.park_handoff(&uid, head, fence).await?;
-                true
+                (true, None)
             }
-            Some(TurnOutcome::Completed { .. }) | None => false,
+            Some(TurnOutcome::Completed {
+                history_through, ..
+            }) => (false, history_through),
+            None => (false, None),
         };
         let view = self.view(&uid)?;
-        // The harness ran the whole turn: it holds the log through its last record. (A failed
-        // turn leaves the mark where it was: resending records never loses any.)
+        // What the harness now holds: a memory-tier one ran the whole turn, so the log
+        // through its last record; one that keeps its history, what it was sent. (A failed
+        // turn leaves the mark where it was: a memory-tier harness is then sent more than it
+        // needs, never less, and one that keeps its history trims what it already has.)
         if let (false, Some(incarnation)) = (parked, &incarnation) {
-            self.live_holds(&uid, incarnation, Some(view.last_seq));
+            let holds = match placement.memory_tier() {
+                true => Some(view.last_seq),
+                false if keeps_history => history_through,
+                false => None,
+            };
+            self.live_holds(&uid, incarnation, holds);
         }
         drop(held);
         tracing::info!(

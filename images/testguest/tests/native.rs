@@ -539,6 +539,7 @@ fn start(id: u64, stream: u64, exec: &str) -> Envelope {
             identity: None,
             resume_from_seq: 4,
             history_after_seq: 0,
+            history_continues: false,
         }),
     )
 }
@@ -723,6 +724,7 @@ fn start_with_inputs(id: u64, stream: u64, exec: &str, last: Vec<Part>) -> Envel
             identity: None,
             resume_from_seq: 0,
             history_after_seq: 0,
+            history_continues: false,
         }),
     )
 }

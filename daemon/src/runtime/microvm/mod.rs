@@ -1111,6 +1111,10 @@ fn restored_notice(session: &str, kind: RestoredKind, generation: u64) -> Restor
 
 #[async_trait::async_trait]
 impl Runtime for MicrovmRuntime {
+    fn harness_lives_with_incarnation(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> &'static str {
         NAME
     }
