@@ -120,6 +120,88 @@ async fn long_session(
         .unwrap();
 }
 
+/// Bytes under `dir` (regular files, not following links).
+fn bytes_under(dir: &std::path::Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .filter_map(|e| e.ok())
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => bytes_under(&e.path()),
+            Ok(t) if t.is_file() => e.metadata().map_or(0, |m| m.len()),
+            _ => 0,
+        })
+        .sum()
+}
+
+/// One test-guest session suspended and resumed `cycles` times (a turn between): what its
+/// snapshots take in the store after the first suspend and after the last, and its resume
+/// time early and late. Neither may grow with the number of suspends.
+async fn suspend_cycles(
+    c: &mut SessionsClient<Channel>,
+    state: &std::path::Path,
+    cycles: usize,
+    out: &mut serde_json::Map<String, serde_json::Value>,
+) {
+    let s = create(c).await;
+    let store = state.join("snapshots");
+    let stored = || -> u64 {
+        std::fs::read_dir(&store)
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().starts_with(s.as_str()))
+            .map(|e| bytes_under(&e.path()))
+            .sum()
+    };
+    turn(c, &s).await;
+    let mut resumes = Vec::with_capacity(cycles);
+    let mut most = 0;
+    let mut first = 0;
+    for i in 0..cycles {
+        c.suspend(SuspendRequest { session: s.clone() })
+            .await
+            .unwrap();
+        let now = stored();
+        if i == 0 {
+            first = now;
+        }
+        most = most.max(now);
+        resumes.push(ms(turn(c, &s).await.0));
+    }
+    let last = stored();
+    let window = cycles.min(11);
+    stats(
+        "suspend cycles, resume -> first event, first",
+        "ms",
+        resumes[..window].to_vec(),
+        out,
+    );
+    stats(
+        &format!("suspend cycles, resume -> first event, last {window}"),
+        "ms",
+        resumes[cycles - window..].to_vec(),
+        out,
+    );
+    let kib = |b: u64| b as f64 / 1024.0;
+    println!(
+        "{:<44} first suspend {:>8.0} KiB, most {:>8.0} KiB ({:.2}x), after {cycles}: {:>8.0} KiB",
+        "suspend cycles, stored",
+        kib(first),
+        kib(most),
+        most as f64 / first.max(1) as f64,
+        kib(last),
+    );
+    out.insert(
+        "suspend_cycles_stored".into(),
+        json!({"cycles": cycles, "first_kib": kib(first), "most_kib": kib(most), "last_kib": kib(last)}),
+    );
+    c.delete_session(DeleteSessionRequest { uid: s })
+        .await
+        .unwrap();
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -509,6 +591,7 @@ async fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(if quick { 20 } else { 2000 });
     long_session(&mut c, long_turns, &mut out).await;
+    suspend_cycles(&mut c, &state, if quick { 10 } else { 1000 }, &mut out).await;
     density(&c, if quick { 4 } else { 200 }, &mut out).await;
     cross_node(&binary, runs, &mut out).await;
 

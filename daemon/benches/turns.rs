@@ -60,6 +60,11 @@ async fn create(c: &mut SessionsClient<Channel>) -> String {
 
 /// One turn, start of request to end of stream.
 async fn turn(c: &mut SessionsClient<Channel>, uid: &str, i: usize) -> Duration {
+    turn_with(c, uid, format!("turn {i}")).await
+}
+
+/// One turn with `text` as its input.
+async fn turn_with(c: &mut SessionsClient<Channel>, uid: &str, text: String) -> Duration {
     let start = Instant::now();
     let mut stream = c
         .exec(ExecRequest {
@@ -67,9 +72,7 @@ async fn turn(c: &mut SessionsClient<Channel>, uid: &str, i: usize) -> Duration 
             inputs: vec![Message {
                 role: "user".into(),
                 parts: vec![Part {
-                    part: Some(part::Part::Text(TextPart {
-                        text: format!("turn {i}"),
-                    })),
+                    part: Some(part::Part::Text(TextPart { text })),
                 }],
             }],
             ..Default::default()
@@ -81,15 +84,24 @@ async fn turn(c: &mut SessionsClient<Channel>, uid: &str, i: usize) -> Duration 
     start.elapsed()
 }
 
-/// One echo session run to `turns` turns, its turn latency at marks along the way (the 11
-/// turns ending at each mark). Echo is stateless: each Start carries the whole history, so
-/// this shows what that costs as a session grows.
-async fn long_session(c: &mut SessionsClient<Channel>, turns: usize) {
+/// One echo session run to `turns` turns of `input_bytes` inputs, its turn latency at marks
+/// along the way (the 11 turns ending at each mark). Echo is stateless and keeps its history
+/// (`incremental_history`): a turn must cost the same at turn 2,000 as at turn 10.
+async fn long_session(c: &mut SessionsClient<Channel>, turns: usize, input_bytes: usize) {
     let uid = create(c).await;
     let mut latency = Vec::with_capacity(turns);
     for i in 0..turns {
-        latency.push(turn(c, &uid, i).await);
+        let mut text = format!("turn {i} ");
+        text.extend(std::iter::repeat_n(
+            'x',
+            input_bytes.saturating_sub(text.len()),
+        ));
+        latency.push(turn_with(c, &uid, text).await);
     }
+    let label = match input_bytes {
+        0..1024 => "echo".to_owned(),
+        n => format!("echo, {} KiB inputs", n >> 10),
+    };
     let mut medians = Vec::new();
     for mark in [10, 100, 500, 1000, 2000, turns] {
         if mark > turns || medians.iter().any(|(m, _)| *m == mark) {
@@ -98,12 +110,12 @@ async fn long_session(c: &mut SessionsClient<Channel>, turns: usize) {
         let mut window = latency[mark.saturating_sub(11)..mark].to_vec();
         window.sort();
         medians.push((mark, window[window.len() / 2]));
-        report(&format!("long session (echo), turn {mark}"), window);
+        report(&format!("long session ({label}), turn {mark}"), window);
     }
     if let (Some((_, first)), Some((last, at_last))) = (medians.first(), medians.last()) {
         println!(
             "{:<44} {:>7.2}  (median turn {last} / median turn 10)",
-            "long session (echo), growth",
+            format!("long session ({label}), growth"),
             at_last.as_secs_f64() / first.as_secs_f64()
         );
     }
@@ -158,7 +170,8 @@ fn main() {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(if quick { 20 } else { 2000 });
-        long_session(&mut c, long_turns).await;
+        long_session(&mut c, long_turns, 10).await;
+        long_session(&mut c, long_turns, 8 << 10).await;
 
         for sessions in [4usize, 16] {
             let mut uids = Vec::new();

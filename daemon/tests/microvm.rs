@@ -2222,3 +2222,84 @@ async fn sessions_start_in_pooled_vmms_and_the_rest_end_with_the_node() {
     // Sessions' VMMs are not the pool's to stop.
     assert!(std::path::Path::new(&format!("/proc/{resumed}")).exists());
 }
+
+/// Issue: a test-guest session suspended and resumed 150 times held 150 snapshots (27 MiB)
+/// until it was deleted. Once a newer SUSPEND is recorded, the snapshots nothing needs go:
+/// the store keeps the current snapshot and the layers under it (flattened every few), and
+/// a fork child keeps the snapshot it was cloned from however often its parent moves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn superseded_snapshots_are_reclaimed_and_what_a_child_needs_stays() {
+    require_kvm!();
+    let node = microvm_node().await;
+    let mut c = node.c();
+    let s = create(&mut c).await;
+    let store = node.dir.join("state/snapshots");
+    let snapshots_of = |session: &str| {
+        std::fs::read_dir(&store)
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|name| name.starts_with(session))
+            .count()
+    };
+    let mut held = Vec::new();
+    for i in 1..=20 {
+        assert_eq!(turn(&mut c, &s).await, i.to_string());
+        c.suspend(SuspendRequest { session: s.clone() })
+            .await
+            .unwrap();
+        held.push(snapshots_of(&s));
+    }
+    // A restore reads at most FLATTEN_AT (8) layers: that is all a session keeps.
+    assert!(held.iter().all(|&n| (1..=8).contains(&n)), "{held:?}");
+
+    let child = c
+        .fork(ForkRequest {
+            session: s.clone(),
+            count: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .children[0]
+        .metadata
+        .clone()
+        .unwrap()
+        .uid;
+    for i in 21..=30 {
+        assert_eq!(turn(&mut c, &s).await, i.to_string());
+        c.suspend(SuspendRequest { session: s.clone() })
+            .await
+            .unwrap();
+    }
+    // The parent's current chain, and the one under the child's clone source: 8 each at most.
+    assert!(snapshots_of(&s) <= 16, "{}", snapshots_of(&s));
+    // The snapshot the child's FORK record names (what it goes back to, should its VM be
+    // lost before it suspends) is the parent's, superseded since, and still there.
+    let cloned_from = replay(&mut c, &child)
+        .await
+        .iter()
+        .rev()
+        .find_map(|r| match r.event.as_ref()?.body.as_ref()? {
+            Body::Lifecycle(l) if l.kind == LifecycleKind::LifecycleFork as i32 => {
+                Some(l.snapshot_external_uri.clone())
+            }
+            _ => None,
+        })
+        .expect("the child's FORK record");
+    let cloned_from = PathBuf::from(cloned_from.strip_prefix("file://").unwrap());
+    assert!(cloned_from.starts_with(&store), "{}", cloned_from.display());
+    assert!(
+        cloned_from.is_dir(),
+        "{} was reclaimed",
+        cloned_from.display()
+    );
+    c.suspend(SuspendRequest {
+        session: child.clone(),
+    })
+    .await
+    .unwrap();
+    assert_eq!(turn(&mut c, &child).await, "21");
+    assert_eq!(turn(&mut c, &s).await, "31");
+    verify_chain(&replay(&mut c, &s).await).unwrap();
+}

@@ -210,6 +210,12 @@ pub trait Runtime: Send + Sync {
         Ok(())
     }
 
+    /// `current` was just recorded as `session_uid`'s state to continue from (its SUSPEND is
+    /// durable) and its compute is stopped: free what the session kept of older snapshots
+    /// that nothing needs any more (no VM maps them, no layer is on them, no other session
+    /// holds them), so a session's storage does not grow with its suspends.
+    async fn superseded(&self, _session_uid: &str, _current: &SnapshotRef) {}
+
     async fn status(&self, incarnation: &Incarnation) -> Result<ObservedState>;
 
     /// Reports of compute that ended on its own, for runtimes whose compute can; the host

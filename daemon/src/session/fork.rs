@@ -168,6 +168,7 @@ impl SessionHost {
                 )?;
                 crash_point::reached(crash_point::SUSPEND_RECORDED);
                 drop(intent);
+                self.superseded(&uid, &snapshot).await;
                 snapshot
             } else {
                 // Cold (suspended, or an earlier fork already parked it): its head is the

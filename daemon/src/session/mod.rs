@@ -440,6 +440,19 @@ impl SessionHost {
             .map_err(|e| journal_status(&e))
     }
 
+    /// `snapshot`, just recorded in `uid`'s SUSPEND with its compute stopped, is all the
+    /// session needs of its memory from now on: its runtime frees the older snapshots
+    /// nothing needs any more.
+    async fn superseded(&self, uid: &str, snapshot: &SnapshotRef) {
+        if !snapshot.memory {
+            return;
+        }
+        let Ok(placement) = self.row(uid).and_then(|row| self.place(&row.harness)) else {
+            return;
+        };
+        placement.runtime.superseded(uid, snapshot).await;
+    }
+
     /// The API view, re-read from the journal.
     pub fn view(&self, uid: &str) -> Result<Session, Status> {
         let row = self.row(uid)?;

@@ -713,9 +713,10 @@ impl SessionHost {
         }
         self.admit_disk("a suspend (its snapshot)")?;
         let (snapshot, intent) = self.checkpoint(uid).await?;
-        self.suspend_at_head(uid, "", Some(snapshot))?;
+        self.suspend_at_head(uid, "", Some(snapshot.clone()))?;
         crash_point::reached(crash_point::SUSPEND_RECORDED);
         drop(intent);
+        self.superseded(uid, &snapshot).await;
         // Nothing runs here any more: any node of a fleet may take it at its next call.
         if let Err(e) = self.journal.release(uid) {
             tracing::warn!(session = %uid, error = %e, "the suspended session stays held here");

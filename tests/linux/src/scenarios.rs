@@ -53,6 +53,9 @@ pub const ALL: &[(&str, Scenario)] = &[
     ("counter-suspend-resume", |l| {
         Box::pin(counter_suspend_resume(l))
     }),
+    ("counter-long-session", |l| {
+        Box::pin(counter_long_session(l))
+    }),
     ("fork-three-children", |l| Box::pin(fork_three_children(l))),
     ("workspace-disk-fork", |l| Box::pin(workspace_disk_fork(l))),
     ("oci-harness", |l| Box::pin(oci_harness(l))),
@@ -221,6 +224,40 @@ async fn counter_suspend_resume(lane: &mut Lane) -> anyhow::Result<String> {
         "suspend {}, resume {}, answered 4, {records} records verified",
         secs(suspended),
         secs(resumed)
+    ))
+}
+
+/// Turns the lane's long session runs; its detail compares the first with the last.
+const LONG_SESSION_TURNS: u64 = 300;
+
+/// A Linux counter (memory tier) run to 300 turns: each answer is the next count, the log
+/// verifies, and the detail gives the median turn near the start and near the end (a turn
+/// must not cost more as the session grows; the figure is reported, not asserted on).
+async fn counter_long_session(lane: &mut Lane) -> anyhow::Result<String> {
+    let s = lane.create("linux-counter").await?;
+    let mut c = lane.c().await?;
+    let mut took = Vec::with_capacity(LONG_SESSION_TURNS as usize);
+    for n in 1..=LONG_SESSION_TURNS {
+        let t = Instant::now();
+        let answer = session::say(&mut c, &s, "go").await?;
+        took.push(t.elapsed());
+        expect(&answer, &n.to_string(), "turn")?;
+    }
+    let median = |window: &[Duration]| {
+        let mut w = window.to_vec();
+        w.sort();
+        w[w.len() / 2]
+    };
+    // Turns 10..20 (past the first turn's boot) and the last ten.
+    let early = median(&took[9..20]);
+    let late = median(&took[took.len() - 10..]);
+    let records = session::verify(&mut c, &s).await?;
+    Ok(format!(
+        "{LONG_SESSION_TURNS} turns; median turn 10-20 {}, last 10 {} ({:.2}x); {records} \
+         records verified",
+        secs(early),
+        secs(late),
+        late.as_secs_f64() / early.as_secs_f64()
     ))
 }
 

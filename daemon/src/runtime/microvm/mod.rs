@@ -649,6 +649,19 @@ impl MicrovmRuntime {
             .map_err(|e| format!("publishing the snapshot for the fleet: {e}"))
     }
 
+    /// The id in this node's store of the snapshot `snapshot` names.
+    fn local_id(&self, snapshot: &SnapshotRef) -> Option<String> {
+        if let Some(remote) = &self.config.snapshot_remote
+            && let Some(archive) = remote.archive_of(&snapshot.external_uri)
+        {
+            return Some(archive.id);
+        }
+        snapshot_dir(snapshot)?
+            .file_name()?
+            .to_str()
+            .map(str::to_owned)
+    }
+
     /// The local directory of the snapshot `snapshot` names: this node's own, or fetched
     /// from the fleet's snapshot store, no file of it larger than a VM of `harness` has.
     async fn local_snapshot(
@@ -1004,7 +1017,7 @@ impl MicrovmRuntime {
             let before = ids.len();
             ids.retain(|id| match self.store.delete(id) {
                 Ok(()) => {
-                    tracing::info!(snapshot = %id, "deleted a snapshot of a session that is gone");
+                    tracing::info!(snapshot = %id, "deleted a snapshot nothing needs");
                     false
                 }
                 Err(_) => true,
@@ -1359,7 +1372,8 @@ impl Runtime for MicrovmRuntime {
 
     /// Stops the VM. The snapshots it was restored from stay held by its session: the log
     /// names them (a fork child's FORK record, the SUSPEND it resumed from) as the state to
-    /// go back to should its next VM be lost, so they go only with the session (`reclaim`).
+    /// go back to should its next VM be lost, so they go only when a newer SUSPEND of the
+    /// session is recorded (`superseded`) or with the session (`reclaim`).
     async fn stop(&self, incarnation: &Incarnation) -> Result<()> {
         self.stop_vmm(&incarnation.id, &self.vmm_dir(&incarnation.id))
             .await;
@@ -1391,6 +1405,42 @@ impl Runtime for MicrovmRuntime {
             tracing::info!(session = session_uid, snapshot = %id, "snapshot kept: still in use");
         }
         Ok(())
+    }
+
+    async fn superseded(&self, session_uid: &str, current: &SnapshotRef) {
+        let Some(current) = self.local_id(current) else {
+            return;
+        };
+        let Ok(dir) = self.store.dir(&current) else {
+            return;
+        };
+        if !dir.is_dir() {
+            // Not here (published, never fetched): nothing of this node's is superseded.
+            return;
+        }
+        // What a restore of `current` reads: the snapshot and the bases under it.
+        let needed: std::collections::HashSet<String> = LocalStore::chain(&dir)
+            .iter()
+            .filter_map(|d| d.file_name()?.to_str().map(str::to_owned))
+            .collect();
+        let ids = self.store.list().unwrap_or_default();
+        // Its VM is stopped: the session maps nothing it restored earlier any more.
+        for id in ids.iter().filter(|id| !needed.contains(*id)) {
+            let _ = self.store.release(id, session_uid);
+        }
+        let older: Vec<String> = ids
+            .into_iter()
+            .filter(|id| snapshot_owner(id) == Some(session_uid) && !needed.contains(id))
+            .collect();
+        let count = older.len();
+        let kept = self.delete_layers_first(older);
+        tracing::info!(
+            session = session_uid,
+            current = %current,
+            reclaimed = count - kept.len(),
+            kept = kept.len(),
+            "older snapshots reclaimed"
+        );
     }
 
     async fn status(&self, incarnation: &Incarnation) -> Result<ObservedState> {
