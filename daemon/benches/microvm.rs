@@ -120,7 +120,7 @@ async fn long_session(
         .unwrap();
 }
 
-/// Bytes under `dir` (regular files, not following links).
+/// Bytes on disk under `dir` (regular files, not following links).
 fn bytes_under(dir: &std::path::Path) -> u64 {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return 0;
@@ -129,7 +129,10 @@ fn bytes_under(dir: &std::path::Path) -> u64 {
         .filter_map(|e| e.ok())
         .map(|e| match e.file_type() {
             Ok(t) if t.is_dir() => bytes_under(&e.path()),
-            Ok(t) if t.is_file() => e.metadata().map_or(0, |m| m.len()),
+            // What the file takes on disk (memory files are sparse).
+            Ok(t) if t.is_file() => e
+                .metadata()
+                .map_or(0, |m| std::os::unix::fs::MetadataExt::blocks(&m) * 512),
             _ => 0,
         })
         .sum()
@@ -171,6 +174,20 @@ async fn suspend_cycles(
         resumes.push(ms(turn(c, &s).await.0));
     }
     let last = stored();
+    // Median resume by tenth of the run: flat, or it grows with the suspends.
+    let tenths: Vec<String> = resumes
+        .chunks(cycles.div_ceil(10).max(1))
+        .map(|chunk| {
+            let mut c = chunk.to_vec();
+            c.sort_by(|a, b| a.total_cmp(b));
+            format!("{:.1}", c[c.len() / 2])
+        })
+        .collect();
+    println!(
+        "{:<44} {} ms (median of each tenth of the run)",
+        "suspend cycles, resume -> first event",
+        tenths.join(" ")
+    );
     let window = cycles.min(11);
     stats(
         "suspend cycles, resume -> first event, first",
@@ -591,7 +608,11 @@ async fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(if quick { 20 } else { 2000 });
     long_session(&mut c, long_turns, &mut out).await;
-    suspend_cycles(&mut c, &state, if quick { 10 } else { 1000 }, &mut out).await;
+    let cycles = std::env::var("AGENTVM_BENCH_SUSPEND_CYCLES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(if quick { 10 } else { 1000 });
+    suspend_cycles(&mut c, &state, cycles, &mut out).await;
     density(&c, if quick { 4 } else { 200 }, &mut out).await;
     cross_node(&binary, runs, &mut out).await;
 

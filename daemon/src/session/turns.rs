@@ -17,7 +17,7 @@ use super::{
 use crate::api::status::journal_status;
 use crate::controller::error::ControllerError;
 use crate::controller::log::SessionLog;
-use crate::controller::tail::last_execution_record;
+use crate::controller::tail::{last_execution_record, read_back};
 use crate::controller::{
     GateState, Interrupt, NewExecution, Turn, TurnOutcome, gate_state, inherited_open_intent, stamp,
 };
@@ -552,8 +552,14 @@ impl SessionHost {
                     "its VMM was gone when the next turn came",
                 )?;
             }
-            let records = self.records(&row.uid)?;
-            // The snapshot's harness has seen the log through the last execution before it.
+            // Read back from the head only as far as the snapshot to continue from and the
+            // last execution before it (what its harness has seen the log through).
+            let found = |records: &[agentvm_proto::v1::LogRecord]| {
+                resume_record(records, row.fork_seq)
+                    .is_some_and(|(seq, _)| last_execution_record(records, seq) > 0)
+            };
+            let records = read_back(self.journal.as_ref(), &row.uid, row.last_seq, found)
+                .map_err(|e| journal_status(&e))?;
             resume_record(&records, row.fork_seq)
                 .map(|(seq, snapshot)| (snapshot, last_execution_record(&records, seq)))
         } else {
@@ -784,7 +790,7 @@ impl SessionHost {
             .guards
             .try_hold(uid, Hold::Turn)
             .map_err(|b| busy(uid, b))?;
-        let records = self.records(uid)?;
+        let records = self.tail(&row)?;
         let log = parse_log(records.clone())?;
         let pending = log.pending().filter(|x| !x.is_legacy());
         let mut harness = row.harness.clone();

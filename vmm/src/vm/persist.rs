@@ -59,6 +59,27 @@ pub enum PersistError {
 /// another layer.
 pub const FLATTEN_AT: usize = 8;
 
+/// Whether a new snapshot over `chain` (top first, its flattened base last) is written as
+/// another layer. A layer stores only what the VM changed, which saves time and space while
+/// the chain is short and its layers together take less than half its base. Past that (a
+/// guest that rewrites most of its memory between snapshots) a whole copy is smaller than
+/// what the chain would keep, and a restore reads one file: so a session's snapshots take
+/// at most about twice one whole copy, however often it suspends.
+fn worth_a_layer(chain: &[Snapshot]) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Some((base, layers)) = chain.split_last() else {
+        return false;
+    };
+    let on_disk = |s: &Snapshot| {
+        std::fs::metadata(s.path(MEMORY_FILE)).map_or(u64::MAX, |m| m.blocks() * 512)
+    };
+    let layers = layers
+        .iter()
+        .map(on_disk)
+        .fold(0u64, |sum, n| sum.saturating_add(n));
+    chain.len() < FLATTEN_AT && layers.saturating_mul(2) < on_disk(base)
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SaveKind {
     /// `vm.snapshot`: a self-contained copy (or a layer on the snapshot the VM runs from).
@@ -209,7 +230,7 @@ impl Vm {
         };
         let layered = under
             .as_ref()
-            .is_some_and(|(_, chain)| chain.len() < FLATTEN_AT);
+            .is_some_and(|(_, chain)| worth_a_layer(chain));
         self.copy_disks(&mut writer, layered)?;
 
         let memory_path = dir.join(MEMORY_FILE);
