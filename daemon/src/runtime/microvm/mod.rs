@@ -135,7 +135,7 @@ pub struct MicrovmConfig {
 pub const DEFAULT_VMM_POOL: usize = 0;
 
 /// Prefix of the directories and cgroups of a VMM on its way out (see `retire_vmm`).
-const RETIRED: &str = ".retired-";
+pub(super) const RETIRED: &str = ".retired-";
 /// How old a snapshot of no known session must be before a sweep deletes it: longer than
 /// any fork takes to write the children it was taken for.
 const ORPHAN_GRACE: Duration = Duration::from_secs(15 * 60);
@@ -951,6 +951,7 @@ impl MicrovmRuntime {
             undo_cgroups();
             return None;
         }
+        vmm_process::move_pid(&dir.dir, &moved.dir);
         Some((name, moved))
     }
 

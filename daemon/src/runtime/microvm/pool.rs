@@ -27,7 +27,7 @@ pub const SLOT_PREFIX: &str = ".pool-";
 pub struct Pooled {
     pub pid: u32,
     pub uid: u32,
-    /// Its directory: `api.sock`, `vmm.log`, `vmm.pid`.
+    /// Its directory: `api.sock`, `vmm.log` (its pid is on root's record beside it).
     pub slot: PathBuf,
 }
 
@@ -41,6 +41,7 @@ impl Pooled {
         vmm_process::kill(self.pid);
         let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(self.pid as i32), None);
         let _ = std::fs::remove_dir_all(&self.slot);
+        vmm_process::forget_pid(&self.slot);
     }
 
     /// Whether it still runs; one that exited is reaped here.
@@ -175,12 +176,12 @@ pub fn slots(run_dir: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
-/// Stops the unclaimed VMMs an earlier daemon left (a pid file in its slot naming a VMM
-/// that serves that slot's socket) and removes their slots.
+/// Stops the unclaimed VMMs an earlier daemon left (the pid on record for a slot naming a
+/// VMM that serves that slot's socket) and removes their slots.
 pub fn remove_leftovers(run_dir: &Path) {
     for slot in slots(run_dir) {
-        // The slot is the pooled VMM's (its uid owns it): its pid file only names a process
-        // to check, as a session's does.
+        // As for a session's VMM: the pid on record, checked to be a process of the slot's
+        // owner, pinned by a pidfd.
         let owner = VmmDir::new(slot.clone(), VmmFlavour::Agentvm, slot.clone(), false);
         if let Some(vmm) = vmm_process::pinned_vmm(&owner) {
             let pid = vmm.pid;
@@ -195,6 +196,7 @@ pub fn remove_leftovers(run_dir: &Path) {
             }
         }
         let _ = std::fs::remove_dir_all(&slot);
+        vmm_process::forget_pid(&slot);
     }
 }
 
@@ -250,11 +252,11 @@ mod tests {
             .stderr(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        std::fs::write(slot.join("vmm.pid"), ours.id().to_string()).unwrap();
+        vmm_process::record_pid(&slot, ours.id(), None).unwrap();
         let other_slot = dir.path().join(format!("{SLOT_PREFIX}8"));
         std::fs::create_dir(&other_slot).unwrap();
         // A pid reused by an unrelated process since.
-        std::fs::write(other_slot.join("vmm.pid"), other.id().to_string()).unwrap();
+        vmm_process::record_pid(&other_slot, other.id(), None).unwrap();
         remove_leftovers(dir.path());
         assert!(ours.wait().unwrap().code().is_none(), "killed by a signal");
         assert!(

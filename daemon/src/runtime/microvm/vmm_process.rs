@@ -67,8 +67,10 @@ impl VmmDir {
     pub fn log(&self) -> PathBuf {
         self.dir.join("vmm.log")
     }
+    /// Where root records the pid of this directory's VMM: beside the directory, in root's
+    /// own `.pids/` (see [`pid_record`]), never inside the directory the VMM can write.
     pub fn pid_file(&self) -> PathBuf {
-        self.dir.join("vmm.pid")
+        pid_record(&self.dir)
     }
     /// The harness the guest serves, as the VM was created for.
     pub fn harness_file(&self) -> PathBuf {
@@ -123,8 +125,8 @@ impl VmmDir {
         };
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
         // A VMM from the pool was started with the pool's socket, moved here since.
-        let api = read_vmm_file(&self.dir.join(POOLED_API), 4096)
-            .map(|p| PathBuf::from(std::ffi::OsString::from_vec(p)))
+        let api = read_record(self)
+            .and_then(|r| r.pooled_api)
             .unwrap_or_else(|| self.api());
         alive(pid)
             && cmdline
@@ -178,7 +180,7 @@ pub async fn spawn(
 }
 
 /// Starts a VMM serving its API on `in_dir/api.sock`, logging to `in_dir/vmm.log`, its pid
-/// in `in_dir/vmm.pid`, its VMs' RAM in `ram_dir` (`none`: memfds), jailed when `jail` is
+/// on root's record ([`record_pid`]), its VMs' RAM in `ram_dir` (`none`: memfds), jailed when `jail` is
 /// given. With `anchor` (a pipe's read end; agentvm-vmm only) it exits once the pipe's
 /// writers are gone unless it was asked for a VM by then. Blocking: the clone waits until
 /// the VMM has exec'd.
@@ -227,13 +229,80 @@ pub fn launch(
     })?;
     // The VMM's now; a copy here would keep connections queueing after it died.
     drop(listener);
-    let _ = std::fs::write(in_dir.join("vmm.pid"), pid.to_string());
+    if let Err(e) = record_pid(in_dir, pid, None) {
+        tracing::warn!(pid, error = %e, "the VMM's pid is not on record");
+    }
     Ok(pid)
 }
 
-/// The file in a session's VMM directory naming the API socket its VMM was started with,
-/// when that was a pool's (see `VmmDir::vmm_alive`).
-const POOLED_API: &str = "pooled-api";
+/// Root's directory of VMM pids, beside the VMMs' own directories.
+const PID_RECORDS: &str = ".pids";
+
+/// Where root records the pid of the VMM of directory `dir`: `PARENT/.pids/NAME`. The
+/// parent (`vms/`) and `.pids/` are root's, so a VMM, which can rewrite everything in its own
+/// directory, cannot touch what root reads back to find, stop or adopt it.
+pub fn pid_record(dir: &Path) -> PathBuf {
+    let name = dir.file_name().unwrap_or_default();
+    dir.parent()
+        .unwrap_or(Path::new("/"))
+        .join(PID_RECORDS)
+        .join(name)
+}
+
+/// Records `pid` as the VMM of `dir` (see [`pid_record`]), with the API socket it was
+/// started on when that was a pool slot's (its command line names that one, not `dir`'s).
+pub fn record_pid(dir: &Path, pid: u32, pooled_api: Option<&Path>) -> Result<(), String> {
+    use std::os::unix::fs::DirBuilderExt;
+    let record = pid_record(dir);
+    if let Some(records) = record.parent() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(records)
+            .map_err(|e| format!("creating {}: {e}", records.display()))?;
+    }
+    let mut text = format!("{pid}\n").into_bytes();
+    if let Some(api) = pooled_api {
+        text.extend_from_slice(api.as_os_str().as_encoded_bytes());
+        text.push(b'\n');
+    }
+    write_vmm_file(&record, &text)?;
+    // For operators and tools: `vms/SESSION/vmm.pid`. The VMM can rewrite it; root never
+    // reads it back.
+    let _ = write_vmm_file(&dir.join("vmm.pid"), pid.to_string().as_bytes());
+    Ok(())
+}
+
+/// What root recorded of a VMM.
+struct Record {
+    pid: u32,
+    pooled_api: Option<PathBuf>,
+}
+
+fn read_record(dir: &VmmDir) -> Option<Record> {
+    let bytes = read_vmm_file(&dir.pid_file(), 4096)?;
+    let mut lines = bytes.split(|b| *b == b'\n');
+    let pid = std::str::from_utf8(lines.next()?)
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    let pooled_api = lines
+        .next()
+        .filter(|l| !l.is_empty())
+        .map(|l| PathBuf::from(std::ffi::OsString::from_vec(l.to_vec())));
+    Some(Record { pid, pooled_api })
+}
+
+/// Moves the record of the VMM of `from` to `to` (its directory was renamed).
+pub fn move_pid(from: &Path, to: &Path) {
+    let _ = std::fs::rename(pid_record(from), pid_record(to));
+}
+
+/// Forgets the pid on record for `dir`.
+pub fn forget_pid(dir: &Path) {
+    let _ = std::fs::remove_file(pid_record(dir));
+}
 
 /// Makes the pooled VMM `pooled`, already shown its files, the VMM of `dir`: its socket,
 /// log and pid move there, `watch` watches it, it starts moving into the cgroups of
@@ -246,13 +315,11 @@ pub async fn adopt(
 ) -> Result<Spawned, String> {
     let pid = pooled.pid;
     let started = std::time::Instant::now();
-    let moved = std::fs::write(
-        dir.dir.join(POOLED_API),
-        pooled.api().as_os_str().as_encoded_bytes(),
-    )
-    .and_then(|()| std::fs::rename(pooled.api(), dir.api()))
-    .and_then(|()| std::fs::rename(pooled.slot.join("vmm.log"), dir.log()))
-    .and_then(|()| std::fs::write(dir.pid_file(), pid.to_string()));
+    let moved = record_pid(&dir.dir, pid, Some(&pooled.api())).and_then(|()| {
+        std::fs::rename(pooled.api(), dir.api())
+            .and_then(|()| std::fs::rename(pooled.slot.join("vmm.log"), dir.log()))
+            .map_err(|e| e.to_string())
+    });
     if let Err(e) = moved {
         kill(pid);
         return Err(format!(
@@ -260,8 +327,9 @@ pub async fn adopt(
             dir.dir.display()
         ));
     }
-    // Its uid is on record in `dir` now.
+    // Its uid is on record in `dir` now, its pid under the session's name.
     let _ = std::fs::remove_dir_all(&pooled.slot);
+    forget_pid(&pooled.slot);
     watch.watch(dir.clone(), pid);
     let confined = Confinement(tokio::task::spawn_blocking(move || {
         super::cgroups::join(&cgroup_procs, pid)
@@ -307,12 +375,12 @@ fn names(run_dir: &Path, keep: impl Fn(&str) -> bool) -> Vec<String> {
         .collect()
 }
 
-/// The VMM's process id, from its pid file, if that names a process of the VMM's own user.
+/// The VMM's process id, as root recorded it, if that still names a process of the VMM's
+/// own user.
 ///
-/// The directory is the VMM's (its uid owns it, so it can rewrite the file), so what the file
-/// says is only a claim: root signals and adopts the process it names only if that process
-/// runs, with every one of its uids, as the user that owns the directory. A VMM that
-/// rewrites its pid file can then point root at nothing but its own processes.
+/// The record is root's (outside the directory the VMM can write), and the process is
+/// checked too: a pid reused by another process since is not the VMM unless that process
+/// runs, with every one of its uids, as the user that owns the VMM's directory.
 pub fn pid_of(dir: &VmmDir) -> Option<u32> {
     pinned_vmm(dir).map(|p| p.pid)
 }
@@ -358,12 +426,18 @@ impl Pinned {
     }
 }
 
-/// What the pid file says, unchecked: only to tell whether a VMM that exited was the one on
-/// record (never to signal or adopt what it names).
+/// The pid root recorded for the VMM of `dir` in its `.pids/` (or, for a directory root
+/// renamed out of its session's way, in the name root gave it: `.retired-SESSION-PID`).
 pub fn recorded_pid(dir: &VmmDir) -> Option<u32> {
-    read_vmm_file(&dir.pid_file(), 32)
-        .and_then(|bytes| String::from_utf8(bytes).ok())
-        .and_then(|s| s.trim().parse().ok())
+    if let Some(record) = read_record(dir) {
+        return Some(record.pid);
+    }
+    // A crash between the rename and the record's move: the name says it.
+    let name = dir.dir.file_name()?.to_str()?;
+    match name.starts_with(super::RETIRED) {
+        true => name.rsplit_once('-')?.1.parse().ok(),
+        false => None,
+    }
 }
 
 /// A small file in a directory the VMM can write: read without following a symlink it may
@@ -456,6 +530,7 @@ fn signal(pid: u32, signal: Option<nix::sys::signal::Signal>) -> nix::Result<()>
 pub fn remove_files(dir: &VmmDir) {
     let _ = std::fs::remove_dir_all(&dir.dir);
     super::network::forget(&dir.dir);
+    forget_pid(&dir.dir);
     if dir.private_ram {
         let _ = std::fs::remove_dir_all(&dir.ram);
         return;
@@ -611,6 +686,62 @@ mod tests {
         assert_eq!(read_vmm_file(&planted, 4), None);
     }
 
+    /// Root keeps its own record of each VMM's pid beside the VMMs' directories: what a VMM
+    /// writes in its own directory is never read back, a directory renamed out of its
+    /// session's way takes its record along, and a removed one's record goes.
+    #[test]
+    fn root_finds_its_vmms_by_its_own_record() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let vms = tmp.path().join("vms");
+        std::fs::create_dir(&vms).unwrap();
+        let vmm = VmmDir::new(
+            vms.join("sess"),
+            VmmFlavour::Agentvm,
+            tmp.path().join("ram"),
+            true,
+        );
+        std::fs::create_dir(&vmm.dir).unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        record_pid(&vmm.dir, child.id(), None).unwrap();
+        assert_eq!(pid_of(&vmm), Some(child.id()));
+        let records = vms.join(PID_RECORDS);
+        assert_eq!(
+            std::fs::metadata(&records).unwrap().permissions().mode() & 0o777,
+            0o700
+        );
+        // The VMM's own copy, rewritten: not what root goes by.
+        std::fs::write(vmm.dir.join("vmm.pid"), "1").unwrap();
+        assert_eq!(pid_of(&vmm), Some(child.id()));
+
+        let retired = VmmDir::new(
+            vms.join(format!("{}sess-{}", super::super::RETIRED, child.id())),
+            VmmFlavour::Agentvm,
+            tmp.path().join("ram2"),
+            true,
+        );
+        std::fs::rename(&vmm.dir, &retired.dir).unwrap();
+        move_pid(&vmm.dir, &retired.dir);
+        assert_eq!(
+            pid_of(&vmm),
+            None,
+            "the session's name is free for its next VMM"
+        );
+        assert_eq!(pid_of(&retired), Some(child.id()));
+        remove_files(&retired);
+        assert_eq!(
+            recorded_pid(&retired),
+            Some(child.id()),
+            "the name still says it"
+        );
+        assert!(!pid_record(&retired.dir).exists());
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
     /// A pidfd follows its process, not its number: once the process is reaped, signals
     /// through it go nowhere, whoever gets the number next.
     #[test]
@@ -644,6 +775,9 @@ mod tests {
         );
         std::fs::create_dir(&dir.dir).unwrap();
         std::os::unix::fs::chown(&dir.dir, Some(VM_UID), Some(VM_UID)).unwrap();
+        // Root's record is out of the VMM's reach; here it says whatever a bug or a
+        // restore of old state could make it say, and root still checks the process.
+        std::fs::create_dir(dir.pid_file().parent().unwrap()).unwrap();
         let spawn = |uid: Option<u32>| {
             let mut cmd = std::process::Command::new("sleep");
             cmd.arg("60");
