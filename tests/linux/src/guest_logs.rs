@@ -1,4 +1,4 @@
-//! Keeps every guest's serial log. agentvmd removes a VM's directory when its VMM stops
+//! Keeps every guest's serial log and its VMM's log. agentvmd removes a VM's directory when its VMM stops
 //! (suspend, delete, fork parking), so the logs are hard-linked aside while the VMMs run:
 //! the link keeps the file, and what the VMM writes later still lands in it.
 
@@ -15,7 +15,7 @@ pub struct Collector {
 }
 
 impl Collector {
-    /// Watches `vms/*/serial.log`, linking each new file into `kept`.
+    /// Watches `vms/*/serial.log` and `vms/*/vmm.log`, linking each new file into `kept`.
     pub fn start(vms: PathBuf, kept: PathBuf) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
@@ -58,18 +58,21 @@ fn link_new_logs(vms: &Path, kept: &Path) {
     };
     let _ = std::fs::create_dir_all(kept);
     for entry in entries.flatten() {
-        let log = entry.path().join("serial.log");
-        let Ok(meta) = std::fs::metadata(&log) else {
-            continue;
-        };
-        let name = format!(
-            "{}-{}.serial.log",
-            entry.file_name().to_string_lossy(),
-            meta.ino()
-        );
-        let target = kept.join(name);
-        if !target.exists() {
-            let _ = std::fs::hard_link(&log, &target);
+        // The guest's console, and its VMM's own log (what a failed scenario's VMM said).
+        for file in ["serial.log", "vmm.log"] {
+            let log = entry.path().join(file);
+            let Ok(meta) = std::fs::symlink_metadata(&log) else {
+                continue;
+            };
+            let name = format!(
+                "{}-{}.{file}",
+                entry.file_name().to_string_lossy(),
+                meta.ino()
+            );
+            let target = kept.join(name);
+            if !target.exists() {
+                let _ = std::fs::hard_link(&log, &target);
+            }
         }
     }
 }
