@@ -2252,20 +2252,7 @@ async fn superseded_snapshots_are_reclaimed_and_what_a_child_needs_stays() {
     // A restore reads at most FLATTEN_AT (8) layers: that is all a session keeps.
     assert!(held.iter().all(|&n| (1..=8).contains(&n)), "{held:?}");
 
-    let child = c
-        .fork(ForkRequest {
-            session: s.clone(),
-            count: 1,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .children[0]
-        .metadata
-        .clone()
-        .unwrap()
-        .uid;
+    let child = fork(&mut c, &s, 1).await.remove(0);
     for i in 21..=30 {
         assert_eq!(turn(&mut c, &s).await, i.to_string());
         c.suspend(SuspendRequest { session: s.clone() })

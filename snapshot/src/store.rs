@@ -843,18 +843,7 @@ mod tests {
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                     if store.get("s").is_err() {
                         // Written aside and moved in whole, as a VMM's snapshot is.
-                        std::fs::create_dir(&written).unwrap();
-                        let mut w = SnapshotWriter::create(&written, false).unwrap();
-                        w.write_file(STATE_FILE, b"{}").unwrap();
-                        w.finish(
-                            HostIdentity::current("PVM"),
-                            "t",
-                            MemoryLayout {
-                                size: 0,
-                                base: None,
-                            },
-                        )
-                        .unwrap();
+                        written_by_a_vmm(&written);
                         store.adopt("s", &written).unwrap();
                     }
                     let _ = store.delete("s");

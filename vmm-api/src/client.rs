@@ -259,11 +259,7 @@ impl VmmClient {
         id: Option<&str>,
         rules: &[crate::config::EgressRule],
     ) -> Result<(), ClientError> {
-        let body = crate::types::VmEgressAllow {
-            id: id.map(str::to_owned),
-            rules: rules.to_vec(),
-        };
-        self.put_json(endpoint::VM_EGRESS_ALLOW, &body).await
+        self.put_rules(endpoint::VM_EGRESS_ALLOW, id, rules).await
     }
 
     /// `PUT vm.egress-revoke` (extension): take `rules` out of the egress policy of the net
@@ -273,11 +269,21 @@ impl VmmClient {
         id: Option<&str>,
         rules: &[crate::config::EgressRule],
     ) -> Result<(), ClientError> {
+        self.put_rules(endpoint::VM_EGRESS_REVOKE, id, rules).await
+    }
+
+    /// `vm.egress-allow` and `vm.egress-revoke` take the same body.
+    async fn put_rules(
+        &self,
+        endpoint: &str,
+        id: Option<&str>,
+        rules: &[crate::config::EgressRule],
+    ) -> Result<(), ClientError> {
         let body = crate::types::VmEgressAllow {
             id: id.map(str::to_owned),
             rules: rules.to_vec(),
         };
-        self.put_json(endpoint::VM_EGRESS_REVOKE, &body).await
+        self.put_json(endpoint, &body).await
     }
 
     /// `PUT vmm.ram-dir` (agentvm extension).

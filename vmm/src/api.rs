@@ -93,6 +93,16 @@ impl Default for Vmm {
     }
 }
 
+/// The configuration and the VM of a booted (running or paused) slot.
+fn booted_mut(slot: &mut Slot) -> Result<(&mut VmConfig, &mut Booted), ApiError> {
+    match slot {
+        Slot::Running(config, booted) | Slot::Paused(config, booted) => Ok((config, booted)),
+        _ => Err(ApiError::not_found(
+            "no VM is booted (vm.boot or vm.restore first)",
+        )),
+    }
+}
+
 fn lock(inner: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
     inner.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -644,14 +654,7 @@ impl VmmBackend for Vmm {
             .parse()
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
         let mut inner = lock(&self.inner);
-        let (config, booted) = match &mut inner.slot {
-            Slot::Running(config, booted) | Slot::Paused(config, booted) => (config, booted),
-            _ => {
-                return Err(ApiError::not_found(
-                    "no VM is booted (vm.boot or vm.restore first)",
-                ));
-            }
-        };
+        let (config, booted) = booted_mut(&mut inner.slot)?;
         let index = net_index(config, request.id.as_deref())?;
         let id = config.net[index].device_id(index);
         let policy = egress_policy(config, index)?;
@@ -689,14 +692,7 @@ impl VmmBackend for Vmm {
             .parse()
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
         let mut inner = lock(&self.inner);
-        let (config, booted) = match &mut inner.slot {
-            Slot::Running(config, booted) | Slot::Paused(config, booted) => (config, booted),
-            _ => {
-                return Err(ApiError::not_found(
-                    "no VM is booted (vm.boot or vm.restore first)",
-                ));
-            }
-        };
+        let (config, booted) = booted_mut(&mut inner.slot)?;
         let index = net_index(config, request.id.as_deref())?;
         let id = config.net[index].device_id(index);
         let policy = egress_policy(config, index)?;

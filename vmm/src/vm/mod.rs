@@ -473,11 +473,7 @@ impl Vm {
         index: usize,
         rules: &[agentvm_vmm_api::config::ParsedRule],
     ) -> Result<(), EgressAllowError> {
-        let net = self.nets.get(index).ok_or(EgressAllowError::NoDevice)?;
-        virtio_net::lock(&net.device)
-            .device_mut()
-            .allow_egress(rules)
-            .map_err(EgressAllowError::Device)
+        self.with_net(index, |net| net.allow_egress(rules))
     }
 
     /// Takes `rules` out of the egress policy of network device `index`; flows its guest
@@ -487,11 +483,17 @@ impl Vm {
         index: usize,
         rules: &[agentvm_vmm_api::config::ParsedRule],
     ) -> Result<(), EgressAllowError> {
+        self.with_net(index, |net| net.revoke_egress(rules))
+    }
+
+    /// Runs `change` on network device `index`'s device, under its lock.
+    fn with_net(
+        &self,
+        index: usize,
+        change: impl FnOnce(&mut virtio_net::Net) -> Result<(), virtio_net::EgressAllowError>,
+    ) -> Result<(), EgressAllowError> {
         let net = self.nets.get(index).ok_or(EgressAllowError::NoDevice)?;
-        virtio_net::lock(&net.device)
-            .device_mut()
-            .revoke_egress(rules)
-            .map_err(EgressAllowError::Device)
+        change(virtio_net::lock(&net.device).device_mut()).map_err(EgressAllowError::Device)
     }
 
     fn drain_serial(&self) {
