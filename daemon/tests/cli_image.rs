@@ -1,6 +1,7 @@
 //! `agentvm image testguest -o FILE` through the real binary.
 
 use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
 use std::process::Command;
 
 #[test]
@@ -435,4 +436,144 @@ fn a_container_image_becomes_an_erofs_root_and_says_what_runs() {
             .contains("/bin/missing is not in the container image"),
         "{refused:?}"
     );
+}
+
+/// A build as root handles the container image as an unprivileged uid in a user namespace
+/// of its own (docs/security.md, row O1): the image's owners still reach the erofs as the
+/// image says them, a hostile layer's links and whiteouts reach nothing of the host's, and
+/// an archive is extracted the same way.
+#[test]
+fn a_root_build_unpacks_as_an_unprivileged_uid_and_keeps_the_image_s_owners() {
+    use agentvmd::image::oci_layout::{self, LayerEntry};
+    use std::os::unix::fs::MetadataExt;
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: a build unpacks in a user namespace only as root");
+        return;
+    }
+    let img = ImageDir::new();
+    let victim = img.dir.path().join("victim");
+    std::fs::create_dir(&victim).unwrap();
+    std::fs::write(victim.join("precious"), b"host file").unwrap();
+    let victim_path = victim.to_str().unwrap();
+    let bottom = oci_layout::layer(&[
+        LayerEntry::Dir("usr", 0o755),
+        LayerEntry::Dir("usr/bin", 0o755),
+        LayerEntry::File("usr/bin/harness", 0o755, b"\x7fELF pretend harness"),
+        LayerEntry::Dir("home", 0o755),
+        LayerEntry::Owned("home/agent-notes", 1000, 1001, 0o600, b"the agent's"),
+        LayerEntry::Owned("home/far-owner", 200_000, 200_000, 0o644, b"a high id"),
+        LayerEntry::Symlink("evil", victim_path),
+    ])
+    .unwrap();
+    // Empties what the link points at, as the image sees it (nothing: the link resolves
+    // inside the tree).
+    let top = oci_layout::layer(&[LayerEntry::File("evil/.wh..wh..opq", 0o644, b"")]).unwrap();
+    let layout = img.dir.path().join("layout");
+    oci_layout::write(
+        &layout,
+        &[bottom.clone(), top],
+        serde_json::json!({"Entrypoint": ["/usr/bin/harness"]}),
+    )
+    .unwrap();
+    // The same layout as an archive, extracted by the unpacker too.
+    let archive = img.dir.path().join("layout.tar");
+    let mut tar = tar::Builder::new(std::fs::File::create(&archive).unwrap());
+    tar.append_dir_all(".", &layout).unwrap();
+    tar.finish().unwrap();
+    drop(tar);
+    std::fs::write(
+        img.dir.path().join("image.toml"),
+        "[harness]\nresumability = \"STATELESS_REPLAY\"\n\n\
+         [build]\nkernel = \"vmlinux\"\nagent = \"agent\"\n",
+    )
+    .unwrap();
+    for (out, source) in [("from-dir", &layout), ("from-tar", &archive)] {
+        let built = Command::new(env!("CARGO_BIN_EXE_agentvm"))
+            .args(["image", "build", "--config"])
+            .arg(img.dir.path().join("image.toml"))
+            .arg("-o")
+            .arg(img.dir.path().join(out))
+            .arg("--oci")
+            .arg(source)
+            .output()
+            .unwrap();
+        assert!(built.status.success(), "{out}: {built:?}");
+        let tree = img.dir.path().join(format!("{out}-tree"));
+        let fsck = Command::new("fsck.erofs")
+            .arg(format!("--extract={}", tree.display()))
+            .arg("--preserve")
+            .arg(img.dir.path().join(out).join("rootfs.erofs"))
+            .output()
+            .unwrap();
+        assert!(fsck.status.success(), "{fsck:?}");
+        let owner = |rel: &str| {
+            let meta = std::fs::symlink_metadata(tree.join(rel)).unwrap();
+            (meta.uid(), meta.gid(), meta.mode() & 0o7777)
+        };
+        assert_eq!(owner("home/agent-notes"), (1000, 1001, 0o600), "{out}");
+        assert_eq!(owner("home/far-owner"), (200_000, 200_000, 0o644), "{out}");
+        assert_eq!(owner("usr/bin/harness"), (0, 0, 0o755), "{out}");
+        // The link stays a link in the image; the layer's entries under it went inside.
+        assert_eq!(
+            std::fs::read_link(tree.join("evil")).unwrap(),
+            Path::new(victim_path)
+        );
+        // The bundle's files are root's own, not the unpacker's.
+        let rootfs = std::fs::metadata(img.dir.path().join(out).join("rootfs.erofs")).unwrap();
+        assert_eq!((rootfs.uid(), rootfs.gid()), (0, 0), "{out}");
+    }
+    // A layer writing through the link is refused, and writes nothing of the host's.
+    let hostile = img.dir.path().join("hostile");
+    let through = oci_layout::layer(&[LayerEntry::File("evil/planted", 0o644, b"image's")]);
+    oci_layout::write(
+        &hostile,
+        &[bottom, through.unwrap()],
+        serde_json::json!({"Entrypoint": ["/usr/bin/harness"]}),
+    )
+    .unwrap();
+    let refused = Command::new(env!("CARGO_BIN_EXE_agentvm"))
+        .args(["image", "build", "--config"])
+        .arg(img.dir.path().join("image.toml"))
+        .arg("-o")
+        .arg(img.dir.path().join("refused"))
+        .arg("--oci")
+        .arg(&hostile)
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(2), "{refused:?}");
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("evil/planted: No such file"),
+        "{refused:?}"
+    );
+    assert_eq!(
+        std::fs::read(victim.join("precious")).unwrap(),
+        b"host file"
+    );
+    assert!(!victim.join("planted").exists());
+    // Nothing of the unpacker's is left behind.
+    let leftovers: Vec<_> =
+        walk_owned_by(Path::new("/tmp"), agentvmd::image::sandbox::BUILD_UID_BASE);
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+/// Files under `dir` (not following links, two levels deep) of host uid `uid` and up.
+fn walk_owned_by(dir: &Path, uid: u32) -> Vec<std::path::PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    let mut found = Vec::new();
+    let mut stack = vec![(dir.to_owned(), 0)];
+    while let Some((dir, depth)) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let Ok(meta) = entry.metadata() else { continue };
+            if meta.uid() >= uid && meta.uid() < uid + agentvmd::image::sandbox::BUILD_UIDS {
+                found.push(entry.path());
+            }
+            if meta.is_dir() && depth < 1 {
+                stack.push((entry.path(), depth + 1));
+            }
+        }
+    }
+    found
 }

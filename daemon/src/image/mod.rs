@@ -7,9 +7,11 @@ pub mod cpio;
 pub mod elf;
 pub mod oci;
 pub mod oci_layout;
+pub mod sandbox;
 pub mod tree;
 
 use std::collections::BTreeMap;
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 
 use agentvm_guest::image::{IMAGE_CONFIG_PATH, ImageConfig, ImageConfigError, WorkspaceFs};
@@ -65,6 +67,9 @@ pub struct BuildInputs {
     pub agent: Option<PathBuf>,
     /// A container image to use as the root filesystem (`--oci`), where `[build]` names none.
     pub oci: Option<PathBuf>,
+    /// Where the container image's bytes are handled: `None` in this process (a build as
+    /// an ordinary user already is unprivileged).
+    pub sandbox: Option<sandbox::Sandbox>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -115,14 +120,50 @@ fn seeded_uuid(seed: &[u8], salt: &str) -> String {
 /// mkfs.erofs), with fixed timestamps and a UUID from `seed`: the same image gives the same
 /// bytes. Uncompressed, so a cold read is one read, and the host's page cache holds each
 /// block once for every VM of the image.
-fn make_erofs(tree: &Path, path: &Path, seed: &[u8]) -> Result<FileDigest, ImageError> {
+fn make_erofs(
+    tree: &Path,
+    path: &Path,
+    seed: &[u8],
+    sandboxed: Option<(&sandbox::Sandbox, &Path)>,
+) -> Result<FileDigest, ImageError> {
     let _ = std::fs::remove_file(path);
-    let mut mkfs = std::process::Command::new("mkfs.erofs");
-    mkfs.arg("-T0")
-        .arg(format!("-U{}", seeded_uuid(seed, "rootfs")))
-        .arg(path)
-        .arg(tree);
-    run_tool(mkfs, "build.oci", "erofs-utils", path)?;
+    let uuid = format!("-U{}", seeded_uuid(seed, "rootfs"));
+    match sandboxed {
+        None => {
+            let mut mkfs = std::process::Command::new("mkfs.erofs");
+            mkfs.arg("-T0").arg(&uuid).arg(path).arg(tree);
+            run_tool(mkfs, "build.oci", "erofs-utils", path)?;
+        }
+        // mkfs.erofs reads the tree as its owners mean it, in the namespace, and writes into
+        // the scratch directory; the bundle's file is this process's own copy.
+        Some((sandbox, scratch)) => {
+            const MADE: &str = "rootfs.erofs";
+            let tree_name = tree.strip_prefix(scratch).map_err(|_| {
+                invalid(
+                    "build.oci",
+                    format!("{} is not in {}", tree.display(), scratch.display()),
+                )
+            })?;
+            let args = [
+                OsStr::new("-T0"),
+                OsStr::new(&uuid),
+                OsStr::new(MADE),
+                tree_name.as_os_str(),
+            ];
+            sandbox.mkfs_erofs(scratch, &args)?;
+            let made = tree::Tree::open(scratch)
+                .and_then(|dir| dir.open_file(Path::new(MADE)))
+                .map_err(io_error(&scratch.join(MADE)))?;
+            let mut out = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(path)
+                .map_err(io_error(path))?;
+            std::io::copy(&mut std::io::BufReader::new(made), &mut out)
+                .and_then(|_| out.sync_all())
+                .map_err(io_error(path))?;
+        }
+    }
     paged_digest(path)
 }
 
@@ -175,7 +216,7 @@ fn paged_digest(path: &Path) -> Result<FileDigest, ImageError> {
 fn runs_image(
     config: &mut ImageConfig,
     run: &oci::RunConfig,
-    tree: &Path,
+    tree: &tree::Tree,
 ) -> Result<(), ImageError> {
     config.vm.rootfs = true;
     if config.harness.command.is_empty() {
@@ -210,9 +251,8 @@ fn runs_image(
             .filter(|dir| dir.starts_with('/'))
             .map(|dir| format!("{}/{program}", dir.trim_end_matches('/')))
             .find(|candidate| {
-                tree.join(candidate.trim_start_matches('/'))
-                    .symlink_metadata()
-                    .is_ok()
+                tree.kind(Path::new(candidate.trim_start_matches('/')))
+                    .is_ok_and(|kind| kind.is_some())
             })
             .ok_or_else(|| {
                 invalid(
@@ -233,12 +273,15 @@ fn runs_image(
     Ok(())
 }
 
+/// The most an image's /etc/passwd or /etc/group is read of.
+const MAX_ACCOUNTS_FILE: u64 = 4 << 20;
+
 /// A container image's `User` (`name`, `uid`, `name:group` or `uid:gid`) as numbers, names
 /// looked up in the image's own /etc/passwd and /etc/group.
-fn image_user(user: &str, tree: &Path) -> Result<(u32, u32), ImageError> {
+fn image_user(user: &str, tree: &tree::Tree) -> Result<(u32, u32), ImageError> {
     let lookup = |file: &str, name: &str| -> Option<(u32, u32)> {
-        std::fs::read_to_string(tree.join(file))
-            .ok()?
+        let bytes = tree.read(Path::new(file), MAX_ACCOUNTS_FILE).ok()?;
+        String::from_utf8_lossy(&bytes)
             .lines()
             .map(|line| line.split(':').collect::<Vec<_>>())
             .find(|fields| fields.first() == Some(&name))
@@ -272,21 +315,17 @@ fn image_user(user: &str, tree: &Path) -> Result<(u32, u32), ImageError> {
 
 /// The harness program must be in the container image's tree and executable (following
 /// symlinks inside the tree).
-fn check_program_in_tree(config: &ImageConfig, tree: &Path) -> Result<(), ImageError> {
-    use std::os::unix::fs::PermissionsExt;
+fn check_program_in_tree(config: &ImageConfig, tree: &tree::Tree) -> Result<(), ImageError> {
     let program = &config.harness.command[0];
     let (path, found) = resolve_program(program, |path| {
-        let at = tree.join(path);
-        match at.symlink_metadata() {
-            Err(_) => Found::Missing,
-            Ok(meta) if meta.file_type().is_symlink() => std::fs::read_link(&at)
-                .map_or(Found::Missing, |t| {
-                    Found::Link(t.to_string_lossy().into_owned())
-                }),
-            Ok(meta) if meta.is_file() && meta.permissions().mode() & 0o111 != 0 => {
-                Found::Executable
-            }
-            Ok(_) => Found::NotExecutable,
+        let at = Path::new(path);
+        match tree.stat(at) {
+            Err(_) | Ok(None) => Found::Missing,
+            Ok(Some((tree::Kind::Symlink, _))) => tree.read_link(at).map_or(Found::Missing, |t| {
+                Found::Link(t.to_string_lossy().into_owned())
+            }),
+            Ok(Some((tree::Kind::File, mode))) if mode & 0o111 != 0 => Found::Executable,
+            Ok(Some(_)) => Found::NotExecutable,
         }
     });
     let why = match found {
@@ -380,6 +419,10 @@ pub fn build(
         }
     };
     let scratch = tempfile::tempdir().map_err(io_error(Path::new("a scratch directory")))?;
+    let sandbox = inputs.sandbox.as_ref();
+    if let Some(sandbox) = sandbox {
+        sandbox.prepare(scratch.path())?;
+    }
     let rootfs = match build
         .oci
         .as_ref()
@@ -389,9 +432,18 @@ pub fn build(
         Some(source) => {
             let tree = scratch.path().join("rootfs");
             std::fs::create_dir(&tree).map_err(io_error(&tree))?;
-            let run = oci::unpack(&source, &tree, scratch.path())?;
-            runs_image(&mut config, &run, &tree)?;
-            Some(tree)
+            if sandbox.is_some() {
+                std::os::unix::fs::chown(
+                    &tree,
+                    Some(sandbox::BUILD_UID_BASE),
+                    Some(sandbox::BUILD_UID_BASE),
+                )
+                .map_err(io_error(&tree))?;
+            }
+            let run = oci::unpack_with(&source, &tree, scratch.path(), sandbox)?;
+            let unpacked = tree::Tree::open(&tree).map_err(io_error(&tree))?;
+            runs_image(&mut config, &run, &unpacked)?;
+            Some((tree, unpacked))
         }
         None if config.harness.command.is_empty() => {
             return Err(invalid(
@@ -510,7 +562,7 @@ pub fn build(
     }
     entries.sort_by(|a, b| a.path.cmp(&b.path));
     match &rootfs {
-        Some(tree) => check_program_in_tree(&config, tree)?,
+        Some((_, unpacked)) => check_program_in_tree(&config, unpacked)?,
         None => check_program(&config, &entries)?,
     }
 
@@ -534,8 +586,9 @@ pub fn build(
     }
     let rootfs_image = output.join(ROOTFS_FILE);
     match &rootfs {
-        Some(tree) => {
-            let made = make_erofs(tree, &rootfs_image, guest_toml.as_bytes())?;
+        Some((tree, _)) => {
+            let sandboxed = sandbox.map(|s| (s, scratch.path()));
+            let made = make_erofs(tree, &rootfs_image, guest_toml.as_bytes(), sandboxed)?;
             files.insert(ROOTFS_FILE.to_owned(), made);
         }
         None if rootfs_image.exists() => {

@@ -17,6 +17,7 @@ use std::path::{Component, Path, PathBuf};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
+use super::sandbox::Sandbox;
 use super::tree::{Meta, Tree};
 use super::{ImageError, invalid, io_error};
 
@@ -25,6 +26,9 @@ const MAX_METADATA: u64 = 4 << 20;
 /// The most an image may unpack to, all layers together (a layer is a compressed stream: a
 /// small blob can declare files of any size).
 pub const MAX_UNPACKED: u64 = 64 << 30;
+
+/// Where an image archive's contents go in the scratch directory while they are read.
+const ARCHIVE_DIR: &str = "archive";
 
 /// What an image's config says it runs.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -108,12 +112,30 @@ struct ContainerConfig {
 /// Unpacks the image at `source` into `root` (an empty directory) and returns its config.
 /// `scratch` holds an archive's extracted layout while it is read.
 pub fn unpack(source: &Path, root: &Path, scratch: &Path) -> Result<RunConfig, ImageError> {
+    unpack_with(source, root, scratch, None)
+}
+
+/// [`unpack`], with what writes the image's own bytes (an archive's extraction, the layers)
+/// run by `sandbox` where one is given: this process then only reads (`root` must lie in
+/// `scratch`).
+pub fn unpack_with(
+    source: &Path,
+    root: &Path,
+    scratch: &Path,
+    sandbox: Option<&Sandbox>,
+) -> Result<RunConfig, ImageError> {
     let layout_dir = if source.is_dir() {
         source.to_owned()
     } else {
-        let dir = scratch.join("archive");
-        std::fs::create_dir_all(&dir).map_err(io_error(&dir))?;
-        extract_archive(source, &dir)?;
+        let dir = scratch.join(ARCHIVE_DIR);
+        match sandbox {
+            Some(sandbox) => sandbox.extract_archive(source, scratch, ARCHIVE_DIR)?,
+            None => {
+                std::fs::create_dir_all(&dir).map_err(io_error(&dir))?;
+                let file = File::open(source).map_err(io_error(source))?;
+                extract_archive(file, &source.display().to_string(), &dir)?;
+            }
+        }
         dir
     };
     let layout = Tree::open(&layout_dir).map_err(io_error(&layout_dir))?;
@@ -139,8 +161,7 @@ pub fn unpack(source: &Path, root: &Path, scratch: &Path) -> Result<RunConfig, I
     };
     let blob: ImageConfigBlob = serde_json::from_slice(&config)
         .map_err(|e| invalid("oci", format!("the image config is not JSON: {e}")))?;
-    let tree = Tree::open(root).map_err(io_error(root))?;
-    let mut budget = MAX_UNPACKED;
+    let mut files = Vec::with_capacity(layers.len());
     for layer in &layers {
         let file = layout
             .open_file(&layer.path)
@@ -148,7 +169,18 @@ pub fn unpack(source: &Path, root: &Path, scratch: &Path) -> Result<RunConfig, I
         if let Some(diff_id) = &layer.diff_id {
             check_diff_id(&file, diff_id, &layer.path)?;
         }
-        apply_layer(&file, &layer.path, &tree, &mut budget)?;
+        files.push((layer.path.clone(), file));
+    }
+    match sandbox {
+        Some(sandbox) => sandbox.apply_layers(scratch, root, &files)?,
+        None => {
+            let tree = Tree::open(root).map_err(io_error(root))?;
+            let mut budget = MAX_UNPACKED;
+            for (path, file) in &files {
+                let mut open = || layer_reader(file, path);
+                apply_layer(&mut open, path, &tree, &mut budget)?;
+            }
+        }
     }
     let c = blob.config.unwrap_or_default();
     Ok(RunConfig {
@@ -167,26 +199,25 @@ struct LayerFile {
     diff_id: Option<String>,
 }
 
-/// Extracts an image archive (an OCI layout or `docker save` output as a tar) into `dir`
-/// through a [`Tree`]: its symlinks are made as links (docker save links repeated layers)
-/// and never followed out of it, its devices are skipped.
-fn extract_archive(source: &Path, dir: &Path) -> Result<(), ImageError> {
-    let file = File::open(source).map_err(io_error(source))?;
+/// Extracts an image archive (an OCI layout or `docker save` output as a tar, `source`
+/// in messages) into `dir` through a [`Tree`]: its symlinks are made as links (docker save
+/// links repeated layers) and never followed out of it, its devices are skipped.
+pub(super) fn extract_archive(
+    archive: impl Read,
+    source: &str,
+    dir: &Path,
+) -> Result<(), ImageError> {
     let tree = Tree::open(dir).map_err(io_error(dir))?;
     let mut budget = MAX_UNPACKED;
-    let corrupt = |e: std::io::Error| invalid("oci", format!("{}: {e}", source.display()));
-    let mut archive = tar::Archive::new(BufReader::new(file));
+    let corrupt = |e: std::io::Error| invalid("oci", format!("{source}: {e}"));
+    let mut archive = tar::Archive::new(BufReader::new(archive));
     for entry in archive.entries().map_err(corrupt)? {
         let mut entry = entry.map_err(corrupt)?;
         let Some(rel) = entry_path(&entry).map_err(corrupt)? else {
             continue;
         };
-        write_entry(&tree, &mut entry, &rel, false, &mut budget).map_err(|e| {
-            invalid(
-                "oci",
-                format!("{}: entry {}: {e}", source.display(), rel.display()),
-            )
-        })?;
+        write_entry(&tree, &mut entry, &rel, false, &mut budget)
+            .map_err(|e| invalid("oci", format!("{source}: entry {}: {e}", rel.display())))?;
     }
     Ok(())
 }
@@ -363,7 +394,7 @@ fn check_digest(want: &str, got_hex: &str) -> Result<(), ImageError> {
 }
 
 /// A layer as a tar stream from its start: plain, gzip or zstd, told by its first bytes.
-fn layer_reader(file: &File, path: &Path) -> Result<Box<dyn Read>, ImageError> {
+pub(super) fn layer_reader(file: &File, path: &Path) -> Result<Box<dyn Read>, ImageError> {
     use std::io::{Seek, SeekFrom};
     let mut file = file.try_clone().map_err(io_error(path))?;
     file.seek(SeekFrom::Start(0)).map_err(io_error(path))?;
@@ -409,11 +440,17 @@ fn link_target<R: Read>(entry: &tar::Entry<'_, R>) -> std::io::Result<PathBuf> {
 
 /// Applies one layer over the tree: its whiteouts first (a `.wh.NAME` removes NAME from the
 /// layers below; `.wh..wh..opq` empties its directory of them), then its entries, writing
-/// at most `budget` bytes (what is left of it is returned there).
-fn apply_layer(file: &File, path: &Path, tree: &Tree, budget: &mut u64) -> Result<(), ImageError> {
+/// at most `budget` bytes (what is left of it is returned there). `open` gives the layer's
+/// tar stream from its start, once for each of the two passes.
+pub(super) fn apply_layer<'a>(
+    open: &mut dyn FnMut() -> Result<Box<dyn Read + 'a>, ImageError>,
+    path: &Path,
+    tree: &Tree,
+    budget: &mut u64,
+) -> Result<(), ImageError> {
     let corrupt = |e: std::io::Error| invalid("oci", format!("layer {}: {e}", path.display()));
     let mut removals: Vec<(PathBuf, bool)> = Vec::new();
-    let mut archive = tar::Archive::new(layer_reader(file, path)?);
+    let mut archive = tar::Archive::new(open()?);
     for entry in archive.entries().map_err(corrupt)? {
         let entry = entry.map_err(corrupt)?;
         let Some(rel) = entry_path(&entry).map_err(corrupt)? else {
@@ -436,9 +473,10 @@ fn apply_layer(file: &File, path: &Path, tree: &Tree, budget: &mut u64) -> Resul
         removed
             .map_err(|e| corrupt(std::io::Error::other(format!("{}: {e}", target.display()))))?;
     }
+    drop(archive);
     let owners = nix::unistd::geteuid().is_root();
     let mut skipped: BTreeMap<&'static str, u64> = BTreeMap::new();
-    let mut archive = tar::Archive::new(layer_reader(file, path)?);
+    let mut archive = tar::Archive::new(open()?);
     for entry in archive.entries().map_err(corrupt)? {
         let mut entry = entry.map_err(corrupt)?;
         let Some(rel) = entry_path(&entry).map_err(corrupt)? else {

@@ -10,6 +10,8 @@ pub enum LayerEntry<'a> {
     File(&'a str, u32, &'a [u8]),
     Dir(&'a str, u32),
     Symlink(&'a str, &'a str),
+    /// A regular file of this uid and gid (the others are root's).
+    Owned(&'a str, u32, u32, u32, &'a [u8]),
     /// A regular file whose name goes into the header as is, unchecked (a hostile layer's
     /// `../x`): at most 100 bytes.
     RawName(&'a [u8], &'a [u8]),
@@ -26,6 +28,14 @@ pub fn layer(entries: &[LayerEntry<'_>]) -> std::io::Result<Vec<u8>> {
         match entry {
             LayerEntry::File(path, mode, bytes) => {
                 header.set_entry_type(tar::EntryType::Regular);
+                header.set_mode(*mode);
+                header.set_size(bytes.len() as u64);
+                builder.append_data(&mut header, path, *bytes)?;
+            }
+            LayerEntry::Owned(path, uid, gid, mode, bytes) => {
+                header.set_entry_type(tar::EntryType::Regular);
+                header.set_uid(u64::from(*uid));
+                header.set_gid(u64::from(*gid));
                 header.set_mode(*mode);
                 header.set_size(bytes.len() as u64);
                 builder.append_data(&mut header, path, *bytes)?;

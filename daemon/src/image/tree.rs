@@ -138,16 +138,29 @@ impl Tree {
 
     /// What is at `rel` (not following a symlink there); `None` if nothing is.
     pub fn kind(&self, rel: &Path) -> io::Result<Option<Kind>> {
+        Ok(self.stat(rel)?.map(|(kind, _)| kind))
+    }
+
+    /// What is at `rel` and its permission bits (not following a symlink there); `None` if
+    /// nothing is.
+    pub fn stat(&self, rel: &Path) -> io::Result<Option<(Kind, u32)>> {
         let (dir, name) = match self.parent(rel) {
             Ok(found) => found,
             Err(e) if missing(&e) => return Ok(None),
             Err(e) => return Err(e),
         };
         match rustix::fs::statat(&dir, name, AtFlags::SYMLINK_NOFOLLOW) {
-            Ok(st) => Ok(Some(Kind::of(st.st_mode))),
+            Ok(st) => Ok(Some((Kind::of(st.st_mode), st.st_mode & 0o7777))),
             Err(rustix::io::Errno::NOENT) => Ok(None),
             Err(e) => Err(errno(e)),
         }
+    }
+
+    /// The target of the symlink at `rel`, as written (never resolved).
+    pub fn read_link(&self, rel: &Path) -> io::Result<PathBuf> {
+        let (dir, name) = self.parent(rel)?;
+        let target = rustix::fs::readlinkat(&dir, name, Vec::new()).map_err(errno)?;
+        Ok(PathBuf::from(OsStr::from_bytes(target.as_bytes())))
     }
 
     /// Removes whatever is at `rel` (a directory with everything in it); nothing there is

@@ -5,6 +5,8 @@
 //! - [`clone_and_exec`] starts a (jailed) child with clone(CLONE_VM) and runs its [`Step`]s between
 //!   clone and exec: code there may not allocate, so it makes raw calls on memory prepared
 //!   before the clone.
+//! - [`spawn_in_user_namespace`] starts a program as root of a user namespace of its own,
+//!   which takes a hook between fork and exec and a thread to write the id maps.
 //! - [`pidfd_open`], [`pidfd_send_signal`], [`dup_above`] and [`die_with_parent`] have no wrapper in `nix`, and
 //!   tokio registers a descriptor with its reactor only on the caller's word
 //!   ([`watch_fd`]).
@@ -12,6 +14,7 @@
 #![allow(unsafe_code)]
 
 mod step;
+mod userns;
 
 use std::ffi::CString;
 use std::io;
@@ -24,6 +27,7 @@ use nix::unistd::Pid;
 
 use self::step::last_errno;
 pub use self::step::{Step, cpath, cstring};
+pub use self::userns::{IdMap, spawn_in_user_namespace};
 
 /// A descriptor on process `pid` (pidfd_open(2)), which polls readable once it exits.
 pub fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {

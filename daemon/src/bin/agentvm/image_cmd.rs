@@ -24,6 +24,36 @@ pub fn write_testguest(output: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A root build handles the container image as an unprivileged uid (`image unpack`, this
+/// binary), unless told not to; a build as anyone else already is unprivileged.
+pub fn sandbox(refused: bool) -> anyhow::Result<Option<agentvmd::image::sandbox::Sandbox>> {
+    if refused || !nix::unistd::geteuid().is_root() {
+        return Ok(None);
+    }
+    let helper = std::env::current_exe().context("finding this binary to run `image unpack`")?;
+    Ok(Some(agentvmd::image::sandbox::Sandbox::new(helper)))
+}
+
+/// `agentvm image unpack`: the namespace's side of a root build. What went wrong goes to
+/// standard error as the image's error, alone, for the build to report.
+pub fn unpack(job: &str, dir: &Path, label: &str, budget: Option<u64>) -> std::process::ExitCode {
+    use agentvmd::image::sandbox::{Job, serve};
+    let Some(job) = Job::parse(job) else {
+        eprintln!("oci: no unpack job {job:?}");
+        return std::process::ExitCode::from(2);
+    };
+    match serve(job, dir, label, budget) {
+        Ok(out) => {
+            print!("{out}");
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::ExitCode::from(2)
+        }
+    }
+}
+
 pub fn build(
     config: &Path,
     output: &Path,

@@ -143,6 +143,20 @@ enum ImageCommand {
         /// Entrypoint and Cmd are the harness unless image.toml gives harness.command.
         #[arg(long, value_name = "DIR|ARCHIVE")]
         oci: Option<PathBuf>,
+        /// As root, handle the container image in this process with root's rights, not as
+        /// an unprivileged uid in a user namespace of its own (for hosts where user
+        /// namespaces are off).
+        #[arg(long)]
+        no_sandbox: bool,
+    },
+    /// What a root build runs in its user namespace: one job on standard input, in the
+    /// current directory (docs/security.md, row O1).
+    #[command(hide = true)]
+    Unpack {
+        job: String,
+        dir: PathBuf,
+        label: String,
+        budget: Option<u64>,
     },
 }
 
@@ -315,15 +329,23 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
             kernel,
             agent,
             oci,
+            no_sandbox,
         }) => {
             let inputs = agentvmd::image::BuildInputs {
                 kernel: kernel.clone(),
                 agent: agent.clone(),
                 oci: oci.clone(),
+                sandbox: image_cmd::sandbox(*no_sandbox)?,
             };
             image_cmd::build(config, output, inputs, cli.json)?;
             Ok(ExitCode::SUCCESS)
         }
+        Command::Image(ImageCommand::Unpack {
+            job,
+            dir,
+            label,
+            budget,
+        }) => Ok(image_cmd::unpack(job, dir, label, *budget)),
         Command::Image(ImageCommand::Testguest { output }) => {
             image_cmd::write_testguest(output)?;
             Ok(ExitCode::SUCCESS)

@@ -128,6 +128,15 @@ impl Confinement {
                 "vm_uid_base {uid_base} leaves no room for {VM_UIDS} unprivileged uids"
             ));
         }
+        let builds = crate::image::sandbox::BUILD_UID_BASE
+            ..crate::image::sandbox::BUILD_UID_BASE + crate::image::sandbox::BUILD_UIDS;
+        if uid_base < builds.end && builds.start < uid_base + VM_UIDS {
+            return Err(format!(
+                "vm_uid_base {uid_base}: its {VM_UIDS} uids overlap those image builds run \
+                 as ({}..{})",
+                builds.start, builds.end
+            ));
+        }
         let staging = config.run_dir.join(JAIL_STAGING);
         create(&staging)?;
         this.jail = Some(JailBase {
