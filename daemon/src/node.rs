@@ -75,6 +75,10 @@ pub struct NodeConfig {
     pub vm_uid_base: u32,
     /// How many jailed VMMs wait, started, for the next VM (`MicrovmConfig::vmm_pool`).
     pub vmm_pool: usize,
+    /// New microVM sessions start from their image's template (`MicrovmConfig::templates`).
+    pub templates: bool,
+    /// Make every image's template at start, not at its first session.
+    pub warm_templates: bool,
     /// Each VMM's memory limit; default: the largest guest plus 128 MiB.
     pub vmm_memory_limit_mib: Option<u64>,
     /// How long a new or restored guest may take to answer Ready on vsock.
@@ -128,6 +132,8 @@ impl NodeConfig {
             confine_vmms: true,
             vm_uid_base: crate::runtime::microvm::DEFAULT_VM_UID_BASE,
             vmm_pool: crate::runtime::microvm::DEFAULT_VMM_POOL,
+            templates: true,
+            warm_templates: false,
             vmm_memory_limit_mib: None,
             guest_ready_timeout: DEFAULT_GUEST_READY_TIMEOUT,
             guest_reply_timeout: DEFAULT_GUEST_REPLY_TIMEOUT,
@@ -235,6 +241,7 @@ fn microvm_runtime(cfg: &NodeConfig) -> Result<MicrovmRuntime, String> {
         memory_limit_mib: cfg.vmm_memory_limit_mib,
         snapshot_remote: cfg.snapshot_remote.clone(),
         min_free_disk_bytes: cfg.min_free_disk_mib.saturating_mul(1 << 20),
+        templates: cfg.templates,
     })
 }
 

@@ -145,6 +145,15 @@ pub struct Settings {
     /// as harnesses it cannot run and refuses their sessions, naming why.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub pvm_guest_kernels: Option<bool>,
+    /// New microVM sessions start from their image's template (its booted, ready VM,
+    /// restored copy-on-write) instead of booting it; `false` boots every session.
+    /// Default: true.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub templates: Option<bool>,
+    /// Make every image's template when the daemon starts (in the background), not when
+    /// its first session needs it. Default: false.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub warm_templates: Option<bool>,
     /// The first of 65536 uids (and gids) given to VMMs, one each, so no two VMs share one:
     /// pick a range no other user or container of the node has. Default: 1879048192
     /// (0x70000000).
@@ -281,6 +290,8 @@ impl Settings {
             ram_dir,
             image_dir,
             pvm_guest_kernels,
+            templates,
+            warm_templates,
             vm_uid_base,
             vmm_pool,
             openai_base_url,
@@ -363,6 +374,8 @@ impl Settings {
             "pvm_guest_kernels",
             toml::Value::Boolean(node.pvm_guest_kernels),
         );
+        set("templates", toml::Value::Boolean(node.templates));
+        set("warm_templates", toml::Value::Boolean(node.warm_templates));
         set("vm_uid_base", secs(u64::from(node.vm_uid_base)));
         set("vmm_pool", secs(node.vmm_pool as u64));
         set(

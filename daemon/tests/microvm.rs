@@ -40,6 +40,9 @@ async fn microvm_node() -> TestNode {
     .await
 }
 
+/// How a template's snapshot id starts (`runtime::microvm::templates::ID_PREFIX`).
+const TEMPLATE: &str = agentvmd::runtime::microvm::templates::ID_PREFIX;
+
 fn uid(s: &Session) -> String {
     s.metadata.as_ref().unwrap().uid.clone()
 }
@@ -268,6 +271,7 @@ fn runtime_config(
         snapshot_remote: None,
         min_free_disk_bytes: 0,
         vmm_pool: 0,
+        templates: true,
     }
 }
 
@@ -740,7 +744,7 @@ async fn a_fork_child_whose_vmm_dies_continues_from_the_fork_snapshot() {
         .unwrap()
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| !n.starts_with('.'))
+        .filter(|n| !n.starts_with('.') && !n.starts_with(TEMPLATE))
         .collect();
     assert!(snapshots.is_empty(), "left: {snapshots:?}");
 }
@@ -1057,6 +1061,7 @@ async fn scenario_73_and_74_stateless_sessions_on_microvms_replay_suspend_and_re
         .unwrap()
         .filter_map(|e| e.ok())
         .filter(|e| e.file_name() != ".refs")
+        .filter(|e| !e.file_name().to_string_lossy().starts_with(TEMPLATE))
         .count();
     assert_eq!(
         snapshots, 0,
@@ -1139,11 +1144,17 @@ async fn scenario_73_and_74_stateless_sessions_on_microvms_replay_suspend_and_re
 
 /// A node with the microvm runtime serving the bundles in `images`.
 async fn bundle_node(images: PathBuf) -> TestNode {
+    bundle_node_with(images, true).await
+}
+
+/// As [`bundle_node`]; without `templates`, every session boots its image.
+async fn bundle_node_with(images: PathBuf, templates: bool) -> TestNode {
     let binary = vmm_binary();
     start_with(move |cfg| {
         cfg.vmm_binary = Some(binary);
         cfg.image_dir = Some(images);
         cfg.ram_dir = std::env::temp_dir();
+        cfg.templates = templates;
     })
     .await
 }
@@ -1432,7 +1443,9 @@ async fn an_ext4_workspace_starts_as_the_image_s_template() {
     let dir = tempfile::tempdir().unwrap();
     let images = dir.path().join("images");
     let bundle = testguest_bundle_with(&images, "tg-ext4", "workspace_mib = 8");
-    let node = bundle_node(images).await;
+    // Booted: a session from a template starts with an empty layer over the template's copy
+    // (templates.rs's test shows that path).
+    let node = bundle_node_with(images, false).await;
     let mut c = node.c();
     let s = create_for(&mut c, "tg-ext4").await;
     assert_eq!(turn(&mut c, &s).await, "1");
@@ -1634,7 +1647,20 @@ async fn vmms_run_confined() {
     let seen = |host: &std::path::Path| root.join(host.strip_prefix("/").unwrap());
     let state = node.dir.join("state");
     assert!(seen(&vm_dir(&node, &s).join("api.sock")).exists());
-    assert!(seen(&state.join("images/testguest.elf")).is_file());
+    // What it started from: its image's template (read-only), or the kernel it booted.
+    match std::fs::read_dir(state.join("snapshots"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with(TEMPLATE)
+        }) {
+        Some(template) => assert!(seen(&template).is_dir(), "{}", template.display()),
+        None => assert!(seen(&state.join("images/testguest.elf")).is_file()),
+    }
     assert!(
         !seen(&vm_dir(&node, &other)).exists(),
         "another VM's directory is visible"

@@ -144,6 +144,10 @@ pub struct VmConfig {
     /// agent mounts it and switches into it before the harness starts. Set by the builder.
     #[serde(default)]
     pub rootfs: bool,
+    /// Every session boots the image: the node makes no template of it (for an image whose
+    /// boot must happen per session, such as one that draws secrets at start).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub cold_boot: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -205,6 +209,7 @@ impl Default for VmConfig {
             workspace_fs: WorkspaceFs::default(),
             workspace_mount: default_workspace_mount(),
             rootfs: false,
+            cold_boot: false,
         }
     }
 }

@@ -117,6 +117,12 @@ fn node_config(s: &Settings) -> anyhow::Result<(NodeConfig, ListenAddr, ListenAd
     if let Some(size) = s.vmm_pool {
         node_config.vmm_pool = size;
     }
+    if let Some(on) = s.templates {
+        node_config.templates = on;
+    }
+    if let Some(on) = s.warm_templates {
+        node_config.warm_templates = on;
+    }
     if let Some(mib) = s.min_free_disk_mib {
         node_config.min_free_disk_mib = mib;
     }
@@ -309,6 +315,7 @@ fn run(s: Settings) -> anyhow::Result<()> {
                 .max(1),
         )
     });
+    let warm_templates = node_config.warm_templates;
     let node = Node::open(node_config)?;
     info!(state_dir = %state_dir.display(), "journal open");
     let advertise = s
@@ -374,12 +381,12 @@ fn run(s: Settings) -> anyhow::Result<()> {
         };
         let api_bound = server::bind(&listen, 0o660).await?;
         let admin_bound = server::bind(&admin_listen, 0o600).await?;
-        let api = server::serve_bound_tls(
-            api_bound,
-            server::node_routes(&node).await?,
-            tls,
-            stopped(stop_rx.clone()),
-        );
+        // Built after recovery (which reaps VMMs of no session): templates start after it.
+        let api_routes = server::node_routes(&node).await?;
+        if let (true, Some(microvm)) = (warm_templates, node.microvm.clone()) {
+            tokio::spawn(async move { microvm.warm_all().await });
+        }
+        let api = server::serve_bound_tls(api_bound, api_routes, tls, stopped(stop_rx.clone()));
         let admin = server::serve_bound(
             admin_bound,
             server::admin_routes(node.registry.clone()),

@@ -134,6 +134,7 @@ fn load_one(dir: &Path, reserved: &[&str]) -> Result<GuestImage, String> {
         rootfs,
         network: image_network(&config.network)?,
         linux_kernel,
+        cold_boot: config.vm.cold_boot,
     })
 }
 

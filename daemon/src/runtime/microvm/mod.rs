@@ -23,6 +23,7 @@ pub mod network;
 mod pool;
 pub mod remote;
 mod stall;
+pub mod templates;
 pub mod vmm_process;
 
 use std::path::{Path, PathBuf};
@@ -88,6 +89,8 @@ pub struct GuestImage {
     pub network: Option<network::ImageNetwork>,
     /// Its kernel is Linux (a PVM host boots it only if it is a PVM guest kernel).
     pub linux_kernel: bool,
+    /// `[vm] cold_boot`: every session boots the image; it has no template.
+    pub cold_boot: bool,
 }
 
 /// What the runtime needs from the node.
@@ -127,6 +130,9 @@ pub struct MicrovmConfig {
     /// How many jailed VMMs wait, started, for the next create, resume or fork child
     /// (`pool.rs`); 0 starts each when it is needed. Confined agentvm-vmm VMMs only.
     pub vmm_pool: usize,
+    /// New sessions start from their image's template (`templates.rs`) where it can serve
+    /// them; `false` boots every one.
+    pub templates: bool,
 }
 
 /// The default `vmm_pool`: none. On a 2-core host a claim (showing the jail its files,
@@ -164,6 +170,9 @@ pub struct MicrovmRuntime {
     /// restore the same snapshot at once, and it is fetched once.
     fetching: tokio::sync::Mutex<()>,
     networks: network::Networks,
+    templates: templates::Templates,
+    /// The host CPU as a template's key names it.
+    cpu: String,
 }
 
 /// The limits every VMM of this runtime runs under.
@@ -313,6 +322,8 @@ impl MicrovmRuntime {
             retiring: Default::default(),
             fetching: Default::default(),
             networks: Default::default(),
+            templates: Default::default(),
+            cpu: templates::host_cpu(),
         })
     }
 
@@ -572,6 +583,51 @@ impl MicrovmRuntime {
         }
     }
 
+    /// Boots a VM of `image` for `spec` and waits until its guest agent is ready.
+    async fn boot(&self, spec: &SessionSpec, image: &GuestImage) -> Result<Incarnation> {
+        let session = &spec.session_uid;
+        let network = Self::session_network(Some(image), spec).map_err(|e| failed(session, e))?;
+        let started = std::time::Instant::now();
+        let files = [
+            Some(image.kernel.clone()),
+            image.initramfs.clone(),
+            image.rootfs.clone(),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        let inc = self
+            .start(session, files, |dir, confined| async move {
+                let slot = self.attach_network(session, &dir, network.as_ref()).await?;
+                let config = self.vm_config(spec, image, &dir, network.as_ref().zip(slot.as_ref()));
+                if image.workspace_mib > 0 {
+                    vmm_process::new_disk(
+                        &dir,
+                        &dir.workspace(),
+                        image.workspace_mib << 20,
+                        image.workspace_template.as_deref(),
+                    )?;
+                }
+                let client = dir.client();
+                client
+                    .create(&config)
+                    .await
+                    .map_err(|e| format!("vm.create: {e}"))?;
+                vmm_process::write_vmm_file(&dir.harness_file(), spec.harness.as_bytes())?;
+                confined.wait().await?;
+                client.boot().await.map_err(|e| format!("vm.boot: {e}"))?;
+                let (conn, _) =
+                    GuestConn::ready(&dir.vsock(), self.config.guest_timeouts, &dir.liveness())
+                        .await
+                        .map_err(|e| format!("the guest never became ready: {e}"))?;
+                self.keep_ready_conn(session, conn);
+                Ok(())
+            })
+            .await?;
+        crate::metrics::global().vmm_boot.observe(started.elapsed());
+        Ok(inc)
+    }
+
     /// Spawns a VMM for `session`, able to read `files` (when jailed, nothing else of the
     /// host's), and runs `start` against it; on any failure the VMM and its directory are
     /// removed, so a failed start leaves nothing behind.
@@ -696,7 +752,7 @@ impl MicrovmRuntime {
         &self,
         snapshot: &SnapshotRef,
         spec: &SessionSpec,
-        kind: RestoredKind,
+        start: templates::StartPath,
     ) -> Result<Incarnation> {
         let session = spec.session_uid.as_str();
         let network = Self::session_network(self.image(&spec.harness), spec)
@@ -749,11 +805,19 @@ impl MicrovmRuntime {
                         .await
                         .map_err(|e| format!("the restored guest did not answer: {e}"))?;
                 let t_ready = t0.elapsed();
+                // A session from a template is a fork of the template's VM, as the guest sees it.
+                let kind = match start {
+                    templates::StartPath::Restore => RestoredKind::Restored,
+                    _ => RestoredKind::Forked,
+                };
                 let mut notice = restored_notice(session, kind, ready.restore_generation + 1);
                 notice.network = slot.map(|s| s.guest_network());
                 conn.restored(notice)
                     .await
                     .map_err(|e| format!("the restored guest did not take its notice: {e}"))?;
+                // What the VM serves decides how it is suspended (a stateless harness's VM
+                // is stopped, not saved), whatever it was restored from.
+                vmm_process::write_vmm_file(&dir.harness_file(), spec.harness.as_bytes())?;
                 tracing::debug!(
                     session,
                     restore_ms = t_restore.as_secs_f64() * 1e3,
@@ -777,6 +841,7 @@ impl MicrovmRuntime {
         crate::metrics::global()
             .vmm_restore
             .observe(started.elapsed());
+        self.templates.record_start(session, start);
         Ok(inc)
     }
 
@@ -885,6 +950,7 @@ impl MicrovmRuntime {
     /// same name exists.
     async fn stop_vmm(&self, session: &str, dir: &VmmDir) {
         self.retired(session).await;
+        self.templates.forget_start(session);
         self.take_ready_conn(session);
         self.networks.detach(session);
         vmm_process::stop(dir, &self.exits).await;
@@ -899,6 +965,7 @@ impl MicrovmRuntime {
     /// the files, so whoever finds the directory can still tell what is left.
     async fn retire_vmm(&self, session: &str, dir: &VmmDir) {
         self.retired(session).await;
+        self.templates.forget_start(session);
         self.take_ready_conn(session);
         self.networks.detach(session);
         let stopping = vmm_process::ask_stop(dir, &self.exits).await;
@@ -1171,46 +1238,24 @@ impl Runtime for MicrovmRuntime {
                 )
             })?
             .to_owned();
-        let network = Self::session_network(Some(&image), spec).map_err(|e| failed(session, e))?;
-        let started = std::time::Instant::now();
-        let files = [
-            Some(image.kernel.clone()),
-            image.initramfs.clone(),
-            image.rootfs.clone(),
-        ]
-        .into_iter()
-        .flatten()
-        .collect();
-        let inc = self
-            .start(session, files, |dir, confined| async move {
-                let slot = self.attach_network(session, &dir, network.as_ref()).await?;
-                let config =
-                    self.vm_config(spec, &image, &dir, network.as_ref().zip(slot.as_ref()));
-                if image.workspace_mib > 0 {
-                    vmm_process::new_disk(
-                        &dir,
-                        &dir.workspace(),
-                        image.workspace_mib << 20,
-                        image.workspace_template.as_deref(),
-                    )?;
+        // A session's own network settings are judged before anything starts.
+        Self::session_network(Some(&image), spec).map_err(|e| failed(session, e))?;
+        if let Some((key, template)) = self.template_for(session, &image).await? {
+            match self
+                .restore_as(&template, spec, templates::StartPath::Template)
+                .await
+            {
+                Ok(inc) => return Ok(inc),
+                Err(e) => {
+                    tracing::warn!(session, template = %key.id, error = %e,
+                        "the session could not start from its image's template: it boots");
+                    self.templates.mark_failed(&key.id);
                 }
-                let client = dir.client();
-                client
-                    .create(&config)
-                    .await
-                    .map_err(|e| format!("vm.create: {e}"))?;
-                vmm_process::write_vmm_file(&dir.harness_file(), spec.harness.as_bytes())?;
-                confined.wait().await?;
-                client.boot().await.map_err(|e| format!("vm.boot: {e}"))?;
-                let (conn, _) =
-                    GuestConn::ready(&dir.vsock(), self.config.guest_timeouts, &dir.liveness())
-                        .await
-                        .map_err(|e| format!("the guest never became ready: {e}"))?;
-                self.keep_ready_conn(session, conn);
-                Ok(())
-            })
-            .await?;
-        crate::metrics::global().vmm_boot.observe(started.elapsed());
+            }
+        }
+        let inc = self.boot(spec, &image).await?;
+        self.templates
+            .record_start(session, templates::StartPath::Boot);
         Ok(inc)
     }
 
@@ -1357,7 +1402,7 @@ impl Runtime for MicrovmRuntime {
     }
 
     async fn restore(&self, snapshot: &SnapshotRef, spec: &SessionSpec) -> Result<Incarnation> {
-        self.restore_as(snapshot, spec, RestoredKind::Restored)
+        self.restore_as(snapshot, spec, templates::StartPath::Restore)
             .await
     }
 
@@ -1366,7 +1411,7 @@ impl Runtime for MicrovmRuntime {
             // A replay fork: the child's first turn boots its own VM and is replayed into.
             return Ok(None);
         }
-        self.restore_as(snapshot, &opts.spec, RestoredKind::Forked)
+        self.restore_as(snapshot, &opts.spec, templates::StartPath::Fork)
             .await
             .map(Some)
     }
@@ -1530,6 +1575,7 @@ impl Runtime for MicrovmRuntime {
             }
         }
         self.reconcile_snapshots(owned);
+        self.sweep_templates();
         if let Some(pool) = &self.pool {
             pool.fill();
         }
@@ -1580,6 +1626,7 @@ impl Runtime for MicrovmRuntime {
         for id in kept {
             tracing::debug!(snapshot = %id, "sweep: a gone session's snapshot is still in use here");
         }
+        self.sweep_templates();
         if let Some(remote) = &self.config.snapshot_remote {
             match remote
                 .sweep(|archive, at| unwanted(archive.session(), at))
