@@ -2316,3 +2316,140 @@ async fn superseded_snapshots_are_reclaimed_and_what_a_child_needs_stays() {
     assert_eq!(turn(&mut c, &s).await, "31");
     verify_chain(&replay(&mut c, &s).await).unwrap();
 }
+
+/// The node's status, as an operator reads it.
+async fn node_status(node: &TestNode) -> agentvm_proto::node::v1::NodeStatus {
+    agentvm_proto::node::v1::node_client::NodeClient::new(node.channel().await)
+        .get_status(agentvm_proto::node::v1::GetStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+/// Issue 36: every session of an image starts from its template, the image's VM booted
+/// once and saved; each is still its own VM (own counter, own Restored notice, own disk).
+/// A changed key part (here the VMM binary) makes a new template, and the old one goes once
+/// no session maps it; `cold_boot = true` boots; `image warm` makes one ahead of time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_session_starts_from_its_image_s_template() {
+    require_kvm!();
+    let dir = tempfile::tempdir().unwrap();
+    let images = dir.path().join("images");
+    testguest_bundle_with(&images, "tg-disk", "workspace_mib = 8");
+    testguest_bundle_with(&images, "tg-cold", "cold_boot = true");
+    let node = bundle_node(images.clone()).await;
+    let mut c = node.c();
+    let a = create(&mut c).await;
+    let b = create(&mut c).await;
+    assert_eq!(turn(&mut c, &a).await, "1");
+    assert_eq!(turn(&mut c, &a).await, "2");
+    assert_eq!(turn(&mut c, &b).await, "1", "b is not a's VM");
+    let status = node_status(&node).await;
+    assert_eq!(
+        status.vm_starts.get(&a).map(String::as_str),
+        Some("template")
+    );
+    assert_eq!(
+        status.vm_starts.get(&b).map(String::as_str),
+        Some("template")
+    );
+    let testguest: Vec<_> = status
+        .templates
+        .iter()
+        .filter(|t| t.harness == "testguest")
+        .collect();
+    assert_eq!(testguest.len(), 1, "one template: {:?}", status.templates);
+    let first = testguest[0].clone();
+    assert!(first.current && first.sessions == 2, "{first:?}");
+    assert!(first.id.starts_with(TEMPLATE), "{first:?}");
+    // Each VM was told who it is after its restore, before its first turn.
+    for s in [&a, &b] {
+        let serial = std::fs::read_to_string(vm_dir(&node, s).join("serial.log")).unwrap();
+        assert!(
+            serial.contains(agentvm_testguest::markers::RESTORED),
+            "{s}: {serial}"
+        );
+    }
+    // A disk image: each session's disk is its own layer over the template's copy.
+    let d1 = create_for(&mut c, "tg-disk").await;
+    let d2 = create_for(&mut c, "tg-disk").await;
+    assert_eq!(turn(&mut c, &d1).await, "1");
+    assert_eq!(turn(&mut c, &d2).await, "1");
+    assert_ne!(
+        std::fs::canonicalize(vm_dir(&node, &d1).join("workspace.img")).unwrap(),
+        std::fs::canonicalize(vm_dir(&node, &d2).join("workspace.img")).unwrap()
+    );
+    // cold_boot: booted, and no template made for it.
+    let cold = create_for(&mut c, "tg-cold").await;
+    assert_eq!(turn(&mut c, &cold).await, "1");
+    let status = node_status(&node).await;
+    assert_eq!(
+        status.vm_starts.get(&cold).map(String::as_str),
+        Some("boot")
+    );
+    assert!(
+        !status.templates.iter().any(|t| t.harness == "tg-cold"),
+        "{:?}",
+        status.templates
+    );
+    // Warming: made once, there the second time; a cold_boot image or an unknown one refused.
+    let mut nodes = agentvm_proto::node::v1::node_client::NodeClient::new(node.channel().await);
+    let warm = |harness: &str| agentvm_proto::node::v1::WarmImageRequest {
+        harness: harness.into(),
+    };
+    let refused = nodes.warm_image(warm("no-such-image")).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::NotFound, "{refused:?}");
+    let refused = nodes.warm_image(warm("tg-cold")).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+    assert!(refused.message().contains("cold_boot"), "{refused:?}");
+    let again = nodes
+        .warm_image(warm("testguest"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!again.made && again.template == first.id, "{again:?}");
+    let made = nodes
+        .warm_image(warm("testguest-echo"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(made.made, "{made:?}");
+
+    // Another VMM binary (the same program with bytes after it): another template.
+    let upgraded = dir.path().join("agentvm-vmm-upgraded");
+    let mut bytes = std::fs::read(vmm_binary()).unwrap();
+    bytes.extend_from_slice(b"\0upgraded");
+    std::fs::write(&upgraded, bytes).unwrap();
+    std::fs::set_permissions(
+        &upgraded,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    for s in [&a, &b, &d1, &d2, &cold] {
+        c.delete_session(agentvm_proto::v1::DeleteSessionRequest { uid: s.clone() })
+            .await
+            .unwrap();
+    }
+    let node = node
+        .restart(move |cfg| {
+            cfg.vmm_binary = Some(upgraded);
+            cfg.image_dir = Some(images);
+            cfg.ram_dir = std::env::temp_dir();
+        })
+        .await;
+    let mut c = node.c();
+    let s = create(&mut c).await;
+    assert_eq!(turn(&mut c, &s).await, "1");
+    let status = node_status(&node).await;
+    let now: Vec<_> = status
+        .templates
+        .iter()
+        .filter(|t| t.harness == "testguest")
+        .collect();
+    assert_eq!(now.len(), 1, "{:?}", status.templates);
+    assert_ne!(now[0].id, first.id, "a new VMM makes a new template");
+    assert!(
+        !node.dir.join("state/snapshots").join(&first.id).exists(),
+        "the old template went with its sessions"
+    );
+}

@@ -5,7 +5,8 @@ use std::sync::Arc;
 use agentvm_proto::node::v1::node_server::{Node as NodeApi, NodeServer};
 use agentvm_proto::node::v1::{
     DrainRequest, DrainResponse, FleetNode, GetStatusRequest, ListNodesRequest, ListNodesResponse,
-    ListProjectsRequest, ListProjectsResponse, NodeStatus, Project,
+    ListProjectsRequest, ListProjectsResponse, NodeStatus, Project, Template, WarmImageRequest,
+    WarmImageResponse,
 };
 use agentvm_proto::v1::ComputeState;
 use tonic::{Request, Response, Status};
@@ -221,6 +222,28 @@ impl NodeService {
                 .as_ref()
                 .map(|m| m.restore_memory().name().to_owned())
                 .unwrap_or_default(),
+            vm_starts: self
+                .microvm
+                .as_ref()
+                .map(|m| m.vm_starts())
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(session, path)| (session, path.name().to_owned()))
+                .collect(),
+            templates: self
+                .microvm
+                .as_ref()
+                .map(|m| m.template_status())
+                .unwrap_or_default()
+                .into_iter()
+                .map(|t| Template {
+                    harness: t.harness,
+                    id: t.id,
+                    bytes: t.bytes,
+                    sessions: t.sessions,
+                    current: t.current,
+                })
+                .collect(),
         })
     }
 }
@@ -279,6 +302,38 @@ impl NodeApi for NodeService {
                 .filter(|(name, _)| principal.as_ref().is_none_or(|p| p.allows(name)))
                 .map(|(name, sessions)| Project { name, sessions })
                 .collect(),
+        }))
+    }
+
+    async fn warm_image(
+        &self,
+        request: Request<WarmImageRequest>,
+    ) -> Result<Response<WarmImageResponse>, Status> {
+        require_operator(principal_of(&request).as_ref(), "WarmImage")?;
+        let harness = request.into_inner().harness;
+        if harness.is_empty() {
+            return Err(Status::invalid_argument("harness: empty"));
+        }
+        let Some(microvm) = &self.microvm else {
+            return Err(Status::failed_precondition(format!(
+                "harness: this node has no microvm runtime ({})",
+                self.facts.microvm_unavailable
+            )));
+        };
+        if !microvm.images().iter().any(|i| i.harness == harness) {
+            return Err(Status::not_found(format!(
+                "harness: no microVM image serves {harness:?} on this node"
+            )));
+        }
+        let warmed = microvm
+            .warm(&harness)
+            .await
+            .map_err(|why| Status::failed_precondition(format!("harness {harness:?}: {why}")))?;
+        tracing::info!(harness, template = %warmed.id, made = warmed.made, "image warmed");
+        Ok(Response::new(WarmImageResponse {
+            template: warmed.id,
+            made: warmed.made,
+            took_ms: warmed.took.as_millis() as u64,
         }))
     }
 

@@ -149,6 +149,14 @@ enum ImageCommand {
         #[arg(long)]
         no_sandbox: bool,
     },
+    /// Make a microVM image's template on the node now (its booted, ready VM, saved), so its
+    /// next session restores it instead of booting. Needs an operator's credential.
+    Warm {
+        /// The harness the image serves (a bundle's directory name, or testguest).
+        name: String,
+        #[command(flatten)]
+        conn: Connection,
+    },
     /// What a root build runs in its user namespace: one job on standard input, in the
     /// current directory (docs/security.md, row O1).
     #[command(hide = true)]
@@ -338,6 +346,10 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
                 sandbox: image_cmd::sandbox(*no_sandbox)?,
             };
             image_cmd::build(config, output, inputs, cli.json)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Image(ImageCommand::Warm { name, conn }) => {
+            async_runtime()?.block_on(node_cmd::warm(conn, name, cli.json))?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Image(ImageCommand::Unpack {

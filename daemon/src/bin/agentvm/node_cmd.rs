@@ -2,7 +2,7 @@
 
 use agentvm_proto::canon::to_proto_json;
 use agentvm_proto::node::v1::node_client::NodeClient;
-use agentvm_proto::node::v1::{DrainRequest, GetStatusRequest, ListNodesRequest};
+use agentvm_proto::node::v1::{DrainRequest, GetStatusRequest, ListNodesRequest, WarmImageRequest};
 use agentvmd::config::ListenAddr;
 use anyhow::Context;
 
@@ -193,5 +193,48 @@ pub async fn status(conn: &Connection, json: bool) -> anyhow::Result<()> {
         s.capacity_basis
     );
     outln!("harnesses   {}", s.harnesses.join(", "));
+    for t in &s.templates {
+        outln!(
+            "template    {} {} ({}, {} session{}{})",
+            t.harness,
+            t.id,
+            mib(t.bytes),
+            t.sessions,
+            if t.sessions == 1 { "" } else { "s" },
+            if t.current {
+                ""
+            } else {
+                ", old: goes with its last session"
+            }
+        );
+    }
+    if !s.vm_starts.is_empty() {
+        let mut by_path = std::collections::BTreeMap::<&str, u64>::new();
+        for path in s.vm_starts.values() {
+            *by_path.entry(path.as_str()).or_default() += 1;
+        }
+        let paths: Vec<String> = by_path.iter().map(|(p, n)| format!("{n} {p}")).collect();
+        outln!("vm starts   {}", paths.join(", "));
+    }
+    Ok(())
+}
+
+/// `agentvm image warm NAME`: the node makes the image's template now.
+pub async fn warm(conn: &Connection, harness: &str, json: bool) -> anyhow::Result<()> {
+    let warmed = client(conn)
+        .await?
+        .warm_image(WarmImageRequest {
+            harness: harness.to_owned(),
+        })
+        .await?
+        .into_inner();
+    if json {
+        outln!("{}", to_proto_json(&warmed).context("rendering JSON")?);
+        return Ok(());
+    }
+    match warmed.made {
+        true => outln!("{} made in {} ms", warmed.template, warmed.took_ms),
+        false => outln!("{} (already there)", warmed.template),
+    }
     Ok(())
 }
