@@ -360,7 +360,10 @@ async fn check(d: &Daemon, c: &mut SessionsClient<Channel>, known: &Known) -> Ve
         .flatten()
     {
         let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with('.') {
+        // A template is the node's, kept for the sessions to come.
+        if name.starts_with('.')
+            || name.starts_with(agentvmd::runtime::microvm::templates::ID_PREFIX)
+        {
             continue;
         }
         if !active.iter().any(|s| name.starts_with(&format!("{s}-"))) {

@@ -290,7 +290,11 @@ fn stored(dir: &std::path::Path) -> Vec<String> {
         .unwrap()
         .filter_map(|e| e.ok())
         .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|name| !name.starts_with('.'))
+        // A node's templates are its own, kept for its next sessions.
+        .filter(|name| {
+            !name.starts_with('.')
+                && !name.starts_with(agentvmd::runtime::microvm::templates::ID_PREFIX)
+        })
         .collect()
 }
 

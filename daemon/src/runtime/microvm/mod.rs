@@ -170,7 +170,7 @@ pub struct MicrovmRuntime {
     /// restore the same snapshot at once, and it is fetched once.
     fetching: tokio::sync::Mutex<()>,
     networks: network::Networks,
-    templates: templates::Templates,
+    templates: Arc<templates::Templates>,
     /// The host CPU as a template's key names it.
     cpu: String,
 }
@@ -656,7 +656,11 @@ impl MicrovmRuntime {
             Some(confined) => confined,
             None => self.spawn_vmm(session, &dir, files).await?,
         };
-        crate::crash_point::reached(crate::crash_point::START_SPAWNED);
+        // A session's start; a template's VM is no session's (its crash leaves a VMM
+        // directory of no session, which the next start-up reaps).
+        if !templates::is_template_vm(session) {
+            crate::crash_point::reached(crate::crash_point::START_SPAWNED);
+        }
         let spawned = started.elapsed();
         match start(dir.clone(), confined).await {
             Ok(()) => {
@@ -1141,7 +1145,9 @@ async fn pause_to_save(session: &str, dir: &VmmDir) -> Result<()> {
         .pause_idempotent()
         .await
         .map_err(|e| failed(session, format!("vm.pause: {e}")))?;
-    crate::crash_point::reached(crate::crash_point::SUSPEND_PAUSED);
+    if !templates::is_template_vm(session) {
+        crate::crash_point::reached(crate::crash_point::SUSPEND_PAUSED);
+    }
     Ok(())
 }
 
@@ -1575,7 +1581,7 @@ impl Runtime for MicrovmRuntime {
             }
         }
         self.reconcile_snapshots(owned);
-        self.sweep_templates();
+        self.sweep_templates().await;
         if let Some(pool) = &self.pool {
             pool.fill();
         }
@@ -1626,7 +1632,7 @@ impl Runtime for MicrovmRuntime {
         for id in kept {
             tracing::debug!(snapshot = %id, "sweep: a gone session's snapshot is still in use here");
         }
-        self.sweep_templates();
+        self.sweep_templates().await;
         if let Some(remote) = &self.config.snapshot_remote {
             match remote
                 .sweep(|archive, at| unwanted(archive.session(), at))

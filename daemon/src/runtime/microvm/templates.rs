@@ -32,6 +32,14 @@ use super::GuestImage;
 pub const ID_PREFIX: &str = "template.";
 /// Bumped when what a template holds or how it is made changes.
 const FORMAT: &str = "1";
+/// Prefix of the name a template's VM runs under (its VMM directory's).
+const VM_PREFIX: &str = "template-";
+
+/// Whether `name` is a template's VM rather than a session's.
+pub fn is_template_vm(name: &str) -> bool {
+    name.starts_with(VM_PREFIX)
+}
+
 /// How long after a template could not be made sessions of its key boot without trying.
 const RETRY_AFTER: Duration = Duration::from_secs(300);
 
@@ -98,6 +106,8 @@ pub struct Templates {
     failed: Mutex<HashMap<String, Instant>>,
     /// How each session's current VM started.
     starts: Mutex<HashMap<String, StartPath>>,
+    /// Each image's key as last computed, by harness.
+    current: Mutex<HashMap<String, String>>,
 }
 
 impl Templates {
@@ -172,6 +182,15 @@ impl Templates {
 
     pub fn mark_failed(&self, id: &str) {
         lock(&self.failed).insert(id.to_owned(), Instant::now());
+    }
+
+    pub fn remember_current(&self, harness: &str, id: &str) {
+        lock(&self.current).insert(harness.to_owned(), id.to_owned());
+    }
+
+    /// The key `harness`'s image had when it was last computed.
+    pub fn current(&self, harness: &str) -> Option<String> {
+        lock(&self.current).get(harness).cloned()
     }
 
     pub fn record_start(&self, session: &str, path: StartPath) {
@@ -394,15 +413,19 @@ impl super::MicrovmRuntime {
         }
     }
 
-    fn template_key(&self, image: &GuestImage) -> Result<TemplateKey, String> {
-        self.templates
-            .key(
-                image,
-                &self.vm_shape(image),
-                &self.config.vmm_binary,
-                &self.cpu,
-            )
-            .map_err(|e| format!("the template key of {:?}: {e}", image.harness))
+    /// `image`'s template key, hashed off the async workers (a root filesystem or a debug
+    /// VMM binary is large), and remembered as the image's current one.
+    async fn template_key(&self, image: &GuestImage) -> Result<TemplateKey, String> {
+        let templates = self.templates.clone();
+        let (image, shape) = (image.clone(), self.vm_shape(image));
+        let (vmm, cpu) = (self.config.vmm_binary.clone(), self.cpu.clone());
+        let harness = image.harness.clone();
+        let key = tokio::task::spawn_blocking(move || templates.key(&image, &shape, &vmm, &cpu))
+            .await
+            .map_err(|e| format!("the template key of {harness:?}: {e}"))?
+            .map_err(|e| format!("the template key of {harness:?}: {e}"))?;
+        self.templates.remember_current(&harness, &key.id);
+        Ok(key)
     }
 
     /// Whether sessions of `image` start from a template on this node.
@@ -423,7 +446,7 @@ impl super::MicrovmRuntime {
         if !self.serves_templates(image) {
             return Ok(None);
         }
-        let key = match self.template_key(image) {
+        let key = match self.template_key(image).await {
             Ok(key) => key,
             Err(why) => {
                 tracing::warn!(harness = %image.harness, %why, "no template: sessions boot");
@@ -464,7 +487,7 @@ impl super::MicrovmRuntime {
                 ),
             });
         }
-        let key = self.template_key(&image)?;
+        let key = self.template_key(&image).await?;
         let started = Instant::now();
         let made = self
             .ensure_template(&image, &key)
@@ -526,7 +549,7 @@ impl super::MicrovmRuntime {
     /// Boots a VM of `image` under a name of its own, waits for its harness to answer
     /// Describe, saves it as `key`'s template and stops it.
     async fn make_template(&self, image: &GuestImage, key: &TemplateKey) -> Result<(), MakeError> {
-        let name = format!("template-{}", &key.id[key.id.len().saturating_sub(12)..]);
+        let name = format!("{VM_PREFIX}{}", &key.id[key.id.len().saturating_sub(12)..]);
         let spec = super::SessionSpec {
             session_uid: name.clone(),
             harness: image.harness.clone(),
@@ -581,14 +604,13 @@ impl super::MicrovmRuntime {
     }
 
     /// Deletes the templates no image has as its key any more, once no session maps them.
-    pub(super) fn sweep_templates(&self) {
-        let current: std::collections::HashSet<String> = self
-            .config
-            .images
-            .iter()
-            .filter_map(|i| self.template_key(i).ok())
-            .map(|k| k.id)
-            .collect();
+    pub(super) async fn sweep_templates(&self) {
+        let mut current = std::collections::HashSet::new();
+        for image in &self.config.images {
+            if let Ok(key) = self.template_key(image).await {
+                current.insert(key.id);
+            }
+        }
         for id in self.store.list().unwrap_or_default() {
             if !id.starts_with(ID_PREFIX) || current.contains(&id) {
                 continue;
@@ -604,14 +626,15 @@ impl super::MicrovmRuntime {
         }
     }
 
-    /// The templates in this node's store.
+    /// The templates in this node's store ("current" as of the last time each image's key
+    /// was computed: at start-up, and at each session's create).
     pub fn template_status(&self) -> Vec<TemplateStatus> {
         let current: HashMap<String, String> = self
             .config
             .images
             .iter()
             .filter(|i| self.serves_templates(i))
-            .filter_map(|i| Some((self.template_key(i).ok()?.id, i.harness.clone())))
+            .filter_map(|i| Some((self.templates.current(&i.harness)?, i.harness.clone())))
             .collect();
         self.store
             .list()
