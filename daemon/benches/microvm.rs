@@ -277,33 +277,39 @@ async fn turn_each(c: &SessionsClient<Channel>, sessions: Vec<String>) {
     .await;
 }
 
-/// Density: `n` sessions booted; all suspended, then resumed; then `n` fork children of one
-/// parent. After each phase, with every session idle after answering a turn, the host memory
-/// each costs (the drop in MemAvailable over `n`) and the page cache each adds (Cached).
-async fn density(
-    c: &SessionsClient<Channel>,
-    n: usize,
+/// Per session, the host memory (MemAvailable) and page cache `n` sessions took between two
+/// `meminfo_mib` readings.
+fn per_session(n: usize, before: (f64, f64), after: (f64, f64)) -> (f64, f64) {
+    (
+        (before.0 - after.0) / n as f64,
+        (after.1 - before.1) / n as f64,
+    )
+}
+
+fn report_density(
     out: &mut serde_json::Map<String, serde_json::Value>,
+    phase: &str,
+    n: usize,
+    (memory, cache): (f64, f64),
 ) {
-    let settle = || tokio::time::sleep(Duration::from_millis(500));
-    let per = |before: (f64, f64), after: (f64, f64)| {
-        (
-            (before.0 - after.0) / n as f64,
-            (after.1 - before.1) / n as f64,
-        )
-    };
-    let mut report = |phase: &str, (memory, cache): (f64, f64)| {
-        println!(
-            "{:<44} {:>8.2} MiB host memory each, {:>8.2} MiB page cache each  (n={n})",
-            format!("density: {phase}"),
-            memory,
-            cache
-        );
-        out.insert(
-            format!("density_{phase}"),
-            json!({"n": n, "host_mib_each": memory, "page_cache_mib_each": cache}),
-        );
-    };
+    println!(
+        "{:<44} {:>8.2} MiB host memory each, {:>8.2} MiB page cache each  (n={n})",
+        format!("density: {phase}"),
+        memory,
+        cache
+    );
+    out.insert(
+        format!("density_{phase}"),
+        json!({"n": n, "host_mib_each": memory, "page_cache_mib_each": cache}),
+    );
+}
+
+async fn settle() {
+    tokio::time::sleep(Duration::from_millis(500)).await;
+}
+
+/// `n` new sessions, each having answered a turn, and what they took per session.
+async fn fresh_sessions(c: &SessionsClient<Channel>, n: usize) -> (Vec<String>, (f64, f64)) {
     settle().await;
     let start = meminfo_mib();
     let mut sessions = Vec::with_capacity(n);
@@ -312,8 +318,30 @@ async fn density(
     }
     turn_each(c, sessions.clone()).await;
     settle().await;
-    let booted = meminfo_mib();
-    report("booted", per(start, booted));
+    (sessions, per_session(n, start, meminfo_mib()))
+}
+
+async fn delete_all(c: &SessionsClient<Channel>, sessions: Vec<String>) {
+    eight_at_a_time(sessions, |s| {
+        let mut c = c.clone();
+        async move {
+            c.delete_session(DeleteSessionRequest { uid: s })
+                .await
+                .unwrap();
+        }
+    })
+    .await;
+}
+
+/// Host memory per idle session for `n` fresh sessions (from the image's template), the
+/// same resumed, and `n` fork children.
+async fn density(
+    c: &SessionsClient<Channel>,
+    n: usize,
+    out: &mut serde_json::Map<String, serde_json::Value>,
+) {
+    let (sessions, fresh) = fresh_sessions(c, n).await;
+    report_density(out, "fresh_template", n, fresh);
     eight_at_a_time(sessions.clone(), |s| {
         let mut c = c.clone();
         async move {
@@ -325,11 +353,11 @@ async fn density(
     let suspended = meminfo_mib();
     turn_each(c, sessions.clone()).await;
     settle().await;
-    let resumed = meminfo_mib();
-    report("resumed", per(suspended, resumed));
+    report_density(out, "resumed", n, per_session(n, suspended, meminfo_mib()));
 
     let parent = sessions[0].clone();
     let mut children = Vec::with_capacity(n);
+    let before_fork = meminfo_mib();
     while children.len() < n {
         let count = (n - children.len()).min(128) as i32;
         let forked = c
@@ -347,17 +375,41 @@ async fn density(
     }
     turn_each(c, children.clone()).await;
     settle().await;
-    let forked = meminfo_mib();
-    report("forked", per(resumed, forked));
-    eight_at_a_time(sessions.into_iter().chain(children).collect(), |s| {
-        let mut c = c.clone();
-        async move {
-            c.delete_session(DeleteSessionRequest { uid: s })
-                .await
-                .unwrap();
-        }
+    report_density(out, "forked", n, per_session(n, before_fork, meminfo_mib()));
+    delete_all(c, sessions.into_iter().chain(children).collect()).await;
+}
+
+/// The same image on a node without templates: every session boots it. Reports create →
+/// first turn answered, and the host memory of `n` fresh idle sessions, beside the template
+/// node's figures.
+async fn booting(
+    binary: &std::path::Path,
+    runs: usize,
+    n: usize,
+    out: &mut serde_json::Map<String, serde_json::Value>,
+) {
+    let node = support::start_with(|cfg| {
+        cfg.vmm_binary = Some(binary.to_owned());
+        cfg.ram_dir = "/dev/shm".into();
+        cfg.templates = false;
     })
     .await;
+    let c = node.c();
+    let mut first_turn = Vec::new();
+    for _ in 0..runs {
+        let s = create(&mut c.clone()).await;
+        first_turn.push(ms(turn(&mut c.clone(), &s).await.1));
+        delete_all(&c, vec![s]).await;
+    }
+    stats(
+        "create -> first turn answered (boot)",
+        "ms",
+        first_turn,
+        out,
+    );
+    let (sessions, fresh) = fresh_sessions(&c, n).await;
+    report_density(out, "fresh_boot", n, fresh);
+    delete_all(&c, sessions).await;
 }
 
 /// A counter suspended on node-a resumes on node-b: two nodes sharing a PostgreSQL journal
@@ -504,6 +556,13 @@ async fn main() {
     let mut out = serde_json::Map::new();
     out.insert("vmm_binary".into(), json!(binary.display().to_string()));
 
+    // The image's template is made before anything is timed (as `warm_templates` would).
+    agentvm_proto::node::v1::node_client::NodeClient::new(node.channel().await)
+        .warm_image(agentvm_proto::node::v1::WarmImageRequest {
+            harness: "testguest".into(),
+        })
+        .await
+        .unwrap();
     let mut first_turn = Vec::new();
     let mut warm = Vec::new();
     let mut suspend = Vec::new();
@@ -524,7 +583,7 @@ async fn main() {
         sessions.push(s);
     }
     stats(
-        "create -> first turn answered (boot)",
+        "create -> first turn answered (template)",
         "ms",
         first_turn,
         &mut out,
@@ -614,6 +673,7 @@ async fn main() {
         .unwrap_or(if quick { 10 } else { 1000 });
     suspend_cycles(&mut c, &state, cycles, &mut out).await;
     density(&c, if quick { 4 } else { 200 }, &mut out).await;
+    booting(&binary, runs, if quick { 4 } else { 200 }, &mut out).await;
     cross_node(&binary, runs, &mut out).await;
 
     let path = std::env::var_os("AGENTVM_BENCH_JSON")

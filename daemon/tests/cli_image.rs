@@ -111,6 +111,19 @@ impl ImageDir {
             .unwrap()
     }
 
+    /// `image build` of this directory's image.toml over the container image at `source`.
+    fn build_oci(&self, out: &str, source: &Path) -> std::process::Output {
+        Command::new(env!("CARGO_BIN_EXE_agentvm"))
+            .args(["image", "build", "--config"])
+            .arg(self.dir.path().join("image.toml"))
+            .arg("-o")
+            .arg(self.dir.path().join(out))
+            .arg("--oci")
+            .arg(source)
+            .output()
+            .unwrap()
+    }
+
     fn read(&self, out: &str, file: &str) -> Vec<u8> {
         std::fs::read(self.dir.path().join(out).join(file)).unwrap()
     }
@@ -366,15 +379,7 @@ fn a_container_image_becomes_an_erofs_root_and_says_what_runs() {
     )
     .unwrap();
     let build = |out: &str| {
-        let built = Command::new(env!("CARGO_BIN_EXE_agentvm"))
-            .args(["image", "build", "--config"])
-            .arg(img.dir.path().join("image.toml"))
-            .arg("-o")
-            .arg(img.dir.path().join(out))
-            .arg("--oci")
-            .arg(&layout)
-            .output()
-            .unwrap();
+        let built = img.build_oci(out, &layout);
         assert!(built.status.success(), "{built:?}");
     };
     build("a");
@@ -421,15 +426,7 @@ fn a_container_image_becomes_an_erofs_root_and_says_what_runs() {
         serde_json::json!({"Entrypoint": ["/bin/missing"]}),
     )
     .unwrap();
-    let refused = Command::new(env!("CARGO_BIN_EXE_agentvm"))
-        .args(["image", "build", "--config"])
-        .arg(img.dir.path().join("image.toml"))
-        .arg("-o")
-        .arg(img.dir.path().join("c"))
-        .arg("--oci")
-        .arg(&layout)
-        .output()
-        .unwrap();
+    let refused = img.build_oci("c", &layout);
     assert_eq!(refused.status.code(), Some(2), "{refused:?}");
     assert!(
         String::from_utf8_lossy(&refused.stderr)
@@ -488,15 +485,7 @@ fn a_root_build_unpacks_as_an_unprivileged_uid_and_keeps_the_image_s_owners() {
     )
     .unwrap();
     for (out, source) in [("from-dir", &layout), ("from-tar", &archive)] {
-        let built = Command::new(env!("CARGO_BIN_EXE_agentvm"))
-            .args(["image", "build", "--config"])
-            .arg(img.dir.path().join("image.toml"))
-            .arg("-o")
-            .arg(img.dir.path().join(out))
-            .arg("--oci")
-            .arg(source)
-            .output()
-            .unwrap();
+        let built = img.build_oci(out, source);
         assert!(built.status.success(), "{out}: {built:?}");
         let tree = img.dir.path().join(format!("{out}-tree"));
         let fsck = Command::new("fsck.erofs")
@@ -531,15 +520,7 @@ fn a_root_build_unpacks_as_an_unprivileged_uid_and_keeps_the_image_s_owners() {
         serde_json::json!({"Entrypoint": ["/usr/bin/harness"]}),
     )
     .unwrap();
-    let refused = Command::new(env!("CARGO_BIN_EXE_agentvm"))
-        .args(["image", "build", "--config"])
-        .arg(img.dir.path().join("image.toml"))
-        .arg("-o")
-        .arg(img.dir.path().join("refused"))
-        .arg("--oci")
-        .arg(&hostile)
-        .output()
-        .unwrap();
+    let refused = img.build_oci("refused", &hostile);
     assert_eq!(refused.status.code(), Some(2), "{refused:?}");
     assert!(
         String::from_utf8_lossy(&refused.stderr).contains("evil/planted: No such file"),

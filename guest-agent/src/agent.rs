@@ -180,6 +180,10 @@ impl Agent {
         }
         self.restore_generation
             .store(notice.generation, Ordering::SeqCst);
+        // After the kernel's RNG is reseeded, so what the harness reseeds from is fresh.
+        if let Some(supervisor) = &self.supervisor {
+            supervisor.signal_restored();
+        }
         tracing::info!(
             generation = notice.generation,
             kind = notice.kind,

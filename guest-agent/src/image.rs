@@ -244,6 +244,13 @@ pub enum ImageConfigError {
     },
 }
 
+/// Names, in the harness's environment, the signal it gets after every restore, fork or
+/// start from a template.
+pub const RESTORE_SIGNAL_ENV: &str = "AGENTVM_RESTORE_SIGNAL";
+/// SIGWINCH: ignored unless handled, so a harness that knows nothing of it is not harmed
+/// (SIGUSR1/2 would end it).
+pub const RESTORE_SIGNAL_NAME: &str = "SIGWINCH";
+
 impl ImageConfig {
     pub fn load(path: &Path) -> Result<Self, ImageConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ImageConfigError::Read {
@@ -380,6 +387,9 @@ impl ImageConfig {
             .map(|(k, v)| (k.clone(), v.replace(SOCKET_PLACEHOLDER, &s)))
             .collect();
         env.insert("AGENTVM_HARNESS_SOCKET".into(), s);
+        // docs/harness-protocol.md, "Restores and forks": how the harness hears that it
+        // was restored, forked or started from a template (and should reseed what it drew).
+        env.insert(RESTORE_SIGNAL_ENV.into(), RESTORE_SIGNAL_NAME.into());
         if self.vm.workspace_mib > 0 && self.vm.workspace_fs == WorkspaceFs::Ext4 {
             env.insert(
                 WORKSPACE_ENV.into(),

@@ -53,6 +53,17 @@ impl Supervisor {
         self.state.subscribe()
     }
 
+    /// Tells the running harness that its VM was restored, forked or started from a
+    /// template (SIGWINCH, as its environment says): whatever it drew from randomness before
+    /// is shared with every other VM of the same snapshot.
+    pub fn signal_restored(&self) {
+        if let Some(pid) = self.state().pid
+            && let Err(e) = kill(Pid::from_raw(pid as i32), Signal::SIGWINCH)
+        {
+            tracing::warn!(pid, error = %e, "could not tell the harness it was restored");
+        }
+    }
+
     fn update(&self, f: impl FnOnce(&mut HarnessState)) {
         self.state.send_modify(f);
     }

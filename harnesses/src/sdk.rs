@@ -99,10 +99,23 @@ pub struct Sink {
     sticky: Option<SinkError>,
 }
 
-/// A fresh call id: 16 lowercase hex characters, as upstream's harnesses choose them.
+/// A fresh call id: 16 lowercase hex characters, as upstream's harnesses choose them. Drawn
+/// from the kernel each time: a process-local generator's state is copied into every VM
+/// restored from one snapshot (a template, a fork), and its ids with it.
 pub fn new_call_id() -> String {
-    let bytes: [u8; 8] = rand::rng().random();
+    use rand::TryRngCore;
+    let mut bytes = [0u8; 8];
+    if rand::rngs::OsRng.try_fill_bytes(&mut bytes).is_err() {
+        bytes = rand::rng().random();
+    }
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The restore signal (docs/harness-protocol.md, "Restores and forks"): one item after
+/// every restore, fork or start from a template of this harness's VM, once the kernel's RNG
+/// is fresh. Reseed anything drawn from randomness before it.
+pub fn restored() -> std::io::Result<tokio::signal::unix::Signal> {
+    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::window_change())
 }
 
 impl Sink {

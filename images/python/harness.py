@@ -5,18 +5,25 @@ state in memory (REQUIRES_MEMORY_SNAPSHOT) and its files on the session's worksp
 
 Each turn appends the input text to $AGENTVM_WORKSPACE/turns.log and answers one OUTPUT,
 a JSON object: {"count": turns this process has served, "said": the input text,
-"logged": lines now in turns.log, "python": the interpreter's version}. A memory snapshot
+"logged": lines now in turns.log, "python": the interpreter's version, "random": a draw
+from Python's `random`}. A memory snapshot
 keeps the count, the workspace keeps the log, and a fork child carries on with both.
 
 An input `connect HOST:PORT` also opens a TCP connection there (through the VM's network,
 where its image allows one) and adds "connect": {"line": the first line the server sent}
 or {"error": why not}.
+
+Restores, forks and starts from a template: the agent sends the signal named in
+$AGENTVM_RESTORE_SIGNAL (SIGWINCH) after the VM's kernel RNG is reseeded. `random` was seeded
+when this process started, so every VM of one snapshot would draw the same numbers: the
+handler reseeds it from the (fresh) kernel RNG.
 """
 import argparse
 import concurrent.futures
 import json
 import os
 import platform
+import random
 import signal
 import socket
 import threading
@@ -64,6 +71,7 @@ class Reference(harness_pb2_grpc.HarnessServicer):
             "said": text,
             "logged": logged,
             "python": platform.python_version(),
+            "random": random.random(),
         }
         if text.startswith("connect "):
             answer["connect"] = first_line(text[len("connect "):])
@@ -103,6 +111,10 @@ def main():
     server.start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    restored = getattr(signal, os.environ.get("AGENTVM_RESTORE_SIGNAL", ""), None)
+    if restored is not None:
+        # random.seed() with no argument draws its seed from os.urandom.
+        signal.signal(restored, lambda *_: random.seed())
     stop.wait()
     server.stop(grace=2)
 

@@ -83,7 +83,7 @@ RUSTFLAGS="-C target-feature=+crt-static" \
 # ---- guest kernel and images
 kernel=${AGENTVM_KERNEL:-$(scripts/build-kernel.sh)}
 stage=$(mktemp -d)
-trap 'rm -rf "$stage"' EXIT
+trap 'rm -rf "$stage"; rm -f "$root/images/echo/.cold.toml" "$lane/oci/.cold.toml"' EXIT
 mkdir -p "$stage/lane/bin" "$stage/lane/images" "$stage/bin" "$stage/lib/modules"
 for name in echo counter chat probe; do
     config=images/$name/image.toml
@@ -93,6 +93,13 @@ for name in echo counter chat probe; do
 done
 "$bin/agentvm" image build --config "$lane/probe/network.toml" -o "$stage/lane/images/linux-probe-net" \
     --kernel "$kernel" --agent "$bin/agentvm-guest" >&2
+# `cold_boot = true` twins, which boot every session: what a template is measured against.
+# Written beside the original, whose [build] paths are relative to it.
+with_cold_boot() { sed 's/^\[vm\]$/[vm]\ncold_boot = true/' "$1" > "$2"; }
+with_cold_boot images/echo/image.toml images/echo/.cold.toml
+"$bin/agentvm" image build --config images/echo/.cold.toml -o "$stage/lane/images/linux-echo-cold" \
+    --kernel "$kernel" --agent "$bin/agentvm-guest" >&2
+rm -f images/echo/.cold.toml
 # The container image: an OCI layout written here (no registry is reachable), booted as an
 # erofs root filesystem.
 "$bin/agentvm-lane-oci" --out "$stage/oci-layout" --harness "$bin/agentvm-harness"
@@ -106,6 +113,11 @@ python3 "$root/images/python/make-oci.py" --venv "$root/target/upstream-venv" \
 "$bin/agentvm" image build --config "$lane/oci/python.toml" \
     --oci "$stage/python-layout" -o "$stage/lane/images/linux-python" \
     --kernel "$kernel" --agent "$bin/agentvm-guest" >&2
+with_cold_boot "$lane/oci/python.toml" "$lane/oci/.cold.toml"
+"$bin/agentvm" image build --config "$lane/oci/.cold.toml" \
+    --oci "$stage/python-layout" -o "$stage/lane/images/linux-python-cold" \
+    --kernel "$kernel" --agent "$bin/agentvm-guest" >&2
+rm -f "$lane/oci/.cold.toml"
 rm -rf "$stage/python-layout"
 cp "$bin"/{agentvmd,agentvm,agentvm-vmm,agentvm-lane} "$stage/lane/bin/"
 if [ -n "${CLOUD_HYPERVISOR:-}" ]; then

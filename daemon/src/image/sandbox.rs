@@ -285,18 +285,26 @@ pub fn serve(job: Job, dir: &Path, label: &str, budget: Option<u64>) -> Result<S
 mod tests {
     use super::*;
 
+    /// A scratch directory given to a sandbox's namespace root; `None` (said) but as root.
+    fn prepared() -> Option<(tempfile::TempDir, Sandbox)> {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: only root maps a user namespace onto other uids");
+            return None;
+        }
+        let scratch = tempfile::tempdir().unwrap();
+        let sandbox = Sandbox::new(PathBuf::from("/nonexistent"));
+        sandbox.prepare(scratch.path()).unwrap();
+        Some((scratch, sandbox))
+    }
+
     /// What the child of a root build is: root of its own namespace only, with no
     /// supplementary groups, no new privileges, no network, and none of the host's
     /// world-writable directories; what it chowns is an unprivileged host uid's.
     #[test]
     fn the_child_is_root_only_of_its_own_namespace() {
-        if !nix::unistd::geteuid().is_root() {
-            eprintln!("skipped: only root maps a user namespace onto other uids");
+        let Some((scratch, sandbox)) = prepared() else {
             return;
-        }
-        let scratch = tempfile::tempdir().unwrap();
-        let sandbox = Sandbox::new(PathBuf::from("/nonexistent"));
-        sandbox.prepare(scratch.path()).unwrap();
+        };
         let marker = tempfile::NamedTempFile::new_in("/tmp").unwrap();
         // Root's, and open to everyone to pass and read: the child may look, not write.
         let host = tempfile::tempdir().unwrap();
@@ -345,13 +353,9 @@ mod tests {
     /// A helper that fails says why, as the build's error.
     #[test]
     fn what_the_child_says_on_failure_is_the_error() {
-        if !nix::unistd::geteuid().is_root() {
-            eprintln!("skipped: only root maps a user namespace onto other uids");
+        let Some((scratch, sandbox)) = prepared() else {
             return;
-        }
-        let scratch = tempfile::tempdir().unwrap();
-        let sandbox = Sandbox::new(PathBuf::from("/nonexistent"));
-        sandbox.prepare(scratch.path()).unwrap();
+        };
         let mut command = Command::new("sh");
         command.args(["-c", "echo 'oci: layer x: broken' >&2; exit 2"]);
         let err = sandbox

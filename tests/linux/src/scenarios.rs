@@ -74,6 +74,7 @@ pub const ALL: &[(&str, Scenario)] = &[
     ("daemon-killed-mid-suspend", |l| {
         Box::pin(daemon_killed_mid_suspend(l))
     }),
+    ("template-starts", |l| Box::pin(template_starts(l))),
 ];
 
 /// Scenarios run only when named (`tests/linux/run.sh NAME`), not in a full run: none now.
@@ -800,4 +801,78 @@ async fn daemon_killed_mid_suspend(lane: &mut Lane) -> anyhow::Result<String> {
 
 fn tracing_note(message: &str) {
     eprintln!("lane: {message}");
+}
+
+/// A turn's text answer on `image`'s harness (echo, or the Python reference's JSON).
+async fn first_answer(c: &mut Client, session: &str) -> anyhow::Result<(Duration, String)> {
+    let t = Instant::now();
+    let answer = session::say(c, session, "first").await?;
+    Ok((t.elapsed(), answer))
+}
+
+/// The Python reference harness's `random` draw in `answer`.
+fn python_random(answer: &str) -> anyhow::Result<f64> {
+    let v: serde_json::Value = serde_json::from_str(answer)
+        .with_context(|| format!("the Python harness answered {answer:?}"))?;
+    v["random"].as_f64().context("no random in the answer")
+}
+
+/// Issue 36: a new session starts from its image's template (the image's VM booted once,
+/// its harness asked Describe, saved) and is told who it is after the restore. For linux-echo
+/// and the Python image: the first session's first turn (which makes the template), two
+/// sessions' first turns from it, and the `cold_boot = true` twin's (a boot each time).
+/// Sessions from one template differ in the kernel's RNG (the probe) and in Python's
+/// `random` (reseeded on the restore signal).
+async fn template_starts(lane: &mut Lane) -> anyhow::Result<String> {
+    crate::test_hosts::start()?;
+    let mut c = lane.c().await?;
+    let mut report = Vec::new();
+    for (image, cold) in [
+        ("linux-echo", "linux-echo-cold"),
+        ("linux-python", "linux-python-cold"),
+    ] {
+        let maker = lane.create(image).await?;
+        let (made, _) = first_answer(&mut c, &maker).await?;
+        let a = lane.create(image).await?;
+        let (from_a, answer_a) = first_answer(&mut c, &a).await?;
+        let b = lane.create(image).await?;
+        let (from_b, answer_b) = first_answer(&mut c, &b).await?;
+        let k = lane.create(cold).await?;
+        let (booted, _) = first_answer(&mut c, &k).await?;
+        let from = from_a.min(from_b);
+        ensure!(
+            from < booted,
+            "{image}: a first turn from the template ({}) is no faster than a boot ({})",
+            secs(from),
+            secs(booted)
+        );
+        if image == "linux-python" {
+            let (ra, rb) = (python_random(&answer_a)?, python_random(&answer_b)?);
+            ensure!(
+                ra != rb,
+                "two sessions from one template drew the same Python random value {ra}"
+            );
+        }
+        report.push(format!(
+            "{image}: first turn from the template {} and {} against a boot {} ({:.2}x); the \
+             first session's (template made) {}",
+            secs(from_a),
+            secs(from_b),
+            secs(booted),
+            from.as_secs_f64() / booted.as_secs_f64(),
+            secs(made)
+        ));
+    }
+    let p1 = lane.create("linux-probe").await?;
+    let p2 = lane.create("linux-probe").await?;
+    let (r1, r2) = (
+        probe(&mut c, &p1, "go").await?.random,
+        probe(&mut c, &p2, "go").await?.random,
+    );
+    ensure!(
+        r1 != r2,
+        "two probes from one template read the same kernel random {r1}"
+    );
+    report.push("kernel and Python randomness differ between sessions of one template".into());
+    Ok(report.join("; "))
 }
