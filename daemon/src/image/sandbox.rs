@@ -145,11 +145,18 @@ impl Sandbox {
         input: File,
         budget: Option<u64>,
     ) -> Result<Option<u64>, ImageError> {
-        let mut command = Command::new(&self.helper);
+        // Run through a descriptor: the helper may lie where the child cannot look (under
+        // the /tmp its namespace hides, or a directory only root may pass).
+        use std::os::fd::AsRawFd;
+        use std::os::unix::process::CommandExt;
+        let helper = File::open(&self.helper).map_err(io_error(&self.helper))?;
+        let mut command = Command::new(format!("/proc/self/fd/{}", helper.as_raw_fd()));
         command
+            .arg0("agentvm")
             .args(["image", "unpack", job.name(), dir, label])
             .args(budget.map(|b| b.to_string()));
         let out = self.run(scratch, command, Stdio::from(input))?;
+        drop(helper);
         Ok(out.trim().parse().ok())
     }
 
