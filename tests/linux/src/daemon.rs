@@ -21,6 +21,12 @@ pub struct DaemonConfig {
     /// `cloud-hypervisor` runs the sessions on the stock VMM in `bin_dir` of that name;
     /// empty, on agentvm-vmm.
     pub vmm_flavour: String,
+    /// New sessions start from their image's template (`--templates`). Off but in
+    /// `template-starts`: in L1 boots of the first half of the scenarios, the L1 hung (its
+    /// console silent, a CPU in the kernel's int3 handler with interrupts off) right after
+    /// a template was saved in 4 of 6 attempts, which no run without templates did; until
+    /// that is understood, the other scenarios keep to the boot path they were written for.
+    pub templates: bool,
 }
 
 pub struct Daemon {
@@ -64,6 +70,8 @@ impl Daemon {
             })
             .arg("--guest-ready-timeout-secs")
             .arg(c.guest_ready_timeout_secs.to_string())
+            .arg("--templates")
+            .arg(c.templates.to_string())
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
@@ -98,6 +106,14 @@ impl Daemon {
         let channel =
             agentvmd::client::connect(&ListenAddr::Unix(self.config.socket.clone())).await?;
         Ok(SessionsClient::new(channel))
+    }
+
+    /// A new agentvmd over the same state with templates on or off (none of the lane's
+    /// sessions may be running).
+    pub async fn restart_with_templates(&mut self, on: bool) -> anyhow::Result<()> {
+        self.kill();
+        self.config.templates = on;
+        self.spawn().await
     }
 
     /// kill -9 of agentvmd, then a new one over the same state: what a crash and a systemd

@@ -184,6 +184,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         log: args.out.join("agentvmd.log"),
         guest_ready_timeout_secs: args.guest_ready_timeout_secs,
         vmm_flavour: args.vmm_flavour.clone(),
+        templates: false,
     })
     .await;
     let mut lane = match daemon {
