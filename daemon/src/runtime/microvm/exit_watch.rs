@@ -6,6 +6,7 @@
 //! reap). A pid file that names another process by the time the exit is seen means a newer
 //! VMM serves the session; that exit is not news.
 
+use super::lock;
 use std::collections::HashSet;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Arc, Mutex};
@@ -36,10 +37,6 @@ impl Default for ExitWatch {
             watched: Arc::default(),
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl ExitWatch {

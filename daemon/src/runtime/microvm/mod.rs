@@ -175,6 +175,11 @@ pub struct MicrovmRuntime {
     cpu: String,
 }
 
+/// A lock whose holder panicked still guards plain data: go on with it.
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// The limits every VMM of this runtime runs under.
 fn limits(config: &MicrovmConfig) -> Limits {
     let guest_mib = config

@@ -8,6 +8,7 @@
 //! directory. Unclaimed VMMs end with the runtime; ones a crashed daemon left are stopped by
 //! the next one's start-up reconciliation (`remove_leftovers`).
 
+use super::lock;
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -159,10 +160,6 @@ impl Inner {
             });
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The pooled VMMs' directories in `run_dir`.

@@ -18,9 +18,10 @@
 //! makes a new template; ones no image has as its key any more are deleted once no session
 //! maps them (the store keeps a snapshot while it has holders or layers).
 
+use super::lock;
 use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -134,7 +135,7 @@ impl Templates {
         vmm: &Path,
         cpu: &str,
     ) -> std::io::Result<TemplateKey> {
-        let file = |path: Option<&PathBuf>| -> std::io::Result<String> {
+        let file = |path: Option<&Path>| -> std::io::Result<String> {
             path.map_or(Ok("none".to_owned()), |p| self.file_digest(p))
         };
         let parts = vec![
@@ -142,15 +143,15 @@ impl Templates {
             ("agentvmd", env!("CARGO_PKG_VERSION").to_owned()),
             ("harness", image.harness.clone()),
             ("kernel", file(Some(&image.kernel))?),
-            ("initramfs", file(image.initramfs.as_ref())?),
-            ("rootfs", file(image.rootfs.as_ref())?),
-            ("workspace", file(image.workspace_template.as_ref())?),
+            ("initramfs", file(image.initramfs.as_deref())?),
+            ("rootfs", file(image.rootfs.as_deref())?),
+            ("workspace", file(image.workspace_template.as_deref())?),
             ("workspace_mib", image.workspace_mib.to_string()),
             ("cmdline", format!("{} | {}", shape.cmdline, image.cmdline)),
             ("vcpus", shape.vcpus.to_string()),
             ("memory_mib", shape.memory_mib.to_string()),
             ("network", image.network.is_some().to_string()),
-            ("vmm", file(Some(&vmm.to_owned()))?),
+            ("vmm", file(Some(vmm))?),
             ("flavour", shape.flavour.to_owned()),
             ("cpu", cpu.to_owned()),
         ];
@@ -207,20 +208,8 @@ impl Templates {
             .iter()
             .map(|(s, p)| (s.clone(), *p))
             .collect();
-        all.sort();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
         all
-    }
-}
-
-impl PartialOrd for StartPath {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for StartPath {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        self.name().cmp(other.name())
     }
 }
 
@@ -274,10 +263,6 @@ fn cpu_identity(cpuinfo: &str) -> String {
     let mut hasher = Sha256::new();
     hasher.update(out.join("\n").as_bytes());
     hex::encode(&hasher.finalize()[..16])
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 #[cfg(test)]
