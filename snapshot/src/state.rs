@@ -69,6 +69,10 @@ pub struct VmState {
     /// connection state: a restored VM's device starts with no flows.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub nets: Vec<VirtioMmioState>,
+    /// Saved with its vsock streams open (a checkpoint: the VM went on running and kept
+    /// them). A VM restored from it tells the guest every stream is gone before it runs.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub streams_live: bool,
 }
 
 #[derive(Debug, Serialize, Deserialize)]

@@ -252,6 +252,28 @@ impl VmmClient {
         self.put_json(endpoint::VM_FORK, &body).await
     }
 
+    /// `PUT vm.checkpoint` (extension) of the running VM into `dir` (which must exist).
+    pub async fn checkpoint(
+        &self,
+        dir: &std::path::Path,
+    ) -> Result<crate::types::VmCheckpointReport, ClientError> {
+        let body = crate::types::VmCheckpointConfig {
+            destination_url: format!("file://{}", dir.display()),
+        };
+        let body = serde_json::to_vec(&body).map_err(|e| ClientError::InvalidRequest {
+            endpoint: endpoint::VM_CHECKPOINT.to_owned(),
+            reason: format!("encoding the body: {e}"),
+        })?;
+        let response = self
+            .request(
+                Method::PUT,
+                endpoint::VM_CHECKPOINT,
+                Some(Bytes::from(body)),
+            )
+            .await?;
+        decode(endpoint::VM_CHECKPOINT, &response.body)
+    }
+
     /// `PUT vm.egress-allow` (extension): append `rules` to the egress policy of the net
     /// device `id` (the VM's first when `None`).
     pub async fn egress_allow(

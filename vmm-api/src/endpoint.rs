@@ -31,6 +31,9 @@ pub const VM_RESTORE: &str = "vm.restore";
 /// `PUT` with a `VmForkConfig` body (agentvm extension): freeze the paused VM's memory as a
 /// base that any number of restored children share copy-on-write.
 pub const VM_FORK: &str = "vm.fork";
+/// `PUT` with a `VmCheckpointConfig` body (agentvm extension): checkpoint the running VM
+/// (paused only while what changed is captured); answers a `VmCheckpointReport`.
+pub const VM_CHECKPOINT: &str = "vm.checkpoint";
 /// `PUT` with a `VmEgressAllow` body (agentvm extension): append allow rules to a booted
 /// VM's egress policy.
 pub const VM_EGRESS_ALLOW: &str = "vm.egress-allow";

@@ -164,6 +164,33 @@ pub struct VmForkConfig {
     pub resume: bool,
 }
 
+/// `vm.checkpoint` body (agentvm extension): where to write the checkpoint
+/// (`file:///absolute/dir`, existing and empty).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmCheckpointConfig {
+    pub destination_url: String,
+}
+
+/// What `vm.checkpoint` did. The first checkpoint of a VM holds what it changed since it was
+/// restored (or, booted, its whole RAM, linked rather than copied); each later one is a
+/// layer on the one before holding only the pages and disk blocks written in between.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct VmCheckpointReport {
+    /// Guest pages the checkpoint's memory file stores.
+    pub memory_pages: u64,
+    /// 4 KiB disk blocks its disk layers store, all disks together.
+    pub disk_blocks: u64,
+    /// How long the VM was paused, microseconds.
+    pub paused_us: u64,
+    /// From the call to a durable checkpoint, microseconds.
+    pub elapsed_us: u64,
+    /// Layered on the VM's previous checkpoint (false: the first, or a flattened one).
+    pub incremental: bool,
+    /// Layers in the checkpoint's chain, itself included.
+    pub chain_depth: u32,
+}
+
 /// How `vm.restore` brings memory back (Cloud Hypervisor's names).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum MemoryRestoreMode {

@@ -550,6 +550,30 @@ impl VmmBackend for Vmm {
         )
     }
 
+    fn checkpoint(
+        &self,
+        config: agentvm_vmm_api::types::VmCheckpointConfig,
+    ) -> Result<agentvm_vmm_api::types::VmCheckpointReport, ApiError> {
+        let dir = dir_from_url("destination_url", &config.destination_url)
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        let mut inner = lock(&self.inner);
+        match &mut inner.slot {
+            Slot::Running(config, booted) => {
+                let config_json = serde_json::to_vec_pretty(config)
+                    .map_err(|e| ApiError::internal(format!("encoding config.json: {e}")))?;
+                booted
+                    .vm
+                    .checkpoint(&dir, &config_json)
+                    .map_err(|e| ApiError::from_error(500, &e))
+            }
+            Slot::Empty => Err(no_vm()),
+            other => Err(ApiError::internal(format!(
+                "cannot checkpoint a VM in state {}: a checkpoint is of a running VM",
+                state_name(other)
+            ))),
+        }
+    }
+
     fn restore(&self, request: RestoreConfig) -> Result<(), ApiError> {
         self.asked_for_vm
             .store(true, std::sync::atomic::Ordering::SeqCst);

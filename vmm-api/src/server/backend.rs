@@ -3,8 +3,8 @@
 use crate::config::VmConfig;
 use crate::error::ApiError;
 use crate::types::{
-    RestoreConfig, VmCounters, VmEgressAllow, VmForkConfig, VmInfo, VmSnapshotConfig,
-    VmmPingResponse, VmmRamDir,
+    RestoreConfig, VmCheckpointConfig, VmCheckpointReport, VmCounters, VmEgressAllow, VmForkConfig,
+    VmInfo, VmSnapshotConfig, VmmPingResponse, VmmRamDir,
 };
 
 /// The VMM behind the API.
@@ -51,6 +51,15 @@ pub trait VmmBackend: Send + Sync + 'static {
 
     /// `PUT vm.fork` (extension): the VM must be `Paused`; it stays paused.
     fn fork(&self, config: VmForkConfig) -> Result<(), ApiError>;
+
+    /// `PUT vm.checkpoint` (extension): the VM must be `Running` (else 500) and stays so.
+    /// A backend without checkpoints answers 501.
+    fn checkpoint(&self, _config: VmCheckpointConfig) -> Result<VmCheckpointReport, ApiError> {
+        Err(ApiError::new(
+            501,
+            "vm.checkpoint is not supported by this VMM",
+        ))
+    }
 
     /// `PUT vm.egress-allow` (extension): append `request.rules` (already parsed and checked
     /// by the server) to the policy of a booted VM's net device. No VM booted or no such

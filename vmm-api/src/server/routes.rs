@@ -113,6 +113,12 @@ static ROUTES: &[Route] = &[
     route(endpoint::VM_RESTORE, Verb::Put, BodyRule::Required, restore),
     route(endpoint::VM_FORK, Verb::Put, BodyRule::Required, fork),
     route(
+        endpoint::VM_CHECKPOINT,
+        Verb::Put,
+        BodyRule::Required,
+        checkpoint,
+    ),
+    route(
         endpoint::VM_EGRESS_ALLOW,
         Verb::Put,
         BodyRule::Required,
@@ -243,6 +249,12 @@ fn fork(body: &[u8]) -> Result<Call, ApiError> {
     let config: crate::types::VmForkConfig = decode(body, "fork config")?;
     url_field("destination_url", &config.destination_url)?;
     call(move |b| no_content(b.fork(config)))
+}
+
+fn checkpoint(body: &[u8]) -> Result<Call, ApiError> {
+    let config: crate::types::VmCheckpointConfig = decode(body, "checkpoint config")?;
+    url_field("destination_url", &config.destination_url)?;
+    call(move |b| json(&b.checkpoint(config)?))
 }
 
 fn egress_allow(body: &[u8]) -> Result<Call, ApiError> {

@@ -11,7 +11,9 @@ use std::path::Path;
 
 use linux_loader::loader::bootparam::setup_header;
 use linux_loader::loader::{self, BzImage, Elf, KernelLoader, PvhBootCapability};
-use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryMmap, ReadVolatile};
+use vm_memory::{Address, Bytes, GuestAddress, ReadVolatile};
+
+use crate::kvm::memory::GuestMemoryMmap;
 
 use super::layout;
 

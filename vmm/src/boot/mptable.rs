@@ -2,7 +2,9 @@
 //! has, where the IOAPIC is and how the ISA IRQs are wired. Written into the EBDA, where guests
 //! scan for the floating pointer.
 
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress};
+
+use crate::kvm::memory::GuestMemoryMmap;
 
 use super::layout;
 

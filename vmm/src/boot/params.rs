@@ -5,7 +5,9 @@ use linux_loader::loader::bootparam::{boot_e820_entry, boot_params, setup_header
 use linux_loader::loader::elf::start_info::{
     hvm_memmap_table_entry, hvm_modlist_entry, hvm_start_info,
 };
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress};
+
+use crate::kvm::memory::GuestMemoryMmap;
 
 use super::layout;
 use super::loader::LoadedInitrd;

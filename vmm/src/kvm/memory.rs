@@ -21,10 +21,19 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use agentvm_snapshot::pages::{self, PAGE_SIZE, PageHasher};
-use vm_memory::mmap::MmapRegion;
-use vm_memory::{
-    Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestRegionMmap,
-};
+use vm_memory::bitmap::AtomicBitmap;
+use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryBackend};
+
+/// Guest RAM as devices and vCPU set-up see it. Every write through it marks its page in the
+/// region's bitmap: a checkpoint takes those pages (device writes, which KVM's dirty log
+/// never sees) together with the pages the vCPUs wrote.
+pub type GuestMemoryMmap = vm_memory::GuestMemoryMmap<AtomicBitmap>;
+type GuestRegionMmap = vm_memory::GuestRegionMmap<AtomicBitmap>;
+/// What a device writes a descriptor chain's buffers through (marks the pages it writes).
+pub type ChainWriter<'a> = virtio_queue::Writer<'a, vm_memory::bitmap::RefSlice<'a, AtomicBitmap>>;
+/// What a device reads a descriptor chain's buffers through.
+pub type ChainReader<'a> = virtio_queue::Reader<'a, vm_memory::bitmap::RefSlice<'a, AtomicBitmap>>;
+type MmapRegion = vm_memory::mmap::MmapRegion<AtomicBitmap>;
 
 use crate::boot::layout;
 
@@ -349,6 +358,81 @@ impl GuestRam {
             None => pages::file_digest(&self.file).map_err(write_err)?,
         };
         Ok((digest, pages, linked))
+    }
+
+    /// Forgets which pages devices wrote: what [`Self::dirty_file_pages`] reports next
+    /// starts now.
+    pub fn reset_device_dirty(&self) {
+        for region in self.memory.iter() {
+            std::ops::Deref::deref(region).bitmap().reset();
+        }
+    }
+
+    /// The memory-file pages written since the last checkpoint, in order: those the guest
+    /// wrote (`guest`: KVM's dirty log, one bitmap per region in address order) and those
+    /// devices wrote through [`GuestMemoryMmap`] (whose marks are reset).
+    pub fn dirty_file_pages(&self, guest: &[Vec<u64>]) -> Vec<u64> {
+        let mut out = Vec::new();
+        for ((region, mapped), guest) in
+            regions(self.size).iter().zip(self.memory.iter()).zip(guest)
+        {
+            let devices = std::ops::Deref::deref(mapped).bitmap().get_and_reset();
+            let first = region.file_offset / PAGE_SIZE;
+            let pages = region.len / PAGE_SIZE;
+            for (word, (g, d)) in guest
+                .iter()
+                .zip(devices.iter().chain(std::iter::repeat(&0)))
+                .enumerate()
+            {
+                let mut bits = g | d;
+                while bits != 0 {
+                    let bit = u64::from(bits.trailing_zeros());
+                    bits &= bits - 1;
+                    let index = word as u64 * 64 + bit;
+                    if index < pages {
+                        out.push(first + index);
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// The memory-file pages a `Private` VM changed since it was mapped (see
+    /// [`changed_pages`]), in order.
+    pub fn changed_file_pages(&self) -> Result<Vec<u64>, MemoryError> {
+        let mut out = Vec::new();
+        for region in regions(self.size) {
+            let first = region.file_offset / PAGE_SIZE;
+            let host = self.host_address(region.gpa);
+            out.extend(
+                changed_pages(host, region.len)
+                    .map_err(MemoryError::Pagemap)?
+                    .into_iter()
+                    .map(|i| first + i),
+            );
+        }
+        Ok(out)
+    }
+
+    /// A copy of `pages` (memory-file page indices, as the two calls above give them), page
+    /// after page: taken while the VM is paused, written out after it runs again.
+    pub fn stage_pages(&self, pages: &[u64]) -> Result<Vec<u8>, MemoryError> {
+        let mut staged = vec![0u8; pages.len() * PAGE_SIZE as usize];
+        for (page, out) in pages
+            .iter()
+            .zip(staged.chunks_exact_mut(PAGE_SIZE as usize))
+        {
+            let gpa =
+                gpa_of(self.size, page * PAGE_SIZE).ok_or(MemoryError::Region(page * PAGE_SIZE))?;
+            self.memory
+                .read_slice(out, GuestAddress(gpa))
+                .map_err(|e| MemoryError::Write {
+                    path: format!("guest page {gpa:#x}"),
+                    source: io::Error::other(e.to_string()),
+                })?;
+        }
+        Ok(staged)
     }
 
     fn host_address(&self, gpa: u64) -> *mut u8 {

@@ -3,7 +3,9 @@
 
 use kvm_bindings::{Msrs, kvm_fpu, kvm_msr_entry, kvm_regs, kvm_segment, kvm_sregs};
 use kvm_ioctls::VcpuFd;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress};
+
+use crate::kvm::memory::GuestMemoryMmap;
 
 use crate::boot::layout;
 use crate::boot::loader::EntryPoint;

@@ -10,7 +10,7 @@
 //! irqchip exists.
 
 use kvm_bindings::{
-    CpuId, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY, kvm_pit_config,
+    CpuId, KVM_MAX_CPUID_ENTRIES, KVM_MEM_LOG_DIRTY_PAGES, KVM_PIT_SPEAKER_DUMMY, kvm_pit_config,
     kvm_userspace_memory_region,
 };
 use kvm_ioctls::{Kvm, VmFd};
@@ -41,6 +41,7 @@ pub struct KvmVm {
     pub fd: VmFd,
     supported_cpuid: CpuId,
     ram_mapped: bool,
+    logging_dirty: bool,
 }
 
 impl KvmVm {
@@ -56,6 +57,7 @@ impl KvmVm {
             fd,
             supported_cpuid,
             ram_mapped: false,
+            logging_dirty: false,
         })
     }
 
@@ -69,22 +71,61 @@ impl KvmVm {
         if self.ram_mapped {
             return Err(VmError::AlreadyMapped);
         }
+        self.register_slots(ram, 0)?;
+        self.ram_mapped = true;
+        setup_irqchip_and_pit(&self.fd)
+    }
+
+    /// Turns KVM's log of the pages the guest writes on for every RAM slot (a flags-only
+    /// change, allowed while vCPUs run). Once on it stays on; [`Self::take_dirty_log`] then
+    /// says what was written since it was last called.
+    ///
+    /// Done while the VM still runs, before the pause of its first checkpoint: a slot change
+    /// waits out the grace period the irqchip's creation started (see the module comment),
+    /// which must not be paid with the guest stopped.
+    pub fn log_dirty_pages(&mut self, ram: &GuestRam) -> Result<(), VmError> {
+        if self.logging_dirty {
+            return Ok(());
+        }
+        self.register_slots(ram, KVM_MEM_LOG_DIRTY_PAGES)?;
+        self.logging_dirty = true;
+        Ok(())
+    }
+
+    pub fn logging_dirty(&self) -> bool {
+        self.logging_dirty
+    }
+
+    /// Per RAM slot (in guest-address order), a bitmap of the pages the guest wrote since
+    /// the last call (or since logging began), one bit per 4 KiB page; the log starts afresh.
+    pub fn take_dirty_log(&self, ram: &GuestRam) -> Result<Vec<Vec<u64>>, VmError> {
+        ram.memory()
+            .iter()
+            .enumerate()
+            .map(|(index, region)| {
+                self.fd
+                    .get_dirty_log(index as u32, region.len() as usize)
+                    .map_err(ioctl("KVM_GET_DIRTY_LOG"))
+            })
+            .collect()
+    }
+
+    fn register_slots(&self, ram: &GuestRam, flags: u32) -> Result<(), VmError> {
         for (index, region) in ram.memory().iter().enumerate() {
             let slot = kvm_userspace_memory_region {
                 slot: index as u32,
                 guest_phys_addr: region.start_addr().raw_value(),
                 memory_size: region.len(),
                 userspace_addr: region.as_ptr() as u64,
-                flags: 0,
+                flags,
             };
             // SAFETY: the host range is a live mapping owned by `ram`, which the caller keeps
             // alive for as long as this VM exists (the VM struct holds both and drops the VM
-            // fd first).
+            // fd first). Re-registering a slot with the same range changes only its flags.
             unsafe { self.fd.set_user_memory_region(slot) }
                 .map_err(ioctl("KVM_SET_USER_MEMORY_REGION"))?;
         }
-        self.ram_mapped = true;
-        setup_irqchip_and_pit(&self.fd)
+        Ok(())
     }
 }
 

@@ -2,9 +2,11 @@
 //! their buses, and the vCPU threads. The only place a VM is built; `persist` builds one
 //! from a snapshot instead and writes snapshots.
 
+mod checkpoint;
 mod persist;
 
-pub use persist::{FLATTEN_AT, RestoreSpec, SaveKind, SaveReport};
+pub use checkpoint::CHECKPOINT_DEPTH;
+pub use persist::{FLATTEN_AT, PersistError, RestoreSpec, SaveKind, SaveReport};
 
 use std::collections::BTreeMap;
 use std::fs::OpenOptions;
@@ -188,6 +190,8 @@ pub struct Vm {
     booted: Instant,
     /// The MSRs a snapshot saves, probed on first use.
     msrs: std::sync::OnceLock<Vec<u32>>,
+    /// What the next checkpoint is layered on.
+    last_checkpoint: Option<checkpoint::LastCheckpoint>,
 }
 
 /// What a VM is built from before KVM is involved.
@@ -379,6 +383,7 @@ impl Vm {
             ram,
             booted: started,
             msrs: std::sync::OnceLock::new(),
+            last_checkpoint: None,
         })
     }
 

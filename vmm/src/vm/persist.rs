@@ -290,7 +290,11 @@ impl Vm {
     /// stay holes), so the snapshot is whole on its own: it can be archived, fetched by
     /// another node and restored any number of times, each restore writing to a copy of its
     /// own. Read-only disks are images shared by path, not copied.
-    fn copy_disks(&self, writer: &mut SnapshotWriter, layered: bool) -> Result<(), PersistError> {
+    pub(super) fn copy_disks(
+        &self,
+        writer: &mut SnapshotWriter,
+        layered: bool,
+    ) -> Result<(), PersistError> {
         for (index, disk) in self.disks.iter().enumerate() {
             let transport = super::lock_disk(&disk.device);
             let block = transport.device();
@@ -320,7 +324,7 @@ impl Vm {
     }
 
     /// Every host stream ends at a snapshot; the guest is told through its event queue.
-    fn reset_vsock_streams(&self) {
+    pub(super) fn reset_vsock_streams(&self) {
         if let Some(attached) = &self.vsock {
             let mut transport = super::lock_vsock(&attached.device);
             if let Some(mut active) = transport.active() {
@@ -329,7 +333,7 @@ impl Vm {
         }
     }
 
-    fn save_state(&self) -> Result<VmState, PersistError> {
+    pub(super) fn save_state(&self) -> Result<VmState, PersistError> {
         let vcpus = self.vcpus.vcpus();
         let msrs = match self.msrs.get() {
             Some(msrs) => msrs,
@@ -384,6 +388,7 @@ impl Vm {
                     transport.save(config)
                 })
                 .collect(),
+            streams_live: false,
         })
     }
 
@@ -466,6 +471,7 @@ impl Vm {
             .collect::<Result<Vec<_>, _>>()?;
         let stats = Arc::new(SerialStats::default());
         let serial = serial_device(&spec, stats.clone(), state.serial.as_ref())?;
+        let streams_live = state.streams_live;
         let parts = Parts {
             ram,
             vsock,
@@ -474,12 +480,21 @@ impl Vm {
             serial,
             serial_stats: stats,
         };
-        Self::assemble(
+        // Streams saved open are dead here: the guest hears so before it runs.
+        let vm = Self::assemble(
             parts,
             kvm,
             |kvm, _ram| restore_kvm_state(kvm, &state),
-            !resume,
-        )
+            !resume || streams_live,
+        )?;
+        if streams_live {
+            vm.reset_vsock_streams();
+            if resume {
+                vm.resume()
+                    .map_err(|e| BuildError::State(format!("resuming the restored VM: {e}")))?;
+            }
+        }
+        Ok(vm)
     }
 }
 

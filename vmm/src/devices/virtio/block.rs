@@ -13,8 +13,8 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use crate::kvm::memory::GuestMemoryMmap;
 use virtio_queue::{DescriptorChain, QueueT};
-use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -70,6 +70,9 @@ pub enum BlockError {
     Unaligned { path: PathBuf, size: u64 },
 }
 
+/// Disk blocks (4 KiB index, contents) in block order.
+pub type WrittenBlocks = Vec<(u64, Vec<u8>)>;
+
 /// What the guest sees of one disk.
 pub struct Block {
     file: File,
@@ -81,6 +84,8 @@ pub struct Block {
     stats: Arc<BlockStats>,
     /// For a restored VM's writable disk: the snapshot layers under `file`.
     layers: Option<agentvm_snapshot::disk::Layers>,
+    /// 4 KiB blocks the guest wrote since the VM's last checkpoint; `None` until its first.
+    written_since_checkpoint: Option<std::collections::BTreeSet<u64>>,
 }
 
 /// How [`Block::copy_to`] stored the disk.
@@ -136,6 +141,7 @@ impl Block {
             id: serial,
             stats: Arc::default(),
             layers: None,
+            written_since_checkpoint: None,
         })
     }
 
@@ -201,6 +207,32 @@ impl Block {
                 Ok((DiskCopy::Whole, digest, pages))
             }
         }
+    }
+
+    /// Starts (or restarts) counting the blocks the guest writes, for the next checkpoint.
+    pub fn track_writes(&mut self) {
+        self.written_since_checkpoint = Some(Default::default());
+    }
+
+    /// The blocks written since [`Self::track_writes`] (or the last call) with what each now
+    /// holds, in block order; counting starts afresh. `None` if writes were not counted.
+    /// The VM must be paused.
+    pub fn take_written_blocks(&mut self) -> std::io::Result<Option<WrittenBlocks>> {
+        let Some(written) = self.written_since_checkpoint.as_mut() else {
+            return Ok(None);
+        };
+        let written = std::mem::take(written);
+        let block = agentvm_snapshot::pages::PAGE_SIZE;
+        let mut out = Vec::with_capacity(written.len());
+        for index in written {
+            let at = index * block;
+            // The last block may be short: the disk's size is a multiple of 512 only.
+            let len = block.min(self.capacity.saturating_sub(at)) as usize;
+            let mut bytes = vec![0u8; block as usize];
+            self.read_disk(&mut bytes[..len], at)?;
+            out.push((index, bytes));
+        }
+        Ok(Some(out))
     }
 
     /// Reads the disk's bytes at `at` (through its layers, if it has them).
@@ -286,7 +318,7 @@ impl Block {
         (start.checked_add(len)? <= self.capacity).then_some(start)
     }
 
-    fn read(&mut self, sector: u64, writer: &mut virtio_queue::Writer<'_>) -> u8 {
+    fn read(&mut self, sector: u64, writer: &mut crate::kvm::memory::ChainWriter<'_>) -> u8 {
         let len = writer.available_bytes();
         let Some(offset) = self.range(sector, len) else {
             return status::IOERR;
@@ -299,7 +331,7 @@ impl Block {
         counted(moved, &self.stats.reads, &self.stats.read_bytes, len)
     }
 
-    fn write(&mut self, sector: u64, reader: &mut virtio_queue::Reader<'_>) -> u8 {
+    fn write(&mut self, sector: u64, reader: &mut crate::kvm::memory::ChainReader<'_>) -> u8 {
         if self.read_only {
             return status::IOERR;
         }
@@ -308,8 +340,14 @@ impl Block {
             return status::IOERR;
         };
         let (file, layers) = (&self.file, &mut self.layers);
+        let written = &mut self.written_since_checkpoint;
         let moved = in_steps(len, offset, |buf, at| {
             std::io::Read::read_exact(reader, buf)?;
+            if let Some(written) = written.as_mut() {
+                let block = agentvm_snapshot::pages::PAGE_SIZE;
+                let end = (at + buf.len() as u64).div_ceil(block);
+                written.extend(at / block..end);
+            }
             match layers {
                 Some(layers) => layers.write_at(file, buf, at),
                 None => file.write_all_at(buf, at),

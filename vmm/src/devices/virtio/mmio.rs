@@ -8,8 +8,8 @@
 
 use std::sync::Arc;
 
+use crate::kvm::memory::GuestMemoryMmap;
 use virtio_queue::{Queue, QueueT};
-use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
 use agentvm_snapshot::state::{QueueState as SavedQueue, VirtioMmioState};

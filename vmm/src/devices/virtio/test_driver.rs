@@ -2,7 +2,9 @@
 //! guest RAM, publishes descriptor chains (well-formed and hostile) and reads back what the
 //! device used, as a guest kernel would.
 
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress};
+
+use crate::kvm::memory::GuestMemoryMmap;
 
 use super::VirtioDevice;
 use super::mmio::VirtioMmio;

@@ -4,7 +4,9 @@
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
+
+use crate::kvm::memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::{
@@ -352,4 +354,70 @@ fn random_descriptor_tables_never_break_the_device() {
     let mut magic = [0u8; 4];
     lock(&disk.device).read(0, &mut magic);
     assert_eq!(u32::from_le_bytes(magic), 0x7472_6976);
+}
+
+#[test]
+fn blocks_written_since_tracking_began_are_handed_over_once() {
+    let mut disk = Disk::new(false);
+    disk.mem
+        .write_slice(&[0x11u8; 512], GuestAddress(DATA))
+        .unwrap();
+    // Before tracking: nothing is counted.
+    assert_eq!(disk.request(request::OUT, 1, &[(DATA, 512)]).0, status::OK);
+    assert!(
+        lock(&disk.device)
+            .device_mut()
+            .take_written_blocks()
+            .unwrap()
+            .is_none()
+    );
+    lock(&disk.device).device_mut().track_writes();
+    // Sector 9 lies in block 1; sectors 15..17 straddle blocks 1 and 2.
+    disk.mem
+        .write_slice(&[0x22u8; 1536], GuestAddress(DATA))
+        .unwrap();
+    assert_eq!(disk.request(request::OUT, 9, &[(DATA, 512)]).0, status::OK);
+    assert_eq!(
+        disk.request(request::OUT, 15, &[(DATA, 1024)]).0,
+        status::OK
+    );
+    // A read is not a write.
+    assert_eq!(
+        disk.request(request::IN, 40, &[(DATA + 0x8000, 512)]).0,
+        status::OK
+    );
+    let blocks = lock(&disk.device)
+        .device_mut()
+        .take_written_blocks()
+        .unwrap()
+        .expect("counting");
+    let indices: Vec<u64> = blocks.iter().map(|(i, _)| *i).collect();
+    assert_eq!(indices, [1, 2]);
+    // Each block as the disk now reads: the write and the sectors around it.
+    let file = disk.file();
+    assert_eq!(blocks[0].1, file[4096..8192]);
+    assert_eq!(blocks[1].1, file[8192..12288]);
+    assert_eq!(&blocks[0].1[512..1024], &[0x22u8; 512]);
+    // Counting starts afresh.
+    let again = lock(&disk.device)
+        .device_mut()
+        .take_written_blocks()
+        .unwrap();
+    assert_eq!(again, Some(Vec::new()));
+}
+
+#[test]
+fn what_the_device_writes_into_guest_memory_is_marked_dirty() {
+    let mut disk = Disk::new(false);
+    for region in disk.mem.iter() {
+        std::ops::Deref::deref(region).bitmap().reset();
+    }
+    let (status, _) = disk.request(request::IN, 3, &[(DATA + 0x5000, 512)]);
+    assert_eq!(status, status::OK);
+    let region = disk.mem.iter().next().unwrap();
+    let bitmap = std::ops::Deref::deref(region).bitmap();
+    // The buffer the read filled and the status byte: both device writes.
+    assert!(bitmap.is_addr_set((DATA + 0x5000) as usize));
+    assert!(bitmap.is_addr_set(STATUS as usize));
+    assert!(!bitmap.is_addr_set((DATA + 0x9000) as usize));
 }

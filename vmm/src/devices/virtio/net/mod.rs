@@ -23,9 +23,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
+use crate::kvm::memory::GuestMemoryMmap;
 use agentvm_vmm_api::config::{ParsedPolicy, ParsedRule, RateLimiterConfig};
 use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
-use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -463,7 +463,7 @@ pub fn process_rx(active: &mut ActiveDevice<'_, Net>, now: Instant) -> RxStop {
 
 /// A receive buffer from the guest.
 enum Buffer<'a> {
-    Usable(u16, virtio_queue::Writer<'a>),
+    Usable(u16, crate::kvm::memory::ChainWriter<'a>),
     /// Invalid, or too small for a header and an Ethernet header: handed back empty so the
     /// queue moves on.
     Unusable(u16),

@@ -9,7 +9,9 @@ use std::time::Instant;
 use agentvm_vmm_api::config::{
     EgressPolicy, EgressRule, RateLimiterConfig, TokenBucket as BucketConfig,
 };
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress};
+
+use crate::kvm::memory::GuestMemoryMmap;
 use vmm_sys_util::epoll::{Epoll, EpollEvent};
 use vmm_sys_util::eventfd::EventFd;
 

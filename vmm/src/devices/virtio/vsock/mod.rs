@@ -15,8 +15,8 @@ use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
+use crate::kvm::memory::GuestMemoryMmap;
 use virtio_queue::{DescriptorChain, QueueOwnedT, QueueT};
-use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 

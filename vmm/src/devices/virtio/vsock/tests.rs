@@ -10,7 +10,9 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress};
+
+use crate::kvm::memory::GuestMemoryMmap;
 use vmm_sys_util::epoll::{Epoll, EpollEvent};
 use vmm_sys_util::eventfd::EventFd;
 

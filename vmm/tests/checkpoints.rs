@@ -1,0 +1,128 @@
+//! Checkpoints of a running VM on real /dev/kvm with the test guest: each holds only what
+//! changed since the one before, the VM runs on with its vsock streams open, and a VM
+//! restored from any of them is the guest as it was at that checkpoint.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+
+use agentvm_snapshot::manifest::MEMORY_FILE;
+use agentvm_vmm_api::types::VmCheckpointReport;
+use support::{GuestLink, Vmm};
+
+const PORT: u32 = agentvm_proto::guest::GUEST_AGENT_PORT;
+
+fn store() -> tempfile::TempDir {
+    match tempfile::tempdir_in("/dev/shm") {
+        Ok(dir) => dir,
+        Err(_) => tempfile::tempdir().unwrap(),
+    }
+}
+
+async fn checkpoint(vmm: &Vmm, store: &Path, name: &str) -> (PathBuf, VmCheckpointReport) {
+    let dir = store.join(name);
+    std::fs::create_dir(&dir).unwrap();
+    let report = vmm.client.checkpoint(&dir).await.expect("vm.checkpoint");
+    (dir, report)
+}
+
+/// A VM restored from `dir`, told so, with its link.
+async fn restored(dir: &Path, generation: u64) -> (Vmm, GuestLink) {
+    let vmm = Vmm::spawn().await;
+    vmm.restore(dir).await;
+    let mut link = GuestLink::connect_ready(&vmm.vsock_socket(), PORT);
+    assert_eq!(link.restored(true, generation, "child"), generation);
+    (vmm, link)
+}
+
+#[tokio::test]
+async fn each_checkpoint_holds_what_changed_and_restores_the_guest_as_it_was() {
+    require_kvm!();
+    let vmm = Vmm::spawn().await;
+    vmm.boot(&vmm.config(1, 256, "")).await;
+    let mut link = GuestLink::connect_ready(&vmm.vsock_socket(), PORT);
+    assert_eq!(link.counter_turn(1, "e1"), "1");
+    assert_eq!(link.counter_turn(2, "e2"), "2");
+    let store = store();
+
+    // The first of a booted VM: its RAM, linked.
+    let (first, report) = checkpoint(&vmm, store.path(), "c1").await;
+    assert!(!report.incremental);
+    assert_eq!(report.chain_depth, 1);
+    // The VM runs on and the host's stream to it is still open.
+    assert_eq!(link.counter_turn(3, "e3"), "3");
+    assert_eq!(link.dirty(8, 0x0c0f_fee0), (8 * 256, 0));
+
+    // The second: a layer holding the 8 MiB stamped and the few pages the turn touched.
+    let (second, report) = checkpoint(&vmm, store.path(), "c2").await;
+    assert!(report.incremental, "{report:?}");
+    assert_eq!(report.chain_depth, 2);
+    assert!(
+        (8 * 256..8 * 256 + 64).contains(&report.memory_pages),
+        "{report:?}"
+    );
+    let layer = agentvm_snapshot::Snapshot::open(&second).unwrap();
+    assert!(layer.manifest.memory.base.is_some());
+
+    // An idle turn between checkpoints stores a handful of pages.
+    assert_eq!(link.counter_turn(4, "e4"), "4");
+    let (third, report) = checkpoint(&vmm, store.path(), "c3").await;
+    assert!(report.incremental);
+    assert_eq!(report.chain_depth, 3);
+    assert!(report.memory_pages < 64, "{report:?}");
+    assert_eq!(link.counter_turn(5, "e5"), "5");
+
+    // Each restores the guest as that checkpoint found it: counter and stamps.
+    let (at_first, mut child) = restored(&first, 1).await;
+    assert_eq!(child.counter_turn(1, "x"), "3");
+    at_first.shutdown().await;
+    let (at_second, mut child) = restored(&second, 1).await;
+    assert_eq!(child.dirty(8, 0), (8 * 256, 0), "every stamp at c2");
+    assert_eq!(child.counter_turn(1, "x"), "4");
+    at_second.shutdown().await;
+    let (at_third, mut child) = restored(&third, 1).await;
+    assert_eq!(child.counter_turn(1, "x"), "5");
+    at_third.shutdown().await;
+
+    // A checkpoint of a restored VM is a layer over what it was restored from.
+    let (again, mut again_link) = restored(&third, 1).await;
+    assert_eq!(again_link.counter_turn(1, "y"), "5");
+    let (fourth, report) = checkpoint(&again, store.path(), "c4").await;
+    assert!(!report.incremental);
+    assert_eq!(report.chain_depth, 4);
+    assert!(report.memory_pages < 8 * 256, "{report:?}");
+    let sparse = std::fs::metadata(fourth.join(MEMORY_FILE)).unwrap();
+    assert_eq!(sparse.len(), 256 << 20);
+    again.shutdown().await;
+    let (at_fourth, mut child) = restored(&fourth, 1).await;
+    assert_eq!(child.counter_turn(1, "z"), "6");
+    at_fourth.shutdown().await;
+
+    assert_eq!(link.counter_turn(6, "e6"), "6");
+    vmm.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_checkpoint_needs_a_running_vm_and_a_fresh_directory() {
+    require_kvm!();
+    let vmm = Vmm::spawn().await;
+    let store = store();
+    let dir = store.path().join("c");
+    std::fs::create_dir(&dir).unwrap();
+    let status = |r: Result<VmCheckpointReport, agentvm_vmm_api::client::ClientError>| {
+        r.err().and_then(|e| e.status())
+    };
+    assert_eq!(status(vmm.client.checkpoint(&dir).await), Some(404));
+    vmm.boot(&vmm.config(1, 128, "")).await;
+    vmm.client.pause().await.unwrap();
+    assert_eq!(status(vmm.client.checkpoint(&dir).await), Some(500));
+    vmm.client.resume().await.unwrap();
+    vmm.client.checkpoint(&dir).await.expect("vm.checkpoint");
+    // Never over a checkpoint already written; the VM still runs.
+    assert_eq!(status(vmm.client.checkpoint(&dir).await), Some(500));
+    assert_eq!(
+        vmm.client.info().await.unwrap().state,
+        agentvm_vmm_api::VmState::Running
+    );
+    vmm.shutdown().await;
+}
