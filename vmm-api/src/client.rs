@@ -274,6 +274,14 @@ impl VmmClient {
         decode(endpoint::VM_CHECKPOINT, &response.body)
     }
 
+    /// `PUT vm.checkpoint-wait` (extension): the last checkpoint, once durable.
+    pub async fn checkpoint_wait(&self) -> Result<crate::types::VmCheckpointReport, ClientError> {
+        let response = self
+            .request(Method::PUT, endpoint::VM_CHECKPOINT_WAIT, None)
+            .await?;
+        decode(endpoint::VM_CHECKPOINT_WAIT, &response.body)
+    }
+
     /// `PUT vm.egress-allow` (extension): append `rules` to the egress policy of the net
     /// device `id` (the VM's first when `None`).
     pub async fn egress_allow(

@@ -34,6 +34,9 @@ pub const VM_FORK: &str = "vm.fork";
 /// `PUT` with a `VmCheckpointConfig` body (agentvm extension): checkpoint the running VM
 /// (paused only while what changed is captured); answers a `VmCheckpointReport`.
 pub const VM_CHECKPOINT: &str = "vm.checkpoint";
+/// `PUT` (agentvm extension): wait until the last checkpoint is written and durable;
+/// answers its `VmCheckpointReport`.
+pub const VM_CHECKPOINT_WAIT: &str = "vm.checkpoint-wait";
 /// `PUT` with a `VmEgressAllow` body (agentvm extension): append allow rules to a booted
 /// VM's egress policy.
 pub const VM_EGRESS_ALLOW: &str = "vm.egress-allow";

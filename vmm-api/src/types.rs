@@ -187,8 +187,11 @@ pub struct VmCheckpointReport {
     pub elapsed_us: u64,
     /// Layered on the VM's previous checkpoint (false: the first, or a flattened one).
     pub incremental: bool,
-    /// Layers in the checkpoint's chain, itself included.
+    /// Layers in the checkpoint's chain, itself included (0 until it is written).
     pub chain_depth: u32,
+    /// Written and synced, manifest last (`vm.checkpoint-wait`'s answer); `vm.checkpoint`
+    /// answers as soon as the VM runs again, with the files still being written.
+    pub durable: bool,
 }
 
 /// How `vm.restore` brings memory back (Cloud Hypervisor's names).

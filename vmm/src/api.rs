@@ -574,6 +574,18 @@ impl VmmBackend for Vmm {
         }
     }
 
+    fn checkpoint_wait(&self) -> Result<agentvm_vmm_api::types::VmCheckpointReport, ApiError> {
+        let mut inner = lock(&self.inner);
+        match &mut inner.slot {
+            Slot::Running(_, booted) | Slot::Paused(_, booted) => match booted.vm.checkpoint_wait()
+            {
+                Some(written) => written.map_err(|e| ApiError::from_error(500, &e)),
+                None => Err(ApiError::not_found("no checkpoint is being written")),
+            },
+            _ => Err(no_vm()),
+        }
+    }
+
     fn restore(&self, request: RestoreConfig) -> Result<(), ApiError> {
         self.asked_for_vm
             .store(true, std::sync::atomic::Ordering::SeqCst);

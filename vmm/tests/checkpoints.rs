@@ -22,7 +22,19 @@ fn store() -> tempfile::TempDir {
 async fn checkpoint(vmm: &Vmm, store: &Path, name: &str) -> (PathBuf, VmCheckpointReport) {
     let dir = store.join(name);
     std::fs::create_dir(&dir).unwrap();
-    let report = vmm.client.checkpoint(&dir).await.expect("vm.checkpoint");
+    let taken = vmm.client.checkpoint(&dir).await.expect("vm.checkpoint");
+    assert!(!taken.durable);
+    let report = vmm
+        .client
+        .checkpoint_wait()
+        .await
+        .expect("vm.checkpoint-wait");
+    assert!(report.durable);
+    assert_eq!(
+        (taken.paused_us, taken.incremental),
+        (report.paused_us, report.incremental)
+    );
+    assert!(dir.join("manifest.json").exists());
     (dir, report)
 }
 
@@ -117,6 +129,7 @@ async fn a_checkpoint_needs_a_running_vm_and_a_fresh_directory() {
     vmm.client.pause().await.unwrap();
     assert_eq!(status(vmm.client.checkpoint(&dir).await), Some(500));
     vmm.client.resume().await.unwrap();
+    assert_eq!(status(vmm.client.checkpoint_wait().await), Some(404));
     vmm.client.checkpoint(&dir).await.expect("vm.checkpoint");
     // Never over a checkpoint already written; the VM still runs.
     assert_eq!(status(vmm.client.checkpoint(&dir).await), Some(500));

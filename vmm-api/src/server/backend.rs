@@ -61,6 +61,14 @@ pub trait VmmBackend: Send + Sync + 'static {
         ))
     }
 
+    /// `PUT vm.checkpoint-wait` (extension): no VM → 404; no checkpoint being written → 404.
+    fn checkpoint_wait(&self) -> Result<VmCheckpointReport, ApiError> {
+        Err(ApiError::new(
+            501,
+            "vm.checkpoint-wait is not supported by this VMM",
+        ))
+    }
+
     /// `PUT vm.egress-allow` (extension): append `request.rules` (already parsed and checked
     /// by the server) to the policy of a booted VM's net device. No VM booted or no such
     /// device → 404; a device without a policy, or past

@@ -119,6 +119,12 @@ static ROUTES: &[Route] = &[
         checkpoint,
     ),
     route(
+        endpoint::VM_CHECKPOINT_WAIT,
+        Verb::Put,
+        BodyRule::Forbidden,
+        checkpoint_wait,
+    ),
+    route(
         endpoint::VM_EGRESS_ALLOW,
         Verb::Put,
         BodyRule::Required,
@@ -255,6 +261,10 @@ fn checkpoint(body: &[u8]) -> Result<Call, ApiError> {
     let config: crate::types::VmCheckpointConfig = decode(body, "checkpoint config")?;
     url_field("destination_url", &config.destination_url)?;
     call(move |b| json(&b.checkpoint(config)?))
+}
+
+fn checkpoint_wait(_: &[u8]) -> Result<Call, ApiError> {
+    call(|b| json(&b.checkpoint_wait()?))
 }
 
 fn egress_allow(body: &[u8]) -> Result<Call, ApiError> {

@@ -415,24 +415,17 @@ impl GuestRam {
         Ok(out)
     }
 
-    /// A copy of `pages` (memory-file page indices, as the two calls above give them), page
-    /// after page: taken while the VM is paused, written out after it runs again.
-    pub fn stage_pages(&self, pages: &[u64]) -> Result<Vec<u8>, MemoryError> {
-        let mut staged = vec![0u8; pages.len() * PAGE_SIZE as usize];
-        for (page, out) in pages
-            .iter()
-            .zip(staged.chunks_exact_mut(PAGE_SIZE as usize))
-        {
-            let gpa =
-                gpa_of(self.size, page * PAGE_SIZE).ok_or(MemoryError::Region(page * PAGE_SIZE))?;
-            self.memory
-                .read_slice(out, GuestAddress(gpa))
-                .map_err(|e| MemoryError::Write {
-                    path: format!("guest page {gpa:#x}"),
-                    source: io::Error::other(e.to_string()),
-                })?;
-        }
-        Ok(staged)
+    /// Copies memory-file page `page` (an index as the two calls above give them) into `out`
+    /// (one page long).
+    pub fn read_file_page(&self, page: u64, out: &mut [u8]) -> Result<(), MemoryError> {
+        let gpa =
+            gpa_of(self.size, page * PAGE_SIZE).ok_or(MemoryError::Region(page * PAGE_SIZE))?;
+        self.memory
+            .read_slice(out, GuestAddress(gpa))
+            .map_err(|e| MemoryError::Write {
+                path: format!("guest page {gpa:#x}"),
+                source: io::Error::other(e.to_string()),
+            })
     }
 
     fn host_address(&self, gpa: u64) -> *mut u8 {

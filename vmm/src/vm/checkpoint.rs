@@ -59,11 +59,61 @@ struct Captured {
     base: Option<BaseRef>,
 }
 
+/// How a checkpoint is taken (see the module comment).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum How {
+    /// A layer on the last checkpoint: what was written since.
+    Layer,
+    /// The first of a restored VM: a layer of what it changed since it was restored.
+    SinceRestore,
+    /// The first of a booted VM: its RAM file, frozen.
+    Freeze,
+}
+
+/// Pages and disk blocks copied aside, a later copy of one replacing the earlier.
+#[derive(Default)]
+struct Staged {
+    /// Memory-file page → its slot in `bytes`.
+    slots: std::collections::BTreeMap<u64, usize>,
+    bytes: Vec<u8>,
+    /// Per writable disk (by index): block → contents.
+    disks: std::collections::BTreeMap<usize, std::collections::BTreeMap<u64, Vec<u8>>>,
+}
+
+impl Staged {
+    fn copy_pages(
+        &mut self,
+        ram: &crate::kvm::memory::GuestRam,
+        pages: &[u64],
+    ) -> Result<(), PersistError> {
+        let page_len = PAGE_SIZE as usize;
+        for &page in pages {
+            let next = self.slots.len();
+            let slot = *self.slots.entry(page).or_insert(next);
+            if slot == next {
+                self.bytes.resize((next + 1) * page_len, 0);
+            }
+            ram.read_file_page(
+                page,
+                &mut self.bytes[slot * page_len..(slot + 1) * page_len],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The pages in order, with their contents.
+    fn pages(&self) -> impl Iterator<Item = (u64, &[u8])> {
+        let page_len = PAGE_SIZE as usize;
+        self.slots
+            .iter()
+            .map(move |(&page, &slot)| (page, &self.bytes[slot * page_len..(slot + 1) * page_len]))
+    }
+}
+
 enum Memory {
-    /// Pages (memory-file indices, in order) and their contents, page after page.
+    /// Pages copied aside, to be written as a layer.
     Staged {
-        pages: Vec<u64>,
-        bytes: Vec<u8>,
+        staged: Staged,
         /// Leave out zero pages no file of the chain holds: a page the guest only read
         /// since it was restored maps the zero page, which looks changed but is not.
         skip_unbacked_zeros: Option<std::collections::BTreeSet<u64>>,
@@ -72,15 +122,36 @@ enum Memory {
     Written { digest: String, pages: u64 },
 }
 
+/// A checkpoint whose files are still being written, by a thread of its own.
+pub(super) struct PendingCheckpoint {
+    dir: PathBuf,
+    report: VmCheckpointReport,
+    started: Instant,
+    depth: u32,
+    writing: std::thread::JoinHandle<Result<Written, PersistError>>,
+}
+
+/// What the writing thread produced.
+struct Written {
+    base: BaseRef,
+    memory_pages: u64,
+    disk_blocks: u64,
+    chain_depth: u32,
+}
+
 impl Vm {
-    /// Writes a checkpoint of this running VM into `dir` (existing, without a snapshot) and
-    /// leaves it running. See the module comment.
+    /// Takes a checkpoint of this running VM into `dir` (existing, without a snapshot) and
+    /// leaves it running; returns once the VM runs again, with the files still being
+    /// written ([`Self::checkpoint_wait`] waits for them). See the module comment.
     pub fn checkpoint(
         &mut self,
         dir: &Path,
         config_json: &[u8],
     ) -> Result<VmCheckpointReport, PersistError> {
         let started = Instant::now();
+        if let Some(Err(e)) = self.finish_checkpoint() {
+            tracing::warn!(error = %e, "the previous checkpoint was not written; this one starts afresh");
+        }
         // Before the pause: turning the log on changes the memory slots, which may wait
         // out a grace period in KVM.
         self.kvm
@@ -91,10 +162,17 @@ impl Vm {
             .last_checkpoint
             .clone()
             .filter(|last| last.depth < CHECKPOINT_DEPTH && still_there(&last.base));
+        let how = match (&previous, self.ram.backing()) {
+            (Some(_), _) => How::Layer,
+            (None, Backing::Private { .. }) => How::SinceRestore,
+            (None, Backing::Own) => How::Freeze,
+        };
+        let staged = self.precopy(how)?;
         let paused_at = Instant::now();
         self.pause()
             .map_err(|e| PersistError::Mismatch(format!("pausing for the checkpoint: {e}")))?;
-        let (captured, paused) = match self.capture(&mut writer, dir, previous.as_ref()) {
+        let captured = self.capture(&mut writer, dir, how, staged, previous.as_ref());
+        let (captured, paused) = match captured {
             Ok((captured, resumed_at)) => {
                 let paused = resumed_at.unwrap_or_else(Instant::now) - paused_at;
                 (Ok(captured), paused)
@@ -105,39 +183,133 @@ impl Vm {
             self.resume()
                 .map_err(|e| PersistError::Mismatch(format!("resuming after a checkpoint: {e}")))?;
         }
-        let captured = match captured {
-            Ok(captured) => captured,
-            Err(e) => {
-                // What the next checkpoint would layer on is unknown now: start afresh.
-                self.last_checkpoint = None;
-                return Err(e);
-            }
-        };
-        let depth = previous.as_ref().map_or(1, |last| last.depth + 1);
-        let written = self.write_captured(writer, dir, config_json, captured);
-        let (manifest, memory_pages, disk_blocks) = match written {
-            Ok(done) => done,
-            Err(e) => {
-                self.last_checkpoint = None;
-                return Err(e);
-            }
-        };
-        let snapshot = Snapshot::open(dir)?;
-        debug_assert_eq!(snapshot.manifest.memory.base, manifest.memory.base);
-        self.last_checkpoint = Some(LastCheckpoint {
-            base: snapshot.base_ref(),
-            depth,
-        });
+        // Until this one is written, the next has nothing to layer on.
+        self.last_checkpoint = None;
+        let captured = captured?;
         let report = VmCheckpointReport {
-            memory_pages,
-            disk_blocks,
+            memory_pages: captured.memory.pages(),
+            disk_blocks: captured.disk_blocks(),
             paused_us: micros(paused),
             elapsed_us: micros(started.elapsed()),
             incremental: previous.is_some(),
-            chain_depth: snapshot.chain().map_or(0, |c| c.len() as u32),
+            chain_depth: 0,
+            durable: false,
         };
-        tracing::info!(?report, dir = %dir.display(), "checkpoint written");
+        let target = Target {
+            dir: dir.to_owned(),
+            config_json: config_json.to_vec(),
+            memory_size: self.ram.size(),
+            disk_capacities: self
+                .disks
+                .iter()
+                .map(|d| lock_disk(&d.device).device().capacity())
+                .collect(),
+        };
+        let writing = std::thread::Builder::new()
+            .name("checkpoint".into())
+            .spawn(move || write_captured(writer, target, captured))
+            .map_err(|source| PersistError::DiskCopy {
+                path: dir.to_owned(),
+                source,
+            })?;
+        self.pending_checkpoint = Some(PendingCheckpoint {
+            dir: dir.to_owned(),
+            report: report.clone(),
+            started,
+            depth: previous.as_ref().map_or(1, |last| last.depth + 1),
+            writing,
+        });
         Ok(report)
+    }
+
+    /// Waits until the last checkpoint is written and durable; returns its report. `None`
+    /// if none was being written.
+    pub fn checkpoint_wait(&mut self) -> Option<Result<VmCheckpointReport, PersistError>> {
+        self.finish_checkpoint()
+    }
+
+    /// Waits for the checkpoint being written, if any, and makes it what the next one
+    /// layers on. Every other save waits for it too: one snapshot at a time.
+    pub(super) fn finish_checkpoint(&mut self) -> Option<Result<VmCheckpointReport, PersistError>> {
+        let pending = self.pending_checkpoint.take()?;
+        let written = pending.writing.join().unwrap_or_else(|_| {
+            Err(PersistError::Mismatch(
+                "the checkpoint's writer panicked".into(),
+            ))
+        });
+        Some(written.map(|written| {
+            self.last_checkpoint = Some(LastCheckpoint {
+                base: written.base,
+                depth: pending.depth,
+            });
+            let report = VmCheckpointReport {
+                memory_pages: written.memory_pages,
+                disk_blocks: written.disk_blocks,
+                elapsed_us: micros(pending.started.elapsed()),
+                chain_depth: written.chain_depth,
+                durable: true,
+                ..pending.report
+            };
+            tracing::info!(?report, dir = %pending.dir.display(), "checkpoint written");
+            report
+        }))
+    }
+
+    /// What can be copied aside while the VM still runs (a pre-copy, as live migration
+    /// does): the pages and blocks written since the last checkpoint, or, for a restored VM's
+    /// first, every page it changed since it was restored. Whatever the guest writes from
+    /// here on is logged again and copied once more while paused, so the pause copies only
+    /// what changed during this copy.
+    fn precopy(&mut self, how: How) -> Result<Staged, PersistError> {
+        let mut staged = Staged::default();
+        match how {
+            How::Layer => {
+                self.stage_logged(&mut staged)?;
+                self.stage_disks(&mut staged)?;
+            }
+            How::SinceRestore => {
+                self.start_tracking()?;
+                let pages = self.ram.changed_file_pages()?;
+                staged.copy_pages(&self.ram, &pages)?;
+            }
+            How::Freeze => {}
+        }
+        Ok(staged)
+    }
+
+    /// The pages written since the dirty log was last read, into `staged`.
+    fn stage_logged(&mut self, staged: &mut Staged) -> Result<(), PersistError> {
+        let guest = self
+            .kvm
+            .take_dirty_log(&self.ram)
+            .map_err(|e| PersistError::Mismatch(format!("dirty page log: {e}")))?;
+        let pages = self.ram.dirty_file_pages(&guest);
+        staged.copy_pages(&self.ram, &pages)?;
+        Ok(())
+    }
+
+    /// Each writable disk's blocks written since they were last taken, into `staged`.
+    fn stage_disks(&mut self, staged: &mut Staged) -> Result<(), PersistError> {
+        for (index, disk) in self.disks.iter().enumerate() {
+            let mut transport = lock_disk(&disk.device);
+            let block = transport.device_mut();
+            if block.read_only() {
+                continue;
+            }
+            let blocks = block
+                .take_written_blocks()
+                .map_err(|source| PersistError::DiskCopy {
+                    path: block.path().to_owned(),
+                    source,
+                })?
+                .ok_or_else(|| {
+                    PersistError::Mismatch(format!(
+                        "disk {index} counted no writes since the last checkpoint"
+                    ))
+                })?;
+            staged.disks.entry(index).or_default().extend(blocks);
+        }
+        Ok(())
     }
 
     /// Everything that needs the VM paused. Returns when the VM was resumed, if it was
@@ -146,111 +318,74 @@ impl Vm {
         &mut self,
         writer: &mut SnapshotWriter,
         dir: &Path,
+        how: How,
+        mut staged: Staged,
         previous: Option<&LastCheckpoint>,
     ) -> Result<(Captured, Option<Instant>), PersistError> {
         let mut state = self.save_state()?;
         state.streams_live = true;
         let state = state.to_json()?;
         let mut resumed_at = None;
-        let (memory, disks, base) = match previous {
-            Some(last) => {
-                let guest = self
-                    .kvm
-                    .take_dirty_log(&self.ram)
-                    .map_err(|e| PersistError::Mismatch(format!("dirty page log: {e}")))?;
-                let pages = self.ram.dirty_file_pages(&guest);
-                let bytes = self.ram.stage_pages(&pages)?;
-                let mut disks = Vec::new();
-                for (index, disk) in self.disks.iter().enumerate() {
-                    let mut transport = lock_disk(&disk.device);
-                    let block = transport.device_mut();
-                    if block.read_only() {
-                        continue;
-                    }
-                    let blocks =
-                        block
-                            .take_written_blocks()
-                            .map_err(|source| PersistError::DiskCopy {
-                                path: block.path().to_owned(),
-                                source,
-                            })?;
-                    match blocks {
-                        Some(blocks) => disks.push((index, Some(blocks))),
-                        None => {
-                            return Err(PersistError::Mismatch(format!(
-                                "disk {index} counted no writes since the last checkpoint"
-                            )));
-                        }
-                    }
+        let captured = match how {
+            How::Layer => {
+                self.stage_logged(&mut staged)?;
+                self.stage_disks(&mut staged)?;
+                let disks = std::mem::take(&mut staged.disks)
+                    .into_iter()
+                    .map(|(index, blocks)| (index, Some(blocks.into_iter().collect())))
+                    .collect();
+                Captured {
+                    state,
+                    memory: Memory::Staged {
+                        staged,
+                        skip_unbacked_zeros: None,
+                    },
+                    disks,
+                    base: previous.map(|last| last.base.clone()),
                 }
-                let memory = Memory::Staged {
-                    pages,
-                    bytes,
-                    skip_unbacked_zeros: None,
-                };
-                (memory, disks, Some(last.base.clone()))
             }
-            None => {
-                // What the next checkpoint stores starts now, for the guest, its devices
-                // and disks: before anything below may let the VM run again.
+            How::SinceRestore => {
+                self.stage_logged(&mut staged)?;
+                let Backing::Private { top } = self.ram.backing().clone() else {
+                    return Err(PersistError::Mismatch(
+                        "the VM no longer runs from a snapshot".into(),
+                    ));
+                };
+                let top = Snapshot::open(&top)?;
+                let backed = backed_pages(&top)?;
+                self.copy_disks(writer, true)?;
+                Captured {
+                    state,
+                    memory: Memory::Staged {
+                        staged,
+                        skip_unbacked_zeros: Some(backed),
+                    },
+                    disks: self.copied_disks(),
+                    base: Some(top.base_ref()),
+                }
+            }
+            How::Freeze => {
+                // What the next checkpoint stores starts now: before the VM runs again.
                 self.start_tracking()?;
-                match self.ram.backing().clone() {
-                    Backing::Private { top } => {
-                        let top = Snapshot::open(&top)?;
-                        let chain = top.chain()?;
-                        let files: Vec<PathBuf> =
-                            chain.iter().map(|s| s.path(MEMORY_FILE)).collect();
-                        let pages = self.ram.changed_file_pages()?;
-                        let bytes = self.ram.stage_pages(&pages)?;
-                        let backed = agentvm_snapshot::pages::owners(
-                            &files
-                                .iter()
-                                .map(File::open)
-                                .collect::<Result<Vec<_>, _>>()
-                                .map_err(|source| PersistError::DiskCopy {
-                                    path: top.dir.clone(),
-                                    source,
-                                })?,
-                        )
-                        .map_err(|source| PersistError::DiskCopy {
-                            path: top.dir.clone(),
-                            source,
-                        })?
-                        .into_keys()
-                        .collect();
-                        self.copy_disks(writer, true)?;
-                        let memory = Memory::Staged {
-                            pages,
-                            bytes,
-                            skip_unbacked_zeros: Some(backed),
-                        };
-                        (memory, self.copied_disks(), Some(top.base_ref()))
-                    }
-                    Backing::Own => {
-                        self.copy_disks(writer, false)?;
-                        let (devices, vcpus) = (&self.devices, &self.vcpus);
-                        let resumed = &mut resumed_at;
-                        let (digest, pages, _linked) =
-                            self.ram.freeze_into_then(&dir.join(MEMORY_FILE), dir, || {
-                                if devices.resume().is_ok() {
-                                    vcpus.resume();
-                                    *resumed = Some(Instant::now());
-                                }
-                            })?;
-                        (Memory::Written { digest, pages }, self.copied_disks(), None)
-                    }
+                self.copy_disks(writer, false)?;
+                let (devices, vcpus) = (&self.devices, &self.vcpus);
+                let resumed = &mut resumed_at;
+                let (digest, pages, _linked) =
+                    self.ram.freeze_into_then(&dir.join(MEMORY_FILE), dir, || {
+                        if devices.resume().is_ok() {
+                            vcpus.resume();
+                            *resumed = Some(Instant::now());
+                        }
+                    })?;
+                Captured {
+                    state,
+                    memory: Memory::Written { digest, pages },
+                    disks: self.copied_disks(),
+                    base: None,
                 }
             }
         };
-        Ok((
-            Captured {
-                state,
-                memory,
-                disks,
-                base,
-            },
-            resumed_at,
-        ))
+        Ok((captured, resumed_at))
     }
 
     /// Disks `copy_disks` wrote into the directory while paused.
@@ -276,74 +411,103 @@ impl Vm {
         }
         Ok(())
     }
+}
 
-    /// Writes what was captured, with the VM running. Returns the manifest and how many
-    /// pages and disk blocks the checkpoint stores.
-    fn write_captured(
-        &self,
-        mut writer: SnapshotWriter,
-        dir: &Path,
-        config_json: &[u8],
-        captured: Captured,
-    ) -> Result<(agentvm_snapshot::Manifest, u64, u64), PersistError> {
-        writer.write_file(STATE_FILE, &captured.state)?;
-        writer.write_file(CONFIG_FILE, config_json)?;
-        let (kind, digest, memory_pages) = match captured.memory {
-            Memory::Written { digest, pages } => (DigestKind::Pages, digest, pages),
-            Memory::Staged {
-                pages,
-                bytes,
-                skip_unbacked_zeros,
-            } => {
-                let path = dir.join(MEMORY_FILE);
-                let (digest, stored) = write_layer(
-                    &path,
-                    self.ram.size(),
-                    pages
-                        .iter()
-                        .copied()
-                        .zip(bytes.chunks_exact(PAGE_SIZE as usize))
-                        .filter(|(page, bytes)| match &skip_unbacked_zeros {
-                            Some(backed) => {
-                                backed.contains(page) || !agentvm_snapshot::pages::is_zero(bytes)
-                            }
-                            None => true,
-                        }),
-                )
-                .map_err(|source| PersistError::DiskCopy { path, source })?;
-                (DigestKind::LayerPages, digest, stored)
-            }
-        };
-        writer.add_memory_file(MEMORY_FILE, kind, digest)?;
-        let mut disk_blocks = 0;
-        for (index, blocks) in captured.disks {
-            let Some(blocks) = blocks else {
-                continue;
-            };
-            let name = disk_file(index);
-            let path = dir.join(&name);
-            let capacity = lock_disk(&self.disks[index].device).device().capacity();
+/// Where a captured checkpoint goes, and what of the VM writing it needs.
+struct Target {
+    dir: PathBuf,
+    config_json: Vec<u8>,
+    memory_size: u64,
+    disk_capacities: Vec<u64>,
+}
+
+impl Memory {
+    fn pages(&self) -> u64 {
+        match self {
+            Memory::Staged { staged, .. } => staged.slots.len() as u64,
+            Memory::Written { pages, .. } => *pages,
+        }
+    }
+}
+
+impl Captured {
+    fn disk_blocks(&self) -> u64 {
+        self.disks
+            .iter()
+            .filter_map(|(_, blocks)| blocks.as_ref())
+            .map(|b| b.len() as u64)
+            .sum()
+    }
+}
+
+/// Writes what was captured, with the VM running: state, config, the memory and disk
+/// layers, each synced, then the manifest.
+fn write_captured(
+    mut writer: SnapshotWriter,
+    target: Target,
+    captured: Captured,
+) -> Result<Written, PersistError> {
+    let dir = &target.dir;
+    writer.write_file(STATE_FILE, &captured.state)?;
+    writer.write_file(CONFIG_FILE, &target.config_json)?;
+    let (kind, digest, memory_pages) = match captured.memory {
+        Memory::Written { digest, pages } => (DigestKind::Pages, digest, pages),
+        Memory::Staged {
+            staged,
+            skip_unbacked_zeros,
+        } => {
+            let path = dir.join(MEMORY_FILE);
             let (digest, stored) = write_layer(
                 &path,
-                capacity,
-                blocks
-                    .iter()
-                    .map(|(block, bytes)| (*block, bytes.as_slice())),
+                target.memory_size,
+                staged
+                    .pages()
+                    .filter(|(page, bytes)| match &skip_unbacked_zeros {
+                        Some(backed) => {
+                            backed.contains(page) || !agentvm_snapshot::pages::is_zero(bytes)
+                        }
+                        None => true,
+                    }),
             )
             .map_err(|source| PersistError::DiskCopy { path, source })?;
-            disk_blocks += stored;
-            writer.add_memory_file(&name, DigestKind::LayerPages, digest)?;
+            (DigestKind::LayerPages, digest, stored)
         }
-        let manifest = writer.finish(
-            HostIdentity::current(Flavour::detect().name()),
-            env!("CARGO_PKG_VERSION"),
-            MemoryLayout {
-                size: self.ram.size(),
-                base: captured.base,
-            },
-        )?;
-        Ok((manifest, memory_pages, disk_blocks))
+    };
+    writer.add_memory_file(MEMORY_FILE, kind, digest)?;
+    let mut disk_blocks = 0;
+    for (index, blocks) in captured.disks {
+        let Some(blocks) = blocks else {
+            continue;
+        };
+        let name = disk_file(index);
+        let path = dir.join(&name);
+        let capacity = target.disk_capacities.get(index).copied().unwrap_or(0);
+        let (digest, stored) = write_layer(
+            &path,
+            capacity,
+            blocks
+                .iter()
+                .map(|(block, bytes)| (*block, bytes.as_slice())),
+        )
+        .map_err(|source| PersistError::DiskCopy { path, source })?;
+        disk_blocks += stored;
+        writer.add_memory_file(&name, DigestKind::LayerPages, digest)?;
     }
+    writer.finish(
+        HostIdentity::current(Flavour::detect().name()),
+        env!("CARGO_PKG_VERSION"),
+        MemoryLayout {
+            size: target.memory_size,
+            base: captured.base,
+        },
+    )?;
+    let snapshot = Snapshot::open(dir)?;
+    Ok(Written {
+        base: snapshot.base_ref(),
+        memory_pages,
+        disk_blocks,
+        chain_depth: snapshot.chain().map_or(0, |c| c.len() as u32),
+    })
 }
 
 /// A new layer file of `size` bytes at `path` holding `pages` (index, 4 KiB contents, in
@@ -362,6 +526,24 @@ fn write_layer<'a>(
     }
     let pages = hasher.pages();
     Ok((hasher.finish(), pages))
+}
+
+/// The memory-file pages some file of `top`'s chain holds.
+fn backed_pages(top: &Snapshot) -> Result<std::collections::BTreeSet<u64>, PersistError> {
+    let failed = |source| PersistError::DiskCopy {
+        path: top.dir.clone(),
+        source,
+    };
+    let files = top
+        .chain()?
+        .iter()
+        .map(|s| File::open(s.path(MEMORY_FILE)))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(failed)?;
+    Ok(agentvm_snapshot::pages::owners(&files)
+        .map_err(failed)?
+        .into_keys()
+        .collect())
 }
 
 /// The previous checkpoint is still where it was written, unchanged: else the next one

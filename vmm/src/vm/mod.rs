@@ -192,6 +192,8 @@ pub struct Vm {
     msrs: std::sync::OnceLock<Vec<u32>>,
     /// What the next checkpoint is layered on.
     last_checkpoint: Option<checkpoint::LastCheckpoint>,
+    /// The checkpoint whose files are being written.
+    pending_checkpoint: Option<checkpoint::PendingCheckpoint>,
 }
 
 /// What a VM is built from before KVM is involved.
@@ -384,6 +386,7 @@ impl Vm {
             booted: started,
             msrs: std::sync::OnceLock::new(),
             last_checkpoint: None,
+            pending_checkpoint: None,
         })
     }
 

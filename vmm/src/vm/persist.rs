@@ -210,6 +210,9 @@ impl Vm {
         resume_when_frozen: bool,
     ) -> Result<SaveReport, PersistError> {
         let started = Instant::now();
+        if let Some(Err(e)) = self.finish_checkpoint() {
+            tracing::warn!(error = %e, "the last checkpoint was not written");
+        }
         let mut writer = SnapshotWriter::create(dir, kind == SaveKind::Snapshot)?;
         self.reset_vsock_streams();
         let state = self.save_state()?;
