@@ -16,7 +16,7 @@ pub fn journal_status(err: &JournalError) -> Status {
         JournalError::Conflict { .. } | JournalError::Fenced { .. } => Code::Aborted,
         JournalError::NotFound(_) => Code::NotFound,
         JournalError::AlreadyExists(_) => Code::AlreadyExists,
-        JournalError::Canon { .. } => Code::InvalidArgument,
+        JournalError::Canon { .. } | JournalError::InvalidArgument(_) => Code::InvalidArgument,
         JournalError::CorruptRecord { .. } => Code::DataLoss,
         JournalError::Unavailable { .. } => Code::Unavailable,
         JournalError::HeldElsewhere { .. } => Code::FailedPrecondition,

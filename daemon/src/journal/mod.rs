@@ -204,6 +204,9 @@ pub enum JournalError {
          call there (ListNodes gives its address)"
     )]
     HeldElsewhere { session: String, node: String },
+    /// What was asked of the journal cannot be recorded as asked.
+    #[error("{0}")]
+    InvalidArgument(String),
     /// The journal's database could not be reached (or its connection pool gave up).
     #[error("journal database unreachable ({context}): {reason}")]
     Unavailable { context: String, reason: String },
@@ -241,6 +244,21 @@ pub struct ProjectUsage {
     pub sessions: u64,
     /// The encoded events of their logs, a forked prefix counted in every copy.
     pub log_bytes: u64,
+}
+
+/// A turn's checkpoint: a memory-tier session's memory and disks as they were when the END
+/// at `seq` was recorded, which a fork at `seq` starts from. Kept in a side table: the log
+/// and its hash chain stay exactly upstream's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointRow {
+    pub seq: i64,
+    /// Where it is: its store directory (`file://…`) or its archive in the fleet's store.
+    pub snapshot: String,
+    /// SHA-256 of its manifest as sealed in the store: a checkpoint changed since is not it.
+    pub manifest_sha256: String,
+    /// Bytes its own files take (not its bases').
+    pub bytes: u64,
+    pub created_at: i64,
 }
 
 /// The journal interface. Appends are compare-and-swap on the head and fenced:
@@ -314,6 +332,18 @@ pub trait Journal: Send + Sync {
     /// status).
     fn count_by_compute_state(&self) -> Result<Vec<(ComputeState, u64)>>;
 
+    /// Records `uid`'s checkpoint at `row.seq` (which must not be past its head), replacing
+    /// one recorded there before.
+    fn record_checkpoint(&self, uid: &str, row: &CheckpointRow) -> Result<()>;
+
+    /// `uid`'s checkpoints, by seq.
+    fn checkpoints(&self, uid: &str) -> Result<Vec<CheckpointRow>>;
+
+    /// Forgets `uid`'s checkpoints at `drop` and records `replace` (a checkpoint merged into
+    /// its successor is dropped and the successor replaced), in one transaction.
+    fn retain_checkpoints(&self, uid: &str, drop: &[i64], replace: &[CheckpointRow])
+    -> Result<()>;
+
     /// Records that `op` is about to act (durably, before it does); returns its id.
     fn begin_operation(&self, op: &Operation) -> Result<i64>;
 
@@ -353,6 +383,23 @@ pub trait Journal: Send + Sync {
         let _ = uid;
         Ok(())
     }
+}
+
+/// What every backend refuses to record as a checkpoint of a session whose head is `head`.
+fn check_checkpoint(uid: &str, row: &CheckpointRow, head: i64) -> Result<()> {
+    if row.seq < 1 || row.seq > head {
+        return Err(JournalError::InvalidArgument(format!(
+            "checkpoint of {uid} at seq {}: its log runs 1..={head}",
+            row.seq
+        )));
+    }
+    if row.snapshot.is_empty() {
+        return Err(JournalError::InvalidArgument(format!(
+            "checkpoint of {uid} at seq {}: no snapshot named",
+            row.seq
+        )));
+    }
+    Ok(())
 }
 
 /// Runs one backend's append, timing it into the append metric when it succeeds.

@@ -26,9 +26,9 @@ use tokio_postgres::Row;
 
 pub use self::schema::SCHEMA_VERSION;
 use super::{
-    DeletionState, Head, Holder, Journal, JournalError, ListCursor, NodeEntry, Operation,
-    OperationKind, ProjectUsage, Result, SessionRow, chain_onto, check_copied, check_copy,
-    decode_record, json_map, read_upto, timed_append,
+    CheckpointRow, DeletionState, Head, Holder, Journal, JournalError, ListCursor, NodeEntry,
+    Operation, OperationKind, ProjectUsage, Result, SessionRow, chain_onto, check_checkpoint,
+    check_copied, check_copy, decode_record, json_map, read_upto, timed_append,
 };
 use crate::clock::now_nanos;
 use bridge::Bridge;
@@ -613,6 +613,107 @@ impl Journal for PostgresJournal {
                 return Err(JournalError::NotFound(uid));
             }
             Ok(())
+        })
+    }
+
+    fn record_checkpoint(&self, uid: &str, row: &CheckpointRow) -> Result<()> {
+        let (uid, row) = (uid.to_owned(), row.clone());
+        self.with("record a checkpoint", move |client| async move {
+            let head = client
+                .query_opt("SELECT last_seq FROM sessions WHERE session = $1", &[&uid])
+                .await
+                .map_err(pg(format!("read the head of {uid}")))?
+                .map(|r| r.get::<_, i64>(0))
+                .ok_or_else(|| JournalError::NotFound(uid.clone()))?;
+            check_checkpoint(&uid, &row, head)?;
+            let bytes = i64::try_from(row.bytes).unwrap_or(i64::MAX);
+            client
+                .execute(
+                    "INSERT INTO checkpoints
+                         (session, seq, snapshot, manifest_sha256, bytes, created_at)
+                     VALUES ($1, $2, $3, $4, $5, $6)
+                     ON CONFLICT (session, seq) DO UPDATE SET snapshot = EXCLUDED.snapshot,
+                         manifest_sha256 = EXCLUDED.manifest_sha256, bytes = EXCLUDED.bytes,
+                         created_at = EXCLUDED.created_at",
+                    &[
+                        &uid,
+                        &row.seq,
+                        &row.snapshot,
+                        &row.manifest_sha256,
+                        &bytes,
+                        &row.created_at,
+                    ],
+                )
+                .await
+                .map_err(pg(format!("record checkpoint {uid}@{}", row.seq)))?;
+            Ok(())
+        })
+    }
+
+    fn checkpoints(&self, uid: &str) -> Result<Vec<CheckpointRow>> {
+        let uid = uid.to_owned();
+        self.with("list checkpoints", move |client| async move {
+            let rows = client
+                .query(
+                    "SELECT seq, snapshot, manifest_sha256, bytes, created_at FROM checkpoints
+                     WHERE session = $1 ORDER BY seq",
+                    &[&uid],
+                )
+                .await
+                .map_err(pg(format!("list the checkpoints of {uid}")))?;
+            Ok(rows
+                .iter()
+                .map(|r| CheckpointRow {
+                    seq: r.get(0),
+                    snapshot: r.get(1),
+                    manifest_sha256: r.get(2),
+                    bytes: r.get::<_, i64>(3).max(0) as u64,
+                    created_at: r.get(4),
+                })
+                .collect())
+        })
+    }
+
+    fn retain_checkpoints(
+        &self,
+        uid: &str,
+        drop: &[i64],
+        replace: &[CheckpointRow],
+    ) -> Result<()> {
+        let (uid, drop, replace) = (uid.to_owned(), drop.to_vec(), replace.to_vec());
+        self.with("retain checkpoints", move |mut client| async move {
+            let tx = client
+                .transaction()
+                .await
+                .map_err(pg(format!("retain the checkpoints of {uid}")))?;
+            for seq in &drop {
+                tx.execute(
+                    "DELETE FROM checkpoints WHERE session = $1 AND seq = $2",
+                    &[&uid, seq],
+                )
+                .await
+                .map_err(pg(format!("drop checkpoint {uid}@{seq}")))?;
+            }
+            for row in &replace {
+                let bytes = i64::try_from(row.bytes).unwrap_or(i64::MAX);
+                let n = tx
+                    .execute(
+                        "UPDATE checkpoints SET snapshot = $3, manifest_sha256 = $4, bytes = $5
+                         WHERE session = $1 AND seq = $2",
+                        &[&uid, &row.seq, &row.snapshot, &row.manifest_sha256, &bytes],
+                    )
+                    .await
+                    .map_err(pg(format!("replace checkpoint {uid}@{}", row.seq)))?;
+                if n == 0 {
+                    return Err(JournalError::NotFound(format!(
+                        "checkpoint {uid}@{}",
+                        row.seq
+                    )));
+                }
+            }
+            tx.commit()
+                .await
+                .map_err(pg(format!("retain the checkpoints of {uid}")))
         })
     }
 

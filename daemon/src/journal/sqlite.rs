@@ -14,9 +14,9 @@ use prost::Message;
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
 use super::{
-    DeletionState, Head, Journal, JournalError, ListCursor, Operation, OperationKind, ProjectUsage,
-    Result, SessionRow, chain_onto, check_copied, check_copy, decode_record, json_map, read_upto,
-    timed_append,
+    CheckpointRow, DeletionState, Head, Journal, JournalError, ListCursor, Operation,
+    OperationKind, ProjectUsage, Result, SessionRow, chain_onto, check_checkpoint, check_copied,
+    check_copy, decode_record, json_map, read_upto, timed_append,
 };
 use crate::clock::now_nanos;
 use group_commit::GroupCommit;
@@ -27,7 +27,8 @@ mod group_commit;
 /// 2 added `operations` (lifecycle intents); a version 1 database gains it on open.
 /// 3 added `sessions.log_bytes` (what each log holds, for project quotas), counted from
 /// the events on open.
-pub const SCHEMA_VERSION: i64 = 3;
+/// 4 added `checkpoints` (each turn's memory snapshot, beside the log).
+pub const SCHEMA_VERSION: i64 = 4;
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS sessions (
@@ -60,6 +61,15 @@ CREATE TABLE IF NOT EXISTS events (
     hash      TEXT NOT NULL,
     fence     INTEGER NOT NULL,
     event     BLOB NOT NULL,
+    PRIMARY KEY (session, seq)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS checkpoints (
+    session         TEXT NOT NULL,
+    seq             INTEGER NOT NULL,
+    snapshot        TEXT NOT NULL,
+    manifest_sha256 TEXT NOT NULL,
+    bytes           INTEGER NOT NULL,
+    created_at      INTEGER NOT NULL,
     PRIMARY KEY (session, seq)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS operations (
@@ -611,6 +621,91 @@ impl Journal for SqliteJournal {
                 ))
             })
             .collect())
+    }
+
+    fn record_checkpoint(&self, uid: &str, row: &CheckpointRow) -> Result<()> {
+        let conn = self.writer();
+        let head: Option<i64> = conn
+            .prepare_cached("SELECT last_seq FROM sessions WHERE session = ?1")
+            .and_then(|mut st| st.query_row([uid], |r| r.get(0)).optional())
+            .map_err(storage(format!("read the head of {uid}")))?;
+        let head = head.ok_or_else(|| JournalError::NotFound(uid.to_owned()))?;
+        check_checkpoint(uid, row, head)?;
+        conn.execute(
+            "INSERT OR REPLACE INTO checkpoints
+                 (session, seq, snapshot, manifest_sha256, bytes, created_at)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            params![
+                uid,
+                row.seq,
+                row.snapshot,
+                row.manifest_sha256,
+                i64::try_from(row.bytes).unwrap_or(i64::MAX),
+                row.created_at
+            ],
+        )
+        .map_err(storage(format!("record checkpoint {uid}@{}", row.seq)))?;
+        Ok(())
+    }
+
+    fn checkpoints(&self, uid: &str) -> Result<Vec<CheckpointRow>> {
+        self.reader()
+            .prepare_cached(
+                "SELECT seq, snapshot, manifest_sha256, bytes, created_at FROM checkpoints
+                 WHERE session = ?1 ORDER BY seq",
+            )
+            .and_then(|mut st| {
+                st.query_map([uid], |r| {
+                    Ok(CheckpointRow {
+                        seq: r.get(0)?,
+                        snapshot: r.get(1)?,
+                        manifest_sha256: r.get(2)?,
+                        bytes: r.get::<_, i64>(3)?.max(0) as u64,
+                        created_at: r.get(4)?,
+                    })
+                })?
+                .collect()
+            })
+            .map_err(storage(format!("list the checkpoints of {uid}")))
+    }
+
+    fn retain_checkpoints(
+        &self,
+        uid: &str,
+        drop: &[i64],
+        replace: &[CheckpointRow],
+    ) -> Result<()> {
+        let mut conn = self.writer();
+        let tx = conn
+            .transaction()
+            .map_err(storage(format!("retain the checkpoints of {uid}")))?;
+        for seq in drop {
+            tx.execute(
+                "DELETE FROM checkpoints WHERE session = ?1 AND seq = ?2",
+                params![uid, seq],
+            )
+            .map_err(storage(format!("drop checkpoint {uid}@{seq}")))?;
+        }
+        for row in replace {
+            let n = tx
+                .execute(
+                    "UPDATE checkpoints SET snapshot = ?3, manifest_sha256 = ?4, bytes = ?5
+                     WHERE session = ?1 AND seq = ?2",
+                    params![
+                        uid,
+                        row.seq,
+                        row.snapshot,
+                        row.manifest_sha256,
+                        i64::try_from(row.bytes).unwrap_or(i64::MAX)
+                    ],
+                )
+                .map_err(storage(format!("replace checkpoint {uid}@{}", row.seq)))?;
+            if n == 0 {
+                return Err(JournalError::NotFound(format!("checkpoint {uid}@{}", row.seq)));
+            }
+        }
+        tx.commit()
+            .map_err(storage(format!("retain the checkpoints of {uid}")))
     }
 
     fn set_deletion(&self, uid: &str, state: DeletionState) -> Result<()> {

@@ -12,7 +12,8 @@ use agentvm_proto::v1::{
 
 use super::verify::verify_chain;
 use super::{
-    DeletionState, Journal, JournalError, ListCursor, Operation, OperationKind, SessionRow,
+    CheckpointRow, DeletionState, Journal, JournalError, ListCursor, Operation, OperationKind,
+    SessionRow,
 };
 
 /// Opens the journal under test (the same store every time).
@@ -37,7 +38,8 @@ macro_rules! journal_cases {
             project_usage_counts_sessions_and_log_bytes,
             deletion_state_persists,
             children_count_until_they_are_deleted,
-            operations_are_durable_until_ended
+            operations_are_durable_until_ended,
+            checkpoints_sit_beside_the_log_and_merge_all_or_none
         }
     };
 }
@@ -560,4 +562,70 @@ pub fn operations_are_durable_until_ended(open: &Opener) {
             .collect::<Vec<_>>(),
         [b]
     );
+}
+
+/// Checkpoints are recorded beside the log (which they leave exactly as it was), only at
+/// seqs the log has, survive a reopen, and a merge drops one and replaces its successor in
+/// one transaction.
+pub fn checkpoints_sit_beside_the_log_and_merge_all_or_none(open: &Opener) {
+    let j = open();
+    j.create_session(&session("s", "p", 1)).unwrap();
+    let records = j
+        .append("s", 0, 0, &[input("a"), input("b"), input("c")])
+        .unwrap();
+    let at = |seq: i64, snapshot: &str| CheckpointRow {
+        seq,
+        snapshot: snapshot.into(),
+        manifest_sha256: format!("sha-{snapshot}"),
+        bytes: 4096 * seq as u64,
+        created_at: 10 + seq,
+    };
+    for seq in 1..=3 {
+        j.record_checkpoint("s", &at(seq, &format!("c{seq}"))).unwrap();
+    }
+    // Past the head, before the first record, unnamed, or of no session: refused.
+    for (uid, row) in [
+        ("s", at(4, "c4")),
+        ("s", at(0, "c0")),
+        ("s", at(2, "")),
+        ("nobody", at(1, "c1")),
+    ] {
+        let refused = j.record_checkpoint(uid, &row);
+        assert!(
+            matches!(
+                refused,
+                Err(JournalError::InvalidArgument(_) | JournalError::NotFound(_))
+            ),
+            "{uid} {row:?}: {refused:?}"
+        );
+    }
+    // Recording again at a seq replaces what was there.
+    j.record_checkpoint("s", &at(3, "c3-again")).unwrap();
+    let j = open();
+    let kept = j.checkpoints("s").unwrap();
+    assert_eq!(
+        kept.iter().map(|c| c.snapshot.as_str()).collect::<Vec<_>>(),
+        ["c1", "c2", "c3-again"]
+    );
+    assert_eq!(kept[1], at(2, "c2"));
+    // The log is untouched.
+    assert_eq!(j.read("s", 1, 0).unwrap(), records);
+    // A merge of 1 into 2: both changes or neither (a replacement of a seq never recorded
+    // fails the whole transaction).
+    let merged = CheckpointRow {
+        snapshot: "c12".into(),
+        ..at(2, "c12")
+    };
+    assert!(
+        j.retain_checkpoints("s", &[1], &[merged.clone(), at(7, "c7")])
+            .is_err()
+    );
+    assert_eq!(j.checkpoints("s").unwrap().len(), 3);
+    j.retain_checkpoints("s", &[1], std::slice::from_ref(&merged))
+        .unwrap();
+    let kept = j.checkpoints("s").unwrap();
+    assert_eq!(kept.len(), 2);
+    assert_eq!(kept[0].snapshot, "c12");
+    assert_eq!(kept[0].created_at, at(2, "").created_at);
+    assert!(j.checkpoints("nobody").unwrap().is_empty());
 }

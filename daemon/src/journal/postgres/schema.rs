@@ -78,6 +78,16 @@ const MIGRATIONS: &[&str] = &[
     "ALTER TABLE sessions ADD COLUMN log_bytes BIGINT NOT NULL DEFAULT 0;
     UPDATE sessions SET log_bytes = COALESCE((SELECT SUM(length(event)) FROM events
         WHERE events.session = sessions.session), 0);",
+    // 4: each turn's memory snapshot of a memory-tier session, beside its log.
+    "CREATE TABLE checkpoints (
+        session         TEXT NOT NULL,
+        seq             BIGINT NOT NULL,
+        snapshot        TEXT NOT NULL,
+        manifest_sha256 TEXT NOT NULL,
+        bytes           BIGINT NOT NULL,
+        created_at      BIGINT NOT NULL,
+        PRIMARY KEY (session, seq)
+    );",
 ];
 
 /// What this build knows.
