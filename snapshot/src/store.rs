@@ -305,6 +305,38 @@ impl LocalStore {
     /// directory, a FIFO) is moved in and judged here, never followed; nothing stays if it
     /// is refused.
     pub fn adopt(&self, id: &str, written: &Path) -> Result<PathBuf, SnapshotError> {
+        self.adopt_then(id, written, |dir| self.settle_bases(dir))
+    }
+
+    /// [`Self::adopt`] for a layer whose base the caller knows from its own records (a VMM's
+    /// next checkpoint, layered on the last, which was moved into the store after it was
+    /// written): whatever base the VMM wrote, the layer's base is the store's `base`.
+    pub fn adopt_layer(
+        &self,
+        id: &str,
+        written: &Path,
+        base: &str,
+    ) -> Result<PathBuf, SnapshotError> {
+        let base = self.get(base)?;
+        self.adopt_then(id, written, |dir| {
+            let mut layer = Snapshot::open(dir)?;
+            if layer.manifest.memory.size != base.manifest.memory.size {
+                return Err(SnapshotError::Base {
+                    dir: base.dir.display().to_string(),
+                    reason: "its guest memory size differs from the layer's".into(),
+                });
+            }
+            layer.manifest.memory.base = Some(base.base_ref());
+            write_manifest(dir, &layer.manifest)
+        })
+    }
+
+    fn adopt_then(
+        &self,
+        id: &str,
+        written: &Path,
+        settle: impl FnOnce(&Path) -> Result<(), SnapshotError>,
+    ) -> Result<PathBuf, SnapshotError> {
         let dir = self.unused_dir(id)?;
         match std::fs::rename(written, &dir) {
             Ok(()) => {}
@@ -318,7 +350,7 @@ impl LocalStore {
             Err(e) => return Err(io(written)(e)),
         }
         let adopted = take_over(&dir)
-            .and_then(|()| self.settle_bases(&dir))
+            .and_then(|()| settle(&dir))
             .and_then(|()| seal(&dir))
             .and_then(|()| restamp(&dir));
         if let Err(e) = adopted {

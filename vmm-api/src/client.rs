@@ -252,13 +252,16 @@ impl VmmClient {
         self.put_json(endpoint::VM_FORK, &body).await
     }
 
-    /// `PUT vm.checkpoint` (extension) of the running VM into `dir` (which must exist).
+    /// `PUT vm.checkpoint` (extension) of the running VM into `dir` (which must exist),
+    /// layered on the last one, now at `base` if it was moved.
     pub async fn checkpoint(
         &self,
         dir: &std::path::Path,
+        base: Option<&std::path::Path>,
     ) -> Result<crate::types::VmCheckpointReport, ClientError> {
         let body = crate::types::VmCheckpointConfig {
             destination_url: format!("file://{}", dir.display()),
+            base_url: base.map(|b| format!("file://{}", b.display())),
         };
         let body = serde_json::to_vec(&body).map_err(|e| ClientError::InvalidRequest {
             endpoint: endpoint::VM_CHECKPOINT.to_owned(),

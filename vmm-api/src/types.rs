@@ -170,6 +170,11 @@ pub struct VmForkConfig {
 #[serde(deny_unknown_fields)]
 pub struct VmCheckpointConfig {
     pub destination_url: String,
+    /// Where the VMM's last checkpoint lives now, if it was moved after it was written
+    /// (into a snapshot store): the new one is layered on it there. Without it, a
+    /// checkpoint is layered on the last one only if that is still where it was written.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_url: Option<String>,
 }
 
 /// What `vm.checkpoint` did. The first checkpoint of a VM holds what it changed since it was

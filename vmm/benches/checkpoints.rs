@@ -66,7 +66,7 @@ async fn main() {
             plain_write.push(ms(started.elapsed()));
         }
         let first_dir = new_dir(store.path(), &format!("{mib}-first"));
-        vmm.client.checkpoint(&first_dir).await.unwrap();
+        vmm.client.checkpoint(&first_dir, None).await.unwrap();
         let first = vmm.client.checkpoint_wait().await.unwrap();
         let mut paused = Vec::new();
         let mut call = Vec::new();
@@ -81,7 +81,7 @@ async fn main() {
             link.counter_turn(u64::from(round) + 1, "turn");
             let dir = new_dir(store.path(), &format!("{mib}-{round}"));
             let started = Instant::now();
-            let taken = vmm.client.checkpoint(&dir).await.unwrap();
+            let taken = vmm.client.checkpoint(&dir, None).await.unwrap();
             call.push(ms(started.elapsed()));
             let report = vmm.client.checkpoint_wait().await.unwrap();
             durable.push(ms(started.elapsed()));

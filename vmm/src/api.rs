@@ -556,6 +556,12 @@ impl VmmBackend for Vmm {
     ) -> Result<agentvm_vmm_api::types::VmCheckpointReport, ApiError> {
         let dir = dir_from_url("destination_url", &config.destination_url)
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        let base = config
+            .base_url
+            .as_deref()
+            .map(|url| dir_from_url("base_url", url))
+            .transpose()
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
         let mut inner = lock(&self.inner);
         match &mut inner.slot {
             Slot::Running(config, booted) => {
@@ -563,7 +569,7 @@ impl VmmBackend for Vmm {
                     .map_err(|e| ApiError::internal(format!("encoding config.json: {e}")))?;
                 booted
                     .vm
-                    .checkpoint(&dir, &config_json)
+                    .checkpoint(&dir, base.as_deref(), &config_json)
                     .map_err(|e| ApiError::from_error(500, &e))
             }
             Slot::Empty => Err(no_vm()),

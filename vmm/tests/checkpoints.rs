@@ -20,9 +20,23 @@ fn store() -> tempfile::TempDir {
 }
 
 async fn checkpoint(vmm: &Vmm, store: &Path, name: &str) -> (PathBuf, VmCheckpointReport) {
+    checkpoint_on(vmm, store, name, None).await
+}
+
+/// A checkpoint layered on the last one, which was moved to `base`.
+async fn checkpoint_on(
+    vmm: &Vmm,
+    store: &Path,
+    name: &str,
+    base: Option<&Path>,
+) -> (PathBuf, VmCheckpointReport) {
     let dir = store.join(name);
     std::fs::create_dir(&dir).unwrap();
-    let taken = vmm.client.checkpoint(&dir).await.expect("vm.checkpoint");
+    let taken = vmm
+        .client
+        .checkpoint(&dir, base)
+        .await
+        .expect("vm.checkpoint");
     assert!(!taken.durable);
     let report = vmm
         .client
@@ -76,9 +90,13 @@ async fn each_checkpoint_holds_what_changed_and_restores_the_guest_as_it_was() {
     let layer = agentvm_snapshot::Snapshot::open(&second).unwrap();
     assert!(layer.manifest.memory.base.is_some());
 
-    // An idle turn between checkpoints stores a handful of pages.
+    // An idle turn between checkpoints stores a handful of pages. The last checkpoint was
+    // moved (as a store takes it in): the next is layered on it where it is now.
     assert_eq!(link.counter_turn(4, "e4"), "4");
-    let (third, report) = checkpoint(&vmm, store.path(), "c3").await;
+    let moved = store.path().join("kept-c2");
+    std::fs::rename(&second, &moved).unwrap();
+    let second = moved;
+    let (third, report) = checkpoint_on(&vmm, store.path(), "c3", Some(&second)).await;
     assert!(report.incremental);
     assert_eq!(report.chain_depth, 3);
     assert!(report.memory_pages < 64, "{report:?}");
@@ -124,15 +142,18 @@ async fn a_checkpoint_needs_a_running_vm_and_a_fresh_directory() {
     let status = |r: Result<VmCheckpointReport, agentvm_vmm_api::client::ClientError>| {
         r.err().and_then(|e| e.status())
     };
-    assert_eq!(status(vmm.client.checkpoint(&dir).await), Some(404));
+    assert_eq!(status(vmm.client.checkpoint(&dir, None).await), Some(404));
     vmm.boot(&vmm.config(1, 128, "")).await;
     vmm.client.pause().await.unwrap();
-    assert_eq!(status(vmm.client.checkpoint(&dir).await), Some(500));
+    assert_eq!(status(vmm.client.checkpoint(&dir, None).await), Some(500));
     vmm.client.resume().await.unwrap();
     assert_eq!(status(vmm.client.checkpoint_wait().await), Some(404));
-    vmm.client.checkpoint(&dir).await.expect("vm.checkpoint");
+    vmm.client
+        .checkpoint(&dir, None)
+        .await
+        .expect("vm.checkpoint");
     // Never over a checkpoint already written; the VM still runs.
-    assert_eq!(status(vmm.client.checkpoint(&dir).await), Some(500));
+    assert_eq!(status(vmm.client.checkpoint(&dir, None).await), Some(500));
     assert_eq!(
         vmm.client.info().await.unwrap().state,
         agentvm_vmm_api::VmState::Running

@@ -341,8 +341,7 @@ pub trait Journal: Send + Sync {
 
     /// Forgets `uid`'s checkpoints at `drop` and records `replace` (a checkpoint merged into
     /// its successor is dropped and the successor replaced), in one transaction.
-    fn retain_checkpoints(&self, uid: &str, drop: &[i64], replace: &[CheckpointRow])
-    -> Result<()>;
+    fn retain_checkpoints(&self, uid: &str, drop: &[i64], replace: &[CheckpointRow]) -> Result<()>;
 
     /// Records that `op` is about to act (durably, before it does); returns its id.
     fn begin_operation(&self, op: &Operation) -> Result<i64>;

@@ -674,12 +674,7 @@ impl Journal for PostgresJournal {
         })
     }
 
-    fn retain_checkpoints(
-        &self,
-        uid: &str,
-        drop: &[i64],
-        replace: &[CheckpointRow],
-    ) -> Result<()> {
+    fn retain_checkpoints(&self, uid: &str, drop: &[i64], replace: &[CheckpointRow]) -> Result<()> {
         let (uid, drop, replace) = (uid.to_owned(), drop.to_vec(), replace.to_vec());
         self.with("retain checkpoints", move |mut client| async move {
             let tx = client

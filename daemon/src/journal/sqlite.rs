@@ -669,12 +669,7 @@ impl Journal for SqliteJournal {
             .map_err(storage(format!("list the checkpoints of {uid}")))
     }
 
-    fn retain_checkpoints(
-        &self,
-        uid: &str,
-        drop: &[i64],
-        replace: &[CheckpointRow],
-    ) -> Result<()> {
+    fn retain_checkpoints(&self, uid: &str, drop: &[i64], replace: &[CheckpointRow]) -> Result<()> {
         let mut conn = self.writer();
         let tx = conn
             .transaction()
@@ -701,7 +696,10 @@ impl Journal for SqliteJournal {
                 )
                 .map_err(storage(format!("replace checkpoint {uid}@{}", row.seq)))?;
             if n == 0 {
-                return Err(JournalError::NotFound(format!("checkpoint {uid}@{}", row.seq)));
+                return Err(JournalError::NotFound(format!(
+                    "checkpoint {uid}@{}",
+                    row.seq
+                )));
             }
         }
         tx.commit()

@@ -581,7 +581,8 @@ pub fn checkpoints_sit_beside_the_log_and_merge_all_or_none(open: &Opener) {
         created_at: 10 + seq,
     };
     for seq in 1..=3 {
-        j.record_checkpoint("s", &at(seq, &format!("c{seq}"))).unwrap();
+        j.record_checkpoint("s", &at(seq, &format!("c{seq}")))
+            .unwrap();
     }
     // Past the head, before the first record, unnamed, or of no session: refused.
     for (uid, row) in [

@@ -260,6 +260,9 @@ fn fork(body: &[u8]) -> Result<Call, ApiError> {
 fn checkpoint(body: &[u8]) -> Result<Call, ApiError> {
     let config: crate::types::VmCheckpointConfig = decode(body, "checkpoint config")?;
     url_field("destination_url", &config.destination_url)?;
+    if let Some(base) = &config.base_url {
+        url_field("base_url", base)?;
+    }
     call(move |b| json(&b.checkpoint(config)?))
 }
 

@@ -146,6 +146,7 @@ impl Vm {
     pub fn checkpoint(
         &mut self,
         dir: &Path,
+        moved_to: Option<&Path>,
         config_json: &[u8],
     ) -> Result<VmCheckpointReport, PersistError> {
         let started = Instant::now();
@@ -161,7 +162,21 @@ impl Vm {
         let previous = self
             .last_checkpoint
             .clone()
-            .filter(|last| last.depth < CHECKPOINT_DEPTH && still_there(&last.base));
+            .filter(|last| last.depth < CHECKPOINT_DEPTH)
+            .and_then(|last| match moved_to {
+                // Moved by whoever keeps it: its manifest there, if this VMM can read it
+                // (else the caller re-points the layer it gets).
+                Some(dir) => Some(LastCheckpoint {
+                    base: BaseRef {
+                        dir: dir.to_owned(),
+                        manifest_sha256: Snapshot::open(dir)
+                            .map(|s| s.manifest_sha256)
+                            .unwrap_or(last.base.manifest_sha256),
+                    },
+                    depth: last.depth,
+                }),
+                None => still_there(&last.base).then_some(last),
+            });
         let how = match (&previous, self.ram.backing()) {
             (Some(_), _) => How::Layer,
             (None, Backing::Private { .. }) => How::SinceRestore,
@@ -506,6 +521,7 @@ fn write_captured(
         base: snapshot.base_ref(),
         memory_pages,
         disk_blocks,
+        // Bases this VMM cannot read (moved where it cannot see) count as unknown: 0.
         chain_depth: snapshot.chain().map_or(0, |c| c.len() as u32),
     })
 }
