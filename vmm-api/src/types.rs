@@ -188,6 +188,9 @@ pub struct VmCheckpointReport {
     pub disk_blocks: u64,
     /// How long the VM was paused, microseconds.
     pub paused_us: u64,
+    /// How long what changed was copied before the pause, with the VM running, microseconds.
+    #[serde(default)]
+    pub precopy_us: u64,
     /// From the call to a durable checkpoint, microseconds.
     pub elapsed_us: u64,
     /// Layered on the VM's previous checkpoint (false: the first, or a flattened one).

@@ -21,7 +21,10 @@ use support::{GuestLink, Vmm, ms, summary};
 const PORT: u32 = 1024;
 
 fn shm_dir() -> tempfile::TempDir {
-    tempfile::tempdir_in("/dev/shm").unwrap_or_else(|_| tempfile::tempdir().unwrap())
+    match std::env::var_os("AGENTVM_BENCH_CHECKPOINT_DIR") {
+        Some(dir) => tempfile::tempdir_in(dir).unwrap(),
+        None => tempfile::tempdir_in("/dev/shm").unwrap_or_else(|_| tempfile::tempdir().unwrap()),
+    }
 }
 
 fn new_dir(parent: &Path, name: &str) -> PathBuf {
@@ -70,6 +73,7 @@ async fn main() {
         let first = vmm.client.checkpoint_wait().await.unwrap();
         let mut paused = Vec::new();
         let mut call = Vec::new();
+        let mut precopy = Vec::new();
         let mut durable = Vec::new();
         let mut stored_per_written = Vec::new();
         let mut logged_write = Vec::new();
@@ -87,6 +91,7 @@ async fn main() {
             durable.push(ms(started.elapsed()));
             assert!(report.incremental || report.chain_depth == 1, "{report:?}");
             paused.push(taken.paused_us as f64 / 1e3);
+            precopy.push(taken.precopy_us as f64 / 1e3);
             stored_per_written.push(report.memory_pages as f64 / f64::from(mib * 256));
             dirs.push(dir);
         }
@@ -96,6 +101,7 @@ async fn main() {
             first.paused_us as f64 / 1e3
         );
         summary("  checkpoint pause", "ms", paused);
+        summary("  pre-copy (VM running)", "ms", precopy);
         summary("  vm.checkpoint call (VM running again)", "ms", call);
         summary("  until durable", "ms", durable);
         summary("  pages stored / pages written", "x", stored_per_written);

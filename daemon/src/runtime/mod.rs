@@ -132,6 +132,23 @@ pub struct ComputeLost {
     pub reason: String,
 }
 
+/// A turn's checkpoint, in the runtime's store (see `session::checkpoints`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TurnCheckpoint {
+    pub snapshot: SnapshotRef,
+    /// SHA-256 of its manifest as sealed in the store.
+    pub manifest_sha256: String,
+    /// Bytes its own files take on disk (not its bases').
+    pub bytes: u64,
+    /// How long the VM was paused for it.
+    pub paused: std::time::Duration,
+    /// Guest pages and disk blocks it stores.
+    pub pages: u64,
+    pub disk_blocks: u64,
+    /// Layered on the checkpoint named as its base.
+    pub incremental: bool,
+}
+
 /// What the journal says of the session a snapshot belongs to, for a sweep.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SnapshotOwner {
@@ -191,6 +208,30 @@ pub trait Runtime: Send + Sync {
     /// Brings a session back from `snapshot`. Unlike upstream's SPI it also gets the session's
     /// spec: a backend that re-provisions (a process, a VMM) must know what to start.
     async fn restore(&self, snapshot: &SnapshotRef, spec: &SessionSpec) -> Result<Incarnation>;
+
+    /// Takes a checkpoint of a running memory-tier incarnation at a turn's end, layered on
+    /// `base` (the last one it took of this incarnation) where it can be; `running_again` is
+    /// told as soon as the VM runs again, and the checkpoint is returned once durable in the
+    /// store. `None`: this runtime keeps no checkpoints (of this incarnation).
+    async fn checkpoint_turn(
+        &self,
+        _incarnation: &Incarnation,
+        _base: Option<&SnapshotRef>,
+        _running_again: tokio::sync::oneshot::Sender<()>,
+    ) -> Result<Option<TurnCheckpoint>> {
+        Ok(None)
+    }
+
+    /// Deletes checkpoint `snapshot` (and nothing it is layered on); false if something still
+    /// depends on it (a layer or a VM restored from it), which a later sweep retries.
+    fn discard_checkpoint(&self, _snapshot: &SnapshotRef) -> bool {
+        true
+    }
+
+    /// The checkpoints of `session_uid` this runtime holds (recorded or not), oldest first.
+    fn checkpoints_held(&self, _session_uid: &str) -> Vec<SnapshotRef> {
+        Vec::new()
+    }
 
     /// A child from a parent's snapshot. Must not leak a half-built child on failure.
     /// `None` when the backend provisions nothing at fork time (a replay fork: the child's

@@ -415,9 +415,24 @@ impl GuestRam {
         Ok(out)
     }
 
-    /// Copies memory-file page `page` (an index as the two calls above give them) into `out`
-    /// (one page long).
-    pub fn read_file_page(&self, page: u64, out: &mut [u8]) -> Result<(), MemoryError> {
+    /// Whether memory-file page `page + 1` follows `page` in guest memory too (both in one
+    /// region), so a run of them reads in one go.
+    pub fn file_pages_adjacent(&self, page: u64) -> bool {
+        let (Some(a), Some(b)) = (
+            gpa_of(self.size, page * PAGE_SIZE),
+            gpa_of(self.size, (page + 1) * PAGE_SIZE),
+        ) else {
+            return false;
+        };
+        b == a + PAGE_SIZE
+            && regions(self.size)
+                .iter()
+                .any(|r| r.gpa <= a && b + PAGE_SIZE <= r.gpa + r.len)
+    }
+
+    /// Copies memory-file pages from `page` on (an index as the two calls above give them,
+    /// the run adjacent in guest memory) into `out`, a whole number of pages.
+    pub fn read_file_pages(&self, page: u64, out: &mut [u8]) -> Result<(), MemoryError> {
         let gpa =
             gpa_of(self.size, page * PAGE_SIZE).ok_or(MemoryError::Region(page * PAGE_SIZE))?;
         self.memory

@@ -7,8 +7,11 @@
 //!   the pages the vCPUs wrote (KVM's dirty log, on from the first checkpoint), the pages
 //!   devices wrote (marked by every write through [`GuestMemoryMmap`]), and the disk blocks
 //!   the guest wrote (counted by each disk).
-//! - The VM is paused only while those pages and blocks are copied aside and its device
-//!   state is read; the files are written, hashed and synced after it runs again.
+//! - What changed is copied into the checkpoint's layer files while the VM still runs (a
+//!   pre-copy, as live migration does); the VM is then paused only to copy again what it
+//!   wrote meanwhile and to read its device state. The files are hashed and synced after it
+//!   runs again. Nothing is staged in memory: a checkpoint costs the VMM no more than the
+//!   page cache of what it writes.
 //! - The vsock streams stay open (the daemon keeps talking to the guest); the saved state
 //!   says so, and a VM restored from it tells the guest its streams are gone.
 //!
@@ -19,6 +22,7 @@
 //!
 //! [`GuestMemoryMmap`]: crate::kvm::memory::GuestMemoryMmap
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -29,14 +33,13 @@ use agentvm_snapshot::dir::SnapshotWriter;
 use agentvm_snapshot::manifest::{
     BaseRef, CONFIG_FILE, DigestKind, HostIdentity, MEMORY_FILE, MemoryLayout, STATE_FILE,
 };
-use agentvm_snapshot::pages::{PAGE_SIZE, PageHasher};
+use agentvm_snapshot::pages::PAGE_SIZE;
 use agentvm_vmm_api::types::VmCheckpointReport;
 
 use super::persist::{PersistError, disk_file};
 use super::{Vm, lock_disk};
-use crate::devices::virtio::block::WrittenBlocks;
 use crate::kvm::Flavour;
-use crate::kvm::memory::Backing;
+use crate::kvm::memory::{Backing, GuestRam};
 
 /// Layers a VM's checkpoints stack on one another before one starts a new chain.
 pub const CHECKPOINT_DEPTH: u32 = 32;
@@ -49,13 +52,13 @@ pub(super) struct LastCheckpoint {
     depth: u32,
 }
 
-/// What was taken while the VM was paused, to be written once it runs again.
+/// What was taken while the VM was paused, to be finished once it runs again.
 struct Captured {
     state: Vec<u8>,
     memory: Memory,
-    /// Per writable disk (by index): its blocks written since the last checkpoint with their
-    /// contents, or `None` where the disk was copied into the directory while paused.
-    disks: Vec<(usize, Option<WrittenBlocks>)>,
+    /// Per writable disk (by index): its layer of the blocks written since the last
+    /// checkpoint, or `None` where the disk was copied into the directory while paused.
+    disks: Vec<(usize, Option<LayerFile>)>,
     base: Option<BaseRef>,
 }
 
@@ -70,54 +73,143 @@ enum How {
     Freeze,
 }
 
-/// Pages and disk blocks copied aside, a later copy of one replacing the earlier.
-#[derive(Default)]
-struct Staged {
-    /// Memory-file page → its slot in `bytes`.
-    slots: std::collections::BTreeMap<u64, usize>,
-    bytes: Vec<u8>,
-    /// Per writable disk (by index): block → contents.
-    disks: std::collections::BTreeMap<usize, std::collections::BTreeMap<u64, Vec<u8>>>,
+/// A layer file being filled: pages (or disk blocks) at their offsets, holes elsewhere.
+/// A page written again replaces its earlier copy.
+struct LayerFile {
+    name: String,
+    file: File,
+    /// The file's length (the VM's memory or the disk's capacity).
+    size: u64,
+    written: BTreeSet<u64>,
 }
 
-impl Staged {
-    fn copy_pages(
-        &mut self,
-        ram: &crate::kvm::memory::GuestRam,
-        pages: &[u64],
-    ) -> Result<(), PersistError> {
-        let page_len = PAGE_SIZE as usize;
-        for &page in pages {
-            let next = self.slots.len();
-            let slot = *self.slots.entry(page).or_insert(next);
-            if slot == next {
-                self.bytes.resize((next + 1) * page_len, 0);
+impl LayerFile {
+    fn create(dir: &Path, name: &str, size: u64) -> Result<Self, PersistError> {
+        let path = dir.join(name);
+        let failed = |source| PersistError::DiskCopy {
+            path: path.clone(),
+            source,
+        };
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(failed)?;
+        file.set_len(size).map_err(failed)?;
+        Ok(Self {
+            name: name.to_owned(),
+            file,
+            size,
+            written: BTreeSet::new(),
+        })
+    }
+
+    /// Writes `bytes` (`count` pages) from page `first` on.
+    fn put_run(&mut self, first: u64, bytes: &[u8], count: usize) -> Result<(), PersistError> {
+        self.file
+            .write_all_at(bytes, first * PAGE_SIZE)
+            .map_err(|source| PersistError::DiskCopy {
+                path: PathBuf::from(&self.name),
+                source,
+            })?;
+        self.written.extend(first..first + count as u64);
+        Ok(())
+    }
+
+    /// Writes `bytes` (one page) as page `index`, cut at the file's end.
+    fn put(&mut self, index: u64, bytes: &[u8]) -> Result<(), PersistError> {
+        let at = index * PAGE_SIZE;
+        let len = (self.size.saturating_sub(at)).min(bytes.len() as u64) as usize;
+        self.file
+            .write_all_at(&bytes[..len], at)
+            .map_err(|source| PersistError::DiskCopy {
+                path: PathBuf::from(&self.name),
+                source,
+            })?;
+        self.written.insert(index);
+        Ok(())
+    }
+
+    /// Synced, with its layer digest and how many pages it stores.
+    fn finish(self) -> Result<(String, String, u64), PersistError> {
+        let failed = |source| PersistError::DiskCopy {
+            path: PathBuf::from(&self.name),
+            source,
+        };
+        self.file.sync_all().map_err(failed)?;
+        let (digest, pages) = agentvm_snapshot::pages::layer_digest(&self.file).map_err(failed)?;
+        Ok((self.name, digest, pages))
+    }
+}
+
+/// The memory layer being copied, with what it may leave out.
+struct MemoryLayer {
+    layer: LayerFile,
+    /// For a restored VM's first checkpoint: the pages some file of its chain holds. A page
+    /// it only read since it was restored maps the zero page, which looks changed but is
+    /// not; a zero page over none of these is left out.
+    backed: Option<BTreeSet<u64>>,
+    page: Vec<u8>,
+}
+
+/// Pages copied per read of guest memory and write of the layer file.
+const RUN_PAGES: usize = 256;
+
+impl MemoryLayer {
+    /// Copies `pages` (in order) into the layer: runs of consecutive pages in one read and
+    /// one write each.
+    fn copy_pages(&mut self, ram: &GuestRam, pages: &[u64]) -> Result<(), PersistError> {
+        if self.backed.is_some() {
+            return self.copy_each(ram, pages);
+        }
+        let mut start = 0;
+        while start < pages.len() {
+            let mut end = start + 1;
+            while end < pages.len()
+                && end - start < RUN_PAGES
+                && pages[end] == pages[end - 1] + 1
+                && ram.file_pages_adjacent(pages[end - 1])
+            {
+                end += 1;
             }
-            ram.read_file_page(
-                page,
-                &mut self.bytes[slot * page_len..(slot + 1) * page_len],
-            )?;
+            let len = (end - start) * PAGE_SIZE as usize;
+            self.page.resize(len.max(PAGE_SIZE as usize), 0);
+            ram.read_file_pages(pages[start], &mut self.page[..len])?;
+            self.layer
+                .put_run(pages[start], &self.page[..len], end - start)?;
+            start = end;
         }
         Ok(())
     }
 
-    /// The pages in order, with their contents.
-    fn pages(&self) -> impl Iterator<Item = (u64, &[u8])> {
-        let page_len = PAGE_SIZE as usize;
-        self.slots
-            .iter()
-            .map(move |(&page, &slot)| (page, &self.bytes[slot * page_len..(slot + 1) * page_len]))
+    /// Page by page, leaving out the unchanged holes `backed` tells of.
+    fn copy_each(&mut self, ram: &GuestRam, pages: &[u64]) -> Result<(), PersistError> {
+        self.page.resize(PAGE_SIZE as usize, 0);
+        for &index in pages {
+            ram.read_file_pages(index, &mut self.page)?;
+            let unchanged_hole = self.backed.as_ref().is_some_and(|backed| {
+                !backed.contains(&index)
+                    && !self.layer.written.contains(&index)
+                    && agentvm_snapshot::pages::is_zero(&self.page)
+            });
+            if !unchanged_hole {
+                self.layer.put(index, &self.page)?;
+            }
+        }
+        Ok(())
     }
 }
 
+/// What is copied before and during the pause.
+struct Staged {
+    memory: Option<MemoryLayer>,
+    disks: BTreeMap<usize, LayerFile>,
+}
+
 enum Memory {
-    /// Pages copied aside, to be written as a layer.
-    Staged {
-        staged: Staged,
-        /// Leave out zero pages no file of the chain holds: a page the guest only read
-        /// since it was restored maps the zero page, which looks changed but is not.
-        skip_unbacked_zeros: Option<std::collections::BTreeSet<u64>>,
-    },
+    /// A layer file of the pages copied.
+    Layer(LayerFile),
     /// Already in the directory: the RAM file linked (or copied) as `vm.fork` does.
     Written { digest: String, pages: u64 },
 }
@@ -182,7 +274,9 @@ impl Vm {
             (None, Backing::Private { .. }) => How::SinceRestore,
             (None, Backing::Own) => How::Freeze,
         };
-        let staged = self.precopy(how)?;
+        let precopy_at = Instant::now();
+        let staged = self.precopy(dir, how)?;
+        let precopied = precopy_at.elapsed();
         let paused_at = Instant::now();
         self.pause()
             .map_err(|e| PersistError::Mismatch(format!("pausing for the checkpoint: {e}")))?;
@@ -203,8 +297,14 @@ impl Vm {
         let captured = captured?;
         let report = VmCheckpointReport {
             memory_pages: captured.memory.pages(),
-            disk_blocks: captured.disk_blocks(),
+            disk_blocks: captured
+                .disks
+                .iter()
+                .filter_map(|(_, layer)| layer.as_ref())
+                .map(|layer| layer.written.len() as u64)
+                .sum(),
             paused_us: micros(paused),
+            precopy_us: micros(precopied),
             elapsed_us: micros(started.elapsed()),
             incremental: previous.is_some(),
             chain_depth: 0,
@@ -214,11 +314,6 @@ impl Vm {
             dir: dir.to_owned(),
             config_json: config_json.to_vec(),
             memory_size: self.ram.size(),
-            disk_capacities: self
-                .disks
-                .iter()
-                .map(|d| lock_disk(&d.device).device().capacity())
-                .collect(),
         };
         let writing = std::thread::Builder::new()
             .name("checkpoint".into())
@@ -270,47 +365,72 @@ impl Vm {
         }))
     }
 
-    /// What can be copied aside while the VM still runs (a pre-copy, as live migration
-    /// does): the pages and blocks written since the last checkpoint, or, for a restored VM's
-    /// first, every page it changed since it was restored. Whatever the guest writes from
-    /// here on is logged again and copied once more while paused, so the pause copies only
-    /// what changed during this copy.
-    fn precopy(&mut self, how: How) -> Result<Staged, PersistError> {
-        let mut staged = Staged::default();
+    /// What can be copied while the VM still runs (a pre-copy): the pages and blocks
+    /// written since the last checkpoint, or, for a restored VM's first, every page it
+    /// changed since it was restored. Whatever the guest writes from here on is logged again
+    /// and copied once more while paused, so the pause copies only what changed meanwhile.
+    fn precopy(&mut self, dir: &Path, how: How) -> Result<Staged, PersistError> {
+        let mut staged = Staged {
+            memory: None,
+            disks: BTreeMap::new(),
+        };
+        let memory = |backed| -> Result<MemoryLayer, PersistError> {
+            Ok(MemoryLayer {
+                layer: LayerFile::create(dir, MEMORY_FILE, self.ram.size())?,
+                backed,
+                page: vec![0u8; PAGE_SIZE as usize],
+            })
+        };
         match how {
             How::Layer => {
-                self.stage_logged(&mut staged)?;
-                self.stage_disks(&mut staged)?;
+                staged.memory = Some(memory(None)?);
+                for (index, disk) in self.disks.iter().enumerate() {
+                    let transport = lock_disk(&disk.device);
+                    let block = transport.device();
+                    if !block.read_only() {
+                        let layer = LayerFile::create(dir, &disk_file(index), block.capacity())?;
+                        staged.disks.insert(index, layer);
+                    }
+                }
+                self.copy_logged(&mut staged)?;
+                self.copy_disk_writes(&mut staged)?;
             }
             How::SinceRestore => {
+                let Backing::Private { top } = self.ram.backing().clone() else {
+                    return Err(PersistError::Mismatch(
+                        "the VM does not run from a snapshot".into(),
+                    ));
+                };
+                let backed = backed_pages(&Snapshot::open(&top)?)?;
+                let mut layer = memory(Some(backed))?;
                 self.start_tracking()?;
                 let pages = self.ram.changed_file_pages()?;
-                staged.copy_pages(&self.ram, &pages)?;
+                layer.copy_pages(&self.ram, &pages)?;
+                staged.memory = Some(layer);
             }
             How::Freeze => {}
         }
         Ok(staged)
     }
 
-    /// The pages written since the dirty log was last read, into `staged`.
-    fn stage_logged(&mut self, staged: &mut Staged) -> Result<(), PersistError> {
+    /// The pages written since the dirty log was last read, into the memory layer.
+    fn copy_logged(&mut self, staged: &mut Staged) -> Result<(), PersistError> {
         let guest = self
             .kvm
             .take_dirty_log(&self.ram)
             .map_err(|e| PersistError::Mismatch(format!("dirty page log: {e}")))?;
         let pages = self.ram.dirty_file_pages(&guest);
-        staged.copy_pages(&self.ram, &pages)?;
-        Ok(())
+        match staged.memory.as_mut() {
+            Some(memory) => memory.copy_pages(&self.ram, &pages),
+            None => Ok(()),
+        }
     }
 
-    /// Each writable disk's blocks written since they were last taken, into `staged`.
-    fn stage_disks(&mut self, staged: &mut Staged) -> Result<(), PersistError> {
-        for (index, disk) in self.disks.iter().enumerate() {
-            let mut transport = lock_disk(&disk.device);
+    /// Each writable disk's blocks written since they were last taken, into its layer.
+    fn copy_disk_writes(&mut self, staged: &mut Staged) -> Result<(), PersistError> {
+        for (index, layer) in staged.disks.iter_mut() {
+            let mut transport = lock_disk(&self.disks[*index].device);
             let block = transport.device_mut();
-            if block.read_only() {
-                continue;
-            }
             let blocks = block
                 .take_written_blocks()
                 .map_err(|source| PersistError::DiskCopy {
@@ -322,7 +442,10 @@ impl Vm {
                         "disk {index} counted no writes since the last checkpoint"
                     ))
                 })?;
-            staged.disks.entry(index).or_default().extend(blocks);
+            drop(transport);
+            for (at, bytes) in blocks {
+                layer.put(at, &bytes)?;
+            }
         }
         Ok(())
     }
@@ -342,41 +465,35 @@ impl Vm {
         let state = state.to_json()?;
         let mut resumed_at = None;
         let captured = match how {
-            How::Layer => {
-                self.stage_logged(&mut staged)?;
-                self.stage_disks(&mut staged)?;
-                let disks = std::mem::take(&mut staged.disks)
-                    .into_iter()
-                    .map(|(index, blocks)| (index, Some(blocks.into_iter().collect())))
-                    .collect();
-                Captured {
-                    state,
-                    memory: Memory::Staged {
-                        staged,
-                        skip_unbacked_zeros: None,
-                    },
-                    disks,
-                    base: previous.map(|last| last.base.clone()),
-                }
-            }
-            How::SinceRestore => {
-                self.stage_logged(&mut staged)?;
-                let Backing::Private { top } = self.ram.backing().clone() else {
-                    return Err(PersistError::Mismatch(
-                        "the VM no longer runs from a snapshot".into(),
-                    ));
+            How::Layer | How::SinceRestore => {
+                self.copy_logged(&mut staged)?;
+                let disks = if how == How::Layer {
+                    self.copy_disk_writes(&mut staged)?;
+                    staged
+                        .disks
+                        .into_iter()
+                        .map(|(index, layer)| (index, Some(layer)))
+                        .collect()
+                } else {
+                    self.copy_disks(writer, true)?;
+                    self.copied_disks()
                 };
-                let top = Snapshot::open(&top)?;
-                let backed = backed_pages(&top)?;
-                self.copy_disks(writer, true)?;
+                let base = match how {
+                    How::Layer => previous.map(|last| last.base.clone()),
+                    _ => match self.ram.backing() {
+                        Backing::Private { top } => Some(Snapshot::open(top)?.base_ref()),
+                        Backing::Own => None,
+                    },
+                };
+                let memory = staged
+                    .memory
+                    .map(|m| m.layer)
+                    .ok_or_else(|| PersistError::Mismatch("no memory layer".into()))?;
                 Captured {
                     state,
-                    memory: Memory::Staged {
-                        staged,
-                        skip_unbacked_zeros: Some(backed),
-                    },
-                    disks: self.copied_disks(),
-                    base: Some(top.base_ref()),
+                    memory: Memory::Layer(memory),
+                    disks,
+                    base,
                 }
             }
             How::Freeze => {
@@ -404,7 +521,7 @@ impl Vm {
     }
 
     /// Disks `copy_disks` wrote into the directory while paused.
-    fn copied_disks(&self) -> Vec<(usize, Option<WrittenBlocks>)> {
+    fn copied_disks(&self) -> Vec<(usize, Option<LayerFile>)> {
         self.disks
             .iter()
             .enumerate()
@@ -433,30 +550,19 @@ struct Target {
     dir: PathBuf,
     config_json: Vec<u8>,
     memory_size: u64,
-    disk_capacities: Vec<u64>,
 }
 
 impl Memory {
     fn pages(&self) -> u64 {
         match self {
-            Memory::Staged { staged, .. } => staged.slots.len() as u64,
+            Memory::Layer(layer) => layer.written.len() as u64,
             Memory::Written { pages, .. } => *pages,
         }
     }
 }
 
-impl Captured {
-    fn disk_blocks(&self) -> u64 {
-        self.disks
-            .iter()
-            .filter_map(|(_, blocks)| blocks.as_ref())
-            .map(|b| b.len() as u64)
-            .sum()
-    }
-}
-
-/// Writes what was captured, with the VM running: state, config, the memory and disk
-/// layers, each synced, then the manifest.
+/// Finishes what was captured, with the VM running: state and config written, each layer
+/// synced and hashed, then the manifest.
 fn write_captured(
     mut writer: SnapshotWriter,
     target: Target,
@@ -465,48 +571,24 @@ fn write_captured(
     let dir = &target.dir;
     writer.write_file(STATE_FILE, &captured.state)?;
     writer.write_file(CONFIG_FILE, &target.config_json)?;
-    let (kind, digest, memory_pages) = match captured.memory {
-        Memory::Written { digest, pages } => (DigestKind::Pages, digest, pages),
-        Memory::Staged {
-            staged,
-            skip_unbacked_zeros,
-        } => {
-            let path = dir.join(MEMORY_FILE);
-            let (digest, stored) = write_layer(
-                &path,
-                target.memory_size,
-                staged
-                    .pages()
-                    .filter(|(page, bytes)| match &skip_unbacked_zeros {
-                        Some(backed) => {
-                            backed.contains(page) || !agentvm_snapshot::pages::is_zero(bytes)
-                        }
-                        None => true,
-                    }),
-            )
-            .map_err(|source| PersistError::DiskCopy { path, source })?;
-            (DigestKind::LayerPages, digest, stored)
+    let memory_pages = match captured.memory {
+        Memory::Written { digest, pages } => {
+            writer.add_memory_file(MEMORY_FILE, DigestKind::Pages, digest)?;
+            pages
+        }
+        Memory::Layer(layer) => {
+            let (name, digest, pages) = layer.finish()?;
+            writer.add_memory_file(&name, DigestKind::LayerPages, digest)?;
+            pages
         }
     };
-    writer.add_memory_file(MEMORY_FILE, kind, digest)?;
     let mut disk_blocks = 0;
-    for (index, blocks) in captured.disks {
-        let Some(blocks) = blocks else {
-            continue;
-        };
-        let name = disk_file(index);
-        let path = dir.join(&name);
-        let capacity = target.disk_capacities.get(index).copied().unwrap_or(0);
-        let (digest, stored) = write_layer(
-            &path,
-            capacity,
-            blocks
-                .iter()
-                .map(|(block, bytes)| (*block, bytes.as_slice())),
-        )
-        .map_err(|source| PersistError::DiskCopy { path, source })?;
-        disk_blocks += stored;
-        writer.add_memory_file(&name, DigestKind::LayerPages, digest)?;
+    for (_, layer) in captured.disks {
+        if let Some(layer) = layer {
+            let (name, digest, blocks) = layer.finish()?;
+            disk_blocks += blocks;
+            writer.add_memory_file(&name, DigestKind::LayerPages, digest)?;
+        }
     }
     writer.finish(
         HostIdentity::current(Flavour::detect().name()),
@@ -524,24 +606,6 @@ fn write_captured(
         // Bases this VMM cannot read (moved where it cannot see) count as unknown: 0.
         chain_depth: snapshot.chain().map_or(0, |c| c.len() as u32),
     })
-}
-
-/// A new layer file of `size` bytes at `path` holding `pages` (index, 4 KiB contents, in
-/// index order) and holes elsewhere. Returns its layer digest and page count.
-fn write_layer<'a>(
-    path: &Path,
-    size: u64,
-    pages: impl Iterator<Item = (u64, &'a [u8])>,
-) -> std::io::Result<(String, u64)> {
-    let out = File::create_new(path)?;
-    out.set_len(size)?;
-    let mut hasher = PageHasher::default();
-    for (index, bytes) in pages {
-        out.write_all_at(bytes, index * PAGE_SIZE)?;
-        hasher.stored_page(index, bytes);
-    }
-    let pages = hasher.pages();
-    Ok((hasher.finish(), pages))
 }
 
 /// The memory-file pages some file of `top`'s chain holds.
