@@ -21,6 +21,13 @@ pub const ALL: &[&str] = &[
     FORK_BEGUN,
     FORK_PROVISIONED,
     FORK_WRITTEN,
+    // A turn's checkpoint, in the background after its END: taken (the VM running again),
+    // in the store, recorded in the journal's side table, and one past retention folded
+    // into the next.
+    CHECKPOINT_TAKEN,
+    CHECKPOINT_STORED,
+    CHECKPOINT_RECORDED,
+    CHECKPOINT_MERGED,
     // Delete: marked, compute stopped, snapshots reclaimed, tombstoned.
     DELETE_BEGUN,
     DELETE_STOPPED,
@@ -39,6 +46,10 @@ pub const SUSPEND_RECORDED: &str = "suspend.recorded";
 pub const FORK_BEGUN: &str = "fork.begun";
 pub const FORK_PROVISIONED: &str = "fork.provisioned";
 pub const FORK_WRITTEN: &str = "fork.written";
+pub const CHECKPOINT_TAKEN: &str = "checkpoint.taken";
+pub const CHECKPOINT_STORED: &str = "checkpoint.stored";
+pub const CHECKPOINT_RECORDED: &str = "checkpoint.recorded";
+pub const CHECKPOINT_MERGED: &str = "checkpoint.merged";
 pub const DELETE_BEGUN: &str = "delete.begun";
 pub const DELETE_STOPPED: &str = "delete.stopped";
 pub const DELETE_RECLAIMED: &str = "delete.reclaimed";

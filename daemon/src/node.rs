@@ -79,6 +79,8 @@ pub struct NodeConfig {
     pub templates: bool,
     /// Make every image's template at start, not at its first session.
     pub warm_templates: bool,
+    /// Which turns' checkpoints a memory-tier session keeps.
+    pub checkpoints: crate::session::checkpoints::Retention,
     /// Each VMM's memory limit; default: the largest guest plus 128 MiB.
     pub vmm_memory_limit_mib: Option<u64>,
     /// How long a new or restored guest may take to answer Ready on vsock.
@@ -134,6 +136,7 @@ impl NodeConfig {
             vmm_pool: crate::runtime::microvm::DEFAULT_VMM_POOL,
             templates: true,
             warm_templates: false,
+            checkpoints: crate::session::checkpoints::Retention::default(),
             vmm_memory_limit_mib: None,
             guest_ready_timeout: DEFAULT_GUEST_READY_TIMEOUT,
             guest_reply_timeout: DEFAULT_GUEST_REPLY_TIMEOUT,
@@ -413,7 +416,8 @@ impl Node {
             builtin_runtimes,
         )
         .with_disk_reserve(disk.clone())
-        .with_describe_timeout(cfg.guest_ready_timeout);
+        .with_describe_timeout(cfg.guest_ready_timeout)
+        .with_checkpoints(cfg.checkpoints);
         if let Some(auth) = &cfg.auth {
             host = host.with_quotas(auth.quotas().clone());
         }

@@ -154,6 +154,15 @@ pub struct Settings {
     /// its first session needs it. Default: false.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub warm_templates: Option<bool>,
+    /// A memory-tier session keeps a checkpoint of its VM at each of its last N turns' ends
+    /// (each a point it can be forked from); 0 keeps none. A session's
+    /// `agentvm.dev/checkpoints` annotation overrides it (README: Time travel). Default: 32.
+    #[arg(long)]
+    pub checkpoints_keep: Option<u32>,
+    /// Of the checkpoints older than the last `checkpoints_keep`, every Nth turn's is kept
+    /// too; 0 drops them all. Default: 10.
+    #[arg(long)]
+    pub checkpoints_every: Option<u32>,
     /// The first of 65536 uids (and gids) given to VMMs, one each, so no two VMs share one:
     /// pick a range no other user or container of the node has. Default: 1879048192
     /// (0x70000000).
@@ -292,6 +301,8 @@ impl Settings {
             pvm_guest_kernels,
             templates,
             warm_templates,
+            checkpoints_keep,
+            checkpoints_every,
             vm_uid_base,
             vmm_pool,
             openai_base_url,
@@ -376,6 +387,14 @@ impl Settings {
         );
         set("templates", toml::Value::Boolean(node.templates));
         set("warm_templates", toml::Value::Boolean(node.warm_templates));
+        set(
+            "checkpoints_keep",
+            secs(u64::from(node.checkpoints.keep_last)),
+        );
+        set(
+            "checkpoints_every",
+            secs(u64::from(node.checkpoints.keep_every)),
+        );
         set("vm_uid_base", secs(u64::from(node.vm_uid_base)));
         set("vmm_pool", secs(node.vmm_pool as u64));
         set(

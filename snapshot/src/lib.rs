@@ -16,6 +16,7 @@ pub mod archive;
 pub mod dir;
 pub mod disk;
 pub mod manifest;
+pub mod merge;
 pub mod pages;
 pub mod state;
 pub mod store;

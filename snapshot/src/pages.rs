@@ -187,6 +187,24 @@ pub fn copy_extents(src: &File, dst: &File) -> io::Result<()> {
     Ok(())
 }
 
+/// Writes the data extents of `src` over `dst` at the same offsets (never a reflink: what
+/// `dst` holds elsewhere stays).
+pub fn overlay_extents(src: &File, dst: &File) -> io::Result<()> {
+    let len = src.metadata()?.len();
+    let mut buf = vec![0u8; CHUNK];
+    for (offset, extent) in data_extents(src)? {
+        let end = (offset + extent).min(len);
+        let mut at = offset;
+        while at < end {
+            let n = ((end - at) as usize).min(CHUNK);
+            src.read_exact_at(&mut buf[..n], at)?;
+            dst.write_all_at(&buf[..n], at)?;
+            at += n as u64;
+        }
+    }
+    Ok(())
+}
+
 /// Calls `f(page index, page bytes)` for each page in `[offset, offset + len)`.
 fn walk(
     file: &File,

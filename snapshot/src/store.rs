@@ -186,6 +186,11 @@ fn write_manifest(dir: &Path, manifest: &crate::Manifest) -> Result<(), Snapshot
     sync_dir(dir)
 }
 
+/// Writes `manifest` into `dir` (a snapshot being made), synced.
+pub(crate) fn write_new_manifest(dir: &Path, manifest: &crate::Manifest) -> Result<(), SnapshotError> {
+    write_manifest(dir, manifest)
+}
+
 /// Records every file's identity as it is now, sealed, in `dir`'s manifest: its digests were
 /// taken (or checked) before sealing, which changed only the files' ctimes, so a VMM
 /// restoring it need not rehash them (see `Snapshot::verify`). A directory without our
@@ -392,6 +397,45 @@ impl LocalStore {
         seal(&dir)?;
         restamp(&dir)?;
         Ok(dir)
+    }
+
+    /// An empty directory to write snapshot `id` in before [`Self::take_in`] makes it one of
+    /// the store's (an earlier unfinished one is dropped).
+    pub(crate) fn incoming(&self, id: &str) -> Result<PathBuf, SnapshotError> {
+        self.unused_dir(id)?;
+        let incoming = self.root.join(format!("{INCOMING}{id}"));
+        let _ = std::fs::remove_dir_all(&incoming);
+        std::fs::create_dir(&incoming).map_err(io(&incoming))?;
+        Ok(incoming)
+    }
+
+    /// Makes the snapshot written in `incoming` (by this process) the store's `id`: synced,
+    /// renamed into place, sealed and stamped.
+    pub(crate) fn take_in(&self, id: &str, incoming: &Path) -> Result<PathBuf, SnapshotError> {
+        let dir = self.unused_dir(id)?;
+        let taken = sync_dir(incoming)
+            .and_then(|()| std::fs::rename(incoming, &dir).map_err(io(&dir)))
+            .and_then(|()| sync_dir(&self.root));
+        if let Err(e) = taken {
+            let _ = std::fs::remove_dir_all(incoming);
+            return Err(e);
+        }
+        seal(&dir)?;
+        restamp(&dir)?;
+        Ok(dir)
+    }
+
+    /// Replaces the manifest of the store's snapshot in `dir` (in one rename), keeping it
+    /// sealed and stamped.
+    pub(crate) fn replace_manifest(
+        &self,
+        dir: &Path,
+        manifest: &crate::Manifest,
+    ) -> Result<(), SnapshotError> {
+        use std::os::unix::fs::PermissionsExt;
+        let path = dir.join(crate::manifest::MANIFEST_FILE);
+        write_manifest(dir, manifest)?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o444)).map_err(io(&path))
     }
 
     /// Makes the base the snapshot in `dir` is layered on one of this store's, so a snapshot

@@ -5,7 +5,8 @@ use std::sync::Arc;
 use agentvm_proto::node::v1::node_server::{Node as NodeApi, NodeServer};
 use agentvm_proto::node::v1::{
     DrainRequest, DrainResponse, FleetNode, GetStatusRequest, ListNodesRequest, ListNodesResponse,
-    ListProjectsRequest, ListProjectsResponse, NodeStatus, Project, Template, WarmImageRequest,
+    Checkpoint, ListCheckpointsRequest, ListCheckpointsResponse, ListProjectsRequest,
+    ListProjectsResponse, NodeStatus, Project, Template, WarmImageRequest,
     WarmImageResponse,
 };
 use agentvm_proto::v1::ComputeState;
@@ -334,6 +335,38 @@ impl NodeApi for NodeService {
             template: warmed.id,
             made: warmed.made,
             took_ms: warmed.took.as_millis() as u64,
+        }))
+    }
+
+    async fn list_checkpoints(
+        &self,
+        request: Request<ListCheckpointsRequest>,
+    ) -> Result<Response<ListCheckpointsResponse>, Status> {
+        let principal = principal_of(&request);
+        let uid = request.into_inner().session;
+        if uid.is_empty() {
+            return Err(Status::invalid_argument("session: empty"));
+        }
+        if principal.is_some() {
+            let session = self.host.view(&uid)?;
+            let project = session.metadata.map(|m| m.project).unwrap_or_default();
+            crate::api::auth::authorize(principal.as_ref(), &project)?;
+        }
+        let host = self.host.clone();
+        let rows = tokio::task::spawn_blocking(move || host.checkpoints_of(&uid))
+            .await
+            .map_err(|e| Status::internal(format!("listing checkpoints: {e}")))??;
+        Ok(Response::new(ListCheckpointsResponse {
+            checkpoints: rows
+                .into_iter()
+                .map(|r| Checkpoint {
+                    seq: r.seq,
+                    turn: r.turn,
+                    snapshot: r.snapshot,
+                    bytes: r.bytes,
+                    created_at_unix_nanos: r.created_at,
+                })
+                .collect(),
         }))
     }
 

@@ -123,6 +123,12 @@ fn node_config(s: &Settings) -> anyhow::Result<(NodeConfig, ListenAddr, ListenAd
     if let Some(on) = s.warm_templates {
         node_config.warm_templates = on;
     }
+    if let Some(keep) = s.checkpoints_keep {
+        node_config.checkpoints.keep_last = keep;
+    }
+    if let Some(every) = s.checkpoints_every {
+        node_config.checkpoints.keep_every = every;
+    }
     if let Some(mib) = s.min_free_disk_mib {
         node_config.min_free_disk_mib = mib;
     }

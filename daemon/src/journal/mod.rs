@@ -252,6 +252,8 @@ pub struct ProjectUsage {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CheckpointRow {
     pub seq: i64,
+    /// Which of the session's turns it ends, counting from 1 (what retention keeps by).
+    pub turn: u64,
     /// Where it is: its store directory (`file://…`) or its archive in the fleet's store.
     pub snapshot: String,
     /// SHA-256 of its manifest as sealed in the store: a checkpoint changed since is not it.

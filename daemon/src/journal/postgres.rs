@@ -627,14 +627,15 @@ impl Journal for PostgresJournal {
                 .ok_or_else(|| JournalError::NotFound(uid.clone()))?;
             check_checkpoint(&uid, &row, head)?;
             let bytes = i64::try_from(row.bytes).unwrap_or(i64::MAX);
+            let turn = i64::try_from(row.turn).unwrap_or(i64::MAX);
             client
                 .execute(
                     "INSERT INTO checkpoints
-                         (session, seq, snapshot, manifest_sha256, bytes, created_at)
-                     VALUES ($1, $2, $3, $4, $5, $6)
+                         (session, seq, snapshot, manifest_sha256, bytes, created_at, turn)
+                     VALUES ($1, $2, $3, $4, $5, $6, $7)
                      ON CONFLICT (session, seq) DO UPDATE SET snapshot = EXCLUDED.snapshot,
                          manifest_sha256 = EXCLUDED.manifest_sha256, bytes = EXCLUDED.bytes,
-                         created_at = EXCLUDED.created_at",
+                         created_at = EXCLUDED.created_at, turn = EXCLUDED.turn",
                     &[
                         &uid,
                         &row.seq,
@@ -642,6 +643,7 @@ impl Journal for PostgresJournal {
                         &row.manifest_sha256,
                         &bytes,
                         &row.created_at,
+                        &turn,
                     ],
                 )
                 .await
@@ -655,7 +657,7 @@ impl Journal for PostgresJournal {
         self.with("list checkpoints", move |client| async move {
             let rows = client
                 .query(
-                    "SELECT seq, snapshot, manifest_sha256, bytes, created_at FROM checkpoints
+                    "SELECT seq, snapshot, manifest_sha256, bytes, created_at, turn FROM checkpoints
                      WHERE session = $1 ORDER BY seq",
                     &[&uid],
                 )
@@ -669,6 +671,7 @@ impl Journal for PostgresJournal {
                     manifest_sha256: r.get(2),
                     bytes: r.get::<_, i64>(3).max(0) as u64,
                     created_at: r.get(4),
+                    turn: r.get::<_, i64>(5).max(0) as u64,
                 })
                 .collect())
         })

@@ -66,6 +66,7 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE TABLE IF NOT EXISTS checkpoints (
     session         TEXT NOT NULL,
     seq             INTEGER NOT NULL,
+    turn            INTEGER NOT NULL,
     snapshot        TEXT NOT NULL,
     manifest_sha256 TEXT NOT NULL,
     bytes           INTEGER NOT NULL,
@@ -633,15 +634,16 @@ impl Journal for SqliteJournal {
         check_checkpoint(uid, row, head)?;
         conn.execute(
             "INSERT OR REPLACE INTO checkpoints
-                 (session, seq, snapshot, manifest_sha256, bytes, created_at)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                 (session, seq, turn, snapshot, manifest_sha256, bytes, created_at)
+             VALUES (?1, ?2, ?7, ?3, ?4, ?5, ?6)",
             params![
                 uid,
                 row.seq,
                 row.snapshot,
                 row.manifest_sha256,
                 i64::try_from(row.bytes).unwrap_or(i64::MAX),
-                row.created_at
+                row.created_at,
+                i64::try_from(row.turn).unwrap_or(i64::MAX)
             ],
         )
         .map_err(storage(format!("record checkpoint {uid}@{}", row.seq)))?;
@@ -651,7 +653,7 @@ impl Journal for SqliteJournal {
     fn checkpoints(&self, uid: &str) -> Result<Vec<CheckpointRow>> {
         self.reader()
             .prepare_cached(
-                "SELECT seq, snapshot, manifest_sha256, bytes, created_at FROM checkpoints
+                "SELECT seq, snapshot, manifest_sha256, bytes, created_at, turn FROM checkpoints
                  WHERE session = ?1 ORDER BY seq",
             )
             .and_then(|mut st| {
@@ -662,6 +664,7 @@ impl Journal for SqliteJournal {
                         manifest_sha256: r.get(2)?,
                         bytes: r.get::<_, i64>(3)?.max(0) as u64,
                         created_at: r.get(4)?,
+                        turn: r.get::<_, i64>(5)?.max(0) as u64,
                     })
                 })?
                 .collect()

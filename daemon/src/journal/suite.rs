@@ -575,6 +575,7 @@ pub fn checkpoints_sit_beside_the_log_and_merge_all_or_none(open: &Opener) {
         .unwrap();
     let at = |seq: i64, snapshot: &str| CheckpointRow {
         seq,
+        turn: seq as u64,
         snapshot: snapshot.into(),
         manifest_sha256: format!("sha-{snapshot}"),
         bytes: 4096 * seq as u64,

@@ -210,13 +210,12 @@ pub trait Runtime: Send + Sync {
     async fn restore(&self, snapshot: &SnapshotRef, spec: &SessionSpec) -> Result<Incarnation>;
 
     /// Takes a checkpoint of a running memory-tier incarnation at a turn's end, layered on
-    /// `base` (the last one it took of this incarnation) where it can be; `running_again` is
-    /// told as soon as the VM runs again, and the checkpoint is returned once durable in the
-    /// store. `None`: this runtime keeps no checkpoints (of this incarnation).
+    /// the last one it took of this incarnation where it can be; `running_again` is told as
+    /// soon as the VM runs again, and the checkpoint is returned once durable in the store.
+    /// `None`: this runtime keeps no checkpoints (of this incarnation).
     async fn checkpoint_turn(
         &self,
         _incarnation: &Incarnation,
-        _base: Option<&SnapshotRef>,
         _running_again: tokio::sync::oneshot::Sender<()>,
     ) -> Result<Option<TurnCheckpoint>> {
         Ok(None)
@@ -228,9 +227,26 @@ pub trait Runtime: Send + Sync {
         true
     }
 
+    /// The sessions this runtime holds checkpoints of.
+    fn sessions_with_checkpoints(&self) -> Vec<String> {
+        Vec::new()
+    }
+
     /// The checkpoints of `session_uid` this runtime holds (recorded or not), oldest first.
     fn checkpoints_held(&self, _session_uid: &str) -> Vec<SnapshotRef> {
         Vec::new()
+    }
+
+    /// Folds checkpoint `lower` into `upper` (layered on it) as a new checkpoint that
+    /// restores exactly what `upper` does, re-pointing what was layered on `upper` to it;
+    /// `lower` and `upper` are then unused. `None`: this runtime cannot.
+    fn merge_checkpoints(
+        &self,
+        _session_uid: &str,
+        _lower: &SnapshotRef,
+        _upper: &SnapshotRef,
+    ) -> Result<Option<TurnCheckpoint>> {
+        Ok(None)
     }
 
     /// A child from a parent's snapshot. Must not leak a half-built child on failure.

@@ -86,27 +86,39 @@ impl SessionHost {
             )));
         }
         let memory = placement.memory_tier();
-        if memory && at_seq != head {
-            return Err(Status::failed_precondition(format!(
-                "at_seq: a memory-snapshot session forks only at its head ({head}), not at {at_seq}"
-            )));
-        }
-        let mut held = if memory {
-            self.guards
-                .preempt_and_hold(
-                    &uid,
-                    Hold::Checkpoint,
-                    Interrupt::Supersede("forked".into()),
-                )
-                .await
+        // Before its head, a memory-tier session forks from that turn's checkpoint, which
+        // nothing changes: the parent is neither held nor checkpointed again.
+        let past = match memory && at_seq != head {
+            true => Some(self.checkpoint_at(&uid, at_seq, head)?),
+            false => None,
+        };
+        let mut held = if past.is_some() {
+            None
+        } else if memory {
+            Some(
+                self.guards
+                    .preempt_and_hold(
+                        &uid,
+                        Hold::Checkpoint,
+                        Interrupt::Supersede("forked".into()),
+                    )
+                    .await
+                    .map_err(|b| busy(&uid, b))?,
+            )
         } else {
-            self.guards.try_hold(&uid, Hold::Checkpoint)
-        }
-        .map_err(|b| busy(&uid, b))
-        .map(Some)?;
+            Some(
+                self.guards
+                    .try_hold(&uid, Hold::Checkpoint)
+                    .map_err(|b| busy(&uid, b))?,
+            )
+        };
 
         let mut children_hold = None;
-        let source = if memory {
+        let source = if let Some(past) = past {
+            // What the parent's harness held when that turn ended: the log through it.
+            children_hold = Some(at_seq);
+            past
+        } else if memory {
             let fence = self
                 .journal
                 .new_fence(&uid)

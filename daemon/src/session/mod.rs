@@ -3,6 +3,7 @@
 //! per-session guard, the live incarnations, and calls the controller for every execution.
 //! Requests reaching it are already validated field by field by `api::sessions_service`.
 
+pub mod checkpoints;
 mod decisions;
 pub mod fleet;
 mod fork;
@@ -109,6 +110,9 @@ pub struct SessionHost {
     quotas: Option<Arc<crate::quota::Quotas>>,
     starting: Arc<Mutex<quotas::Starting>>,
     admitting: Mutex<()>,
+    /// Which turns' checkpoints memory-tier sessions keep (the node's default).
+    retention: checkpoints::Retention,
+    turn_checkpoints: Arc<checkpoints::TurnCheckpoints>,
 }
 
 /// A session uid: `sess-` and 24 lowercase hex characters.
@@ -172,6 +176,8 @@ impl SessionHost {
             quotas: None,
             starting: Arc::default(),
             admitting: Mutex::default(),
+            retention: checkpoints::Retention::default(),
+            turn_checkpoints: Arc::default(),
         }
     }
 
@@ -466,6 +472,9 @@ impl SessionHost {
 
     fn create_row(&self, new: NewSession) -> Result<SessionRow, Status> {
         self.refuse_if_draining()?;
+        if let Some(value) = new.annotations.get(checkpoints::ANNOTATION) {
+            checkpoints::Retention::parse(value).map_err(Status::invalid_argument)?;
+        }
         let harness = if new.harness.is_empty() {
             DEFAULT_HARNESS.to_owned()
         } else {

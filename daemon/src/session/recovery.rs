@@ -55,6 +55,12 @@ impl SessionHost {
         let owned = |uid: &str| self.is_active(uid);
         for runtime in self.runtimes() {
             runtime.reconcile(&owned).await;
+            // A checkpoint a crash left in the store but not in the journal is not one.
+            for uid in runtime.sessions_with_checkpoints() {
+                if self.is_active(&uid) {
+                    self.sweep_checkpoints(&uid, &runtime);
+                }
+            }
         }
         self.settle_live_sessions().await;
     }

@@ -32,6 +32,11 @@ impl SessionHost {
         let owner = |uid: &str| self.snapshot_owner(uid, fleet_wide);
         for runtime in self.runtimes() {
             runtime.sweep_snapshots(&owner).await;
+            for uid in runtime.sessions_with_checkpoints() {
+                if self.is_active(&uid) {
+                    self.sweep_checkpoints(&uid, &runtime);
+                }
+            }
         }
     }
 }

@@ -258,6 +258,8 @@ impl SessionHost {
             // Only a waiting turn has none, and it returned above.
             return Err(Status::internal("no harness resolved for the turn"));
         };
+        // The last turn's checkpoint may still hold the VM paused: its input waits for that.
+        self.turn_checkpoints.running_again(&uid).await;
         let turn = self
             .admit(&row, &placement, &held, deadline, Some(updates.clone()))
             .await?;
@@ -301,6 +303,13 @@ impl SessionHost {
             None => (false, None),
         };
         let view = self.view(&uid)?;
+        // Every completed turn of a memory-tier session is a point it can be forked from.
+        if !parked
+            && placement.memory_tier()
+            && let Some((inc, runtime)) = self.live_get(&uid)
+        {
+            self.checkpoint_turn(&uid, view.last_seq, inc, runtime, &row.annotations);
+        }
         // What the harness now holds: a memory-tier one ran the whole turn, so the log
         // through its last record; one that keeps its history, what it was sent. (A failed
         // turn leaves the mark where it was: a memory-tier harness is then sent more than it
@@ -604,6 +613,7 @@ impl SessionHost {
     /// has nothing in memory, so its reference is the session itself. The caller records
     /// the SUSPEND, then ends the returned intent.
     pub(super) async fn checkpoint(&self, uid: &str) -> Result<(SnapshotRef, Intent), Status> {
+        self.turn_checkpoints.settled(uid).await;
         self.adopt(uid).await?;
         let Some((inc, runtime)) = self.live_get(uid) else {
             let local = SnapshotRef {
@@ -640,6 +650,7 @@ impl SessionHost {
         &self,
         uid: &str,
     ) -> Result<Option<(SnapshotRef, Intent)>, Status> {
+        self.turn_checkpoints.settled(uid).await;
         self.adopt(uid).await?;
         let Some((inc, runtime)) = self.live_get(uid) else {
             return Ok(None);

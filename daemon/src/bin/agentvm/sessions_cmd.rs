@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::io::Write;
 
 use agentvm_proto::canon::to_proto_json;
-use agentvm_proto::node::v1::ListProjectsRequest;
+use agentvm_proto::node::v1::{ListCheckpointsRequest, ListProjectsRequest};
 use agentvm_proto::node::v1::node_client::NodeClient;
 use agentvm_proto::v1::sessions_client::SessionsClient;
 use agentvm_proto::v1::{
@@ -166,7 +166,7 @@ pub enum SessionCommand {
         conn: Connection,
     },
     /// Fork children from a point of the log (default: its head). A memory-tier session
-    /// forks only at its head.
+    /// forks at its head or at a turn it has a checkpoint of (`agentvm checkpoints`).
     Fork {
         #[command(flatten)]
         session: SessionArg,
@@ -174,7 +174,7 @@ pub enum SessionCommand {
         #[arg(long, default_value_t = 1)]
         count: i32,
         /// The seq the children start from. Default: the head.
-        #[arg(long, value_name = "SEQ")]
+        #[arg(long, visible_alias = "at", value_name = "SEQ")]
         at_seq: Option<i64>,
         /// A child's display name; repeatable, one per child in order.
         #[arg(long = "name")]
@@ -185,6 +185,14 @@ pub enum SessionCommand {
         /// Print only the children's uids, one a line (over --json).
         #[arg(short, long)]
         quiet: bool,
+        #[command(flatten)]
+        conn: Connection,
+    },
+    /// The turns a memory-tier session can be forked at besides its head (`fork --at SEQ`):
+    /// its checkpoints, oldest first.
+    Checkpoints {
+        #[command(flatten)]
+        session: SessionArg,
         #[command(flatten)]
         conn: Connection,
     },
@@ -269,6 +277,7 @@ impl SessionCommand {
             | Self::Exec { conn, .. }
             | Self::Replay { conn, .. }
             | Self::Fork { conn, .. }
+            | Self::Checkpoints { conn, .. }
             | Self::Suspend { conn, .. }
             | Self::Resume { conn, .. }
             | Self::Approve { conn, .. }
@@ -648,6 +657,38 @@ pub async fn run(output: Output, cmd: SessionCommand) -> anyhow::Result<()> {
                 match quiet {
                     true => outln!("{}", uid_of(s)),
                     false => show_session(s, json, full)?,
+                }
+            }
+            Ok(())
+        }
+        SessionCommand::Checkpoints { session, .. } => {
+            let checkpoints = NodeClient::new(channel)
+                .list_checkpoints(ListCheckpointsRequest {
+                    session: session.uid(),
+                })
+                .await?
+                .into_inner()
+                .checkpoints;
+            for c in &checkpoints {
+                if json {
+                    outln!(
+                        "{}",
+                        serde_json::json!({
+                            "seq": c.seq,
+                            "turn": c.turn,
+                            "snapshot": c.snapshot,
+                            "bytes": c.bytes,
+                            "created_at_unix_nanos": c.created_at_unix_nanos,
+                        })
+                    );
+                } else {
+                    outln!(
+                        "seq {:>6}  turn {:>5}  {:>10} bytes  {}",
+                        c.seq,
+                        c.turn,
+                        c.bytes,
+                        c.snapshot
+                    );
                 }
             }
             Ok(())

@@ -82,6 +82,7 @@ const MIGRATIONS: &[&str] = &[
     "CREATE TABLE checkpoints (
         session         TEXT NOT NULL,
         seq             BIGINT NOT NULL,
+        turn            BIGINT NOT NULL,
         snapshot        TEXT NOT NULL,
         manifest_sha256 TEXT NOT NULL,
         bytes           BIGINT NOT NULL,

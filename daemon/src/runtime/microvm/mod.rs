@@ -24,6 +24,7 @@ mod pool;
 pub mod remote;
 mod stall;
 pub mod templates;
+mod turn_checkpoints;
 pub mod vmm_process;
 
 use std::path::{Path, PathBuf};
@@ -173,6 +174,8 @@ pub struct MicrovmRuntime {
     templates: Arc<templates::Templates>,
     /// The host CPU as a template's key names it.
     cpu: String,
+    /// What each session's next turn checkpoint is layered on.
+    last_checkpoints: turn_checkpoints::LastCheckpoints,
 }
 
 /// A lock whose holder panicked still guards plain data: go on with it.
@@ -329,6 +332,7 @@ impl MicrovmRuntime {
             networks: Default::default(),
             templates: Default::default(),
             cpu: templates::host_cpu(),
+            last_checkpoints: Default::default(),
         })
     }
 
@@ -960,6 +964,7 @@ impl MicrovmRuntime {
     async fn stop_vmm(&self, session: &str, dir: &VmmDir) {
         self.retired(session).await;
         self.templates.forget_start(session);
+        self.last_checkpoints.forget(session);
         self.take_ready_conn(session);
         self.networks.detach(session);
         vmm_process::stop(dir, &self.exits).await;
@@ -975,6 +980,7 @@ impl MicrovmRuntime {
     async fn retire_vmm(&self, session: &str, dir: &VmmDir) {
         self.retired(session).await;
         self.templates.forget_start(session);
+        self.last_checkpoints.forget(session);
         self.take_ready_conn(session);
         self.networks.detach(session);
         let stopping = vmm_process::ask_stop(dir, &self.exits).await;
@@ -1108,6 +1114,14 @@ impl MicrovmRuntime {
 
 /// The session a snapshot id (`SESSION-EPOCH-N`) was taken of.
 pub(super) fn snapshot_owner(id: &str) -> Option<&str> {
+    if id.starts_with(turn_checkpoints::CHECKPOINT_PREFIX) {
+        return None;
+    }
+    snapshot_session(id)
+}
+
+/// The session part of `SESSION-EPOCH-N`.
+fn snapshot_session(id: &str) -> Option<&str> {
     let mut parts = id.rsplitn(3, '-');
     let n = parts.next()?;
     let epoch = parts.next()?;
@@ -1613,7 +1627,9 @@ impl Runtime for MicrovmRuntime {
         };
         let mut doomed: Vec<String> = Vec::new();
         for id in self.store.list().unwrap_or_default() {
-            let Some(session) = snapshot_owner(&id) else {
+            let Some(session) =
+                snapshot_owner(&id).or_else(|| turn_checkpoints::checkpoint_owner(&id))
+            else {
                 continue;
             };
             let made = self
@@ -1688,6 +1704,44 @@ impl Runtime for MicrovmRuntime {
             Ok(()) => tracing::info!(snapshot = %id, "discarded a snapshot no record names"),
             Err(e) => tracing::warn!(snapshot = %id, error = %e, "could not discard a snapshot"),
         }
+    }
+
+    async fn checkpoint_turn(
+        &self,
+        incarnation: &Incarnation,
+        running_again: tokio::sync::oneshot::Sender<()>,
+    ) -> Result<Option<crate::runtime::TurnCheckpoint>> {
+        self.take_turn_checkpoint(incarnation, running_again).await
+    }
+
+    fn discard_checkpoint(&self, snapshot: &SnapshotRef) -> bool {
+        self.delete_checkpoint(snapshot)
+    }
+
+    fn sessions_with_checkpoints(&self) -> Vec<String> {
+        let mut sessions: Vec<String> = self
+            .store
+            .list()
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|id| turn_checkpoints::checkpoint_owner(id).map(str::to_owned))
+            .collect();
+        sessions.sort();
+        sessions.dedup();
+        sessions
+    }
+
+    fn checkpoints_held(&self, session_uid: &str) -> Vec<SnapshotRef> {
+        self.checkpoints_in_store(session_uid)
+    }
+
+    fn merge_checkpoints(
+        &self,
+        session_uid: &str,
+        lower: &SnapshotRef,
+        upper: &SnapshotRef,
+    ) -> Result<Option<crate::runtime::TurnCheckpoint>> {
+        self.merge_turn_checkpoints(session_uid, lower, upper)
     }
 
     async fn dial(&self, incarnation: &Incarnation) -> Result<Arc<dyn HarnessEndpoint>> {

@@ -85,6 +85,12 @@ impl VmmDir {
     pub fn snapshot_outbox(&self) -> PathBuf {
         self.dir.join("snapshot")
     }
+    /// Where the VMM writes turn checkpoint `id` layered on its last one, inside its own
+    /// directory; agentvmd moves it into the store once written. Never reused: a daemon
+    /// restarted mid-checkpoint finds the VMM may still be writing the last one.
+    pub fn checkpoint_outbox(&self, id: &str) -> PathBuf {
+        self.dir.join("checkpoints").join(id)
+    }
     /// Where the VMM writes a live fork of its VM: in its RAM directory, so the VM's RAM file
     /// is linked there rather than copied, and the VM goes on running over it.
     pub fn fork_dir(&self, id: &str) -> PathBuf {

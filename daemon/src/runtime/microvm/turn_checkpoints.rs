@@ -1,0 +1,260 @@
+//! A checkpoint of a memory-tier session's VM at every turn's end (time travel: any turn
+//! can be forked from, not only the head).
+//!
+//! The VMM writes what changed since its last checkpoint as a layer on it (`vm.checkpoint`,
+//! paused only while it copies what the guest wrote during its pre-copy) into its own
+//! directory; agentvmd takes it into the store. What a layer is layered on is decided here,
+//! from this runtime's own record of the last checkpoint it took of the VMM, never from the
+//! path the VMM wrote in the manifest. A VMM's first checkpoint is written in its RAM
+//! directory: for a booted VM it is its RAM file itself, frozen, which the VM then runs
+//! over (as a live fork's), so the store gets a copy.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use agentvm_proto::v1::SnapshotRef;
+use agentvm_snapshot::Snapshot;
+
+use super::{MicrovmRuntime, failed, lock, prepare_outbox};
+use crate::runtime::{Incarnation, Result, TurnCheckpoint};
+
+/// Store ids of checkpoints start with this (`ckpt.SESSION-EPOCH-N`): they are the session's
+/// but are not the snapshots a suspend or fork takes (which the session's other sweeps
+/// judge by the log alone).
+pub const CHECKPOINT_PREFIX: &str = "ckpt.";
+
+/// The session a checkpoint's store id names.
+pub fn checkpoint_owner(id: &str) -> Option<&str> {
+    super::snapshot_owner(id.strip_prefix(CHECKPOINT_PREFIX)?)
+}
+
+/// Per session, the store id of the last checkpoint its current VMM took: what the next is
+/// layered on. Forgotten when the VMM stops (a new VMM starts a new chain).
+#[derive(Default)]
+pub struct LastCheckpoints(Mutex<HashMap<String, String>>);
+
+impl LastCheckpoints {
+    pub fn forget(&self, session: &str) {
+        lock(&self.0).remove(session);
+    }
+
+    fn get(&self, session: &str) -> Option<String> {
+        lock(&self.0).get(session).cloned()
+    }
+
+    fn set(&self, session: &str, id: String) {
+        lock(&self.0).insert(session.to_owned(), id);
+    }
+}
+
+impl MicrovmRuntime {
+    pub(super) async fn take_turn_checkpoint(
+        &self,
+        incarnation: &Incarnation,
+        running_again: tokio::sync::oneshot::Sender<()>,
+    ) -> Result<Option<TurnCheckpoint>> {
+        let session = &incarnation.id;
+        let dir = self.vmm_dir(session);
+        // Stock Cloud Hypervisor has no vm.checkpoint; a stateless harness's VM is not kept.
+        if !self.keeps_memory(&dir) || !self.config.flavour.cow_fork() {
+            return Ok(None);
+        }
+        let id = format!("{CHECKPOINT_PREFIX}{}", self.new_snapshot_id(session));
+        let base = self
+            .last_checkpoints
+            .get(session)
+            .filter(|base| self.store.dir(base).is_ok_and(|d| d.is_dir()));
+        // A first checkpoint may be the VM's RAM file, which must stay in the RAM directory.
+        let outbox = match &base {
+            Some(_) => dir.checkpoint_outbox(&id),
+            None => dir.fork_dir(&id),
+        };
+        if let Some(parent) = outbox.parent() {
+            std::fs::create_dir_all(parent)
+                .map_err(|e| failed(session, format!("creating {}: {e}", parent.display())))?;
+        }
+        prepare_outbox(&dir, &outbox).map_err(|e| failed(session, e))?;
+        let client = dir.client();
+        let base_dir = match &base {
+            Some(base) => Some(self.store.dir(base).map_err(|e| failed(session, e.to_string()))?),
+            None => None,
+        };
+        let taken = client.checkpoint(&outbox, base_dir.as_deref()).await;
+        let _ = running_again.send(());
+        let taken = match taken {
+            Ok(taken) => taken,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&outbox);
+                return Err(failed(session, format!("vm.checkpoint: {e}")));
+            }
+        };
+        let report = match client.checkpoint_wait().await {
+            Ok(report) => report,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&outbox);
+                return Err(failed(session, format!("vm.checkpoint-wait: {e}")));
+            }
+        };
+        let (store, outbox_in) = (self.store.clone(), outbox.clone());
+        let (layer_on, id_in) = (
+            base.clone().filter(|_| report.incremental),
+            id.clone(),
+        );
+        let target = tokio::task::spawn_blocking(move || match layer_on {
+            Some(base) => store.adopt_layer(&id_in, &outbox_in, &base),
+            None => {
+                let frozen_ram = Snapshot::open(&outbox_in)
+                    .is_ok_and(|s| s.manifest.memory.base.is_none());
+                match frozen_ram {
+                    // The VM runs over this memory file now: the store gets a copy.
+                    true => store.copy_in(&id_in, &outbox_in),
+                    false => store.adopt(&id_in, &outbox_in),
+                }
+            }
+        })
+        .await
+        .map_err(|e| failed(session, format!("taking the checkpoint into the store: {e}")))?;
+        let target = match target {
+            Ok(target) => target,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&outbox);
+                return Err(failed(
+                    session,
+                    format!("taking the checkpoint into the store: {e}"),
+                ));
+            }
+        };
+        crate::crash_point::reached(crate::crash_point::CHECKPOINT_STORED);
+        let sealed = Snapshot::open(&target).map_err(|e| failed(session, e.to_string()))?;
+        let external_uri = match self.publish(&id, &target).await {
+            Ok(uri) => uri,
+            Err(e) => {
+                let _ = self.store.delete(&id);
+                return Err(failed(session, e));
+            }
+        };
+        self.last_checkpoints.set(session, id);
+        Ok(Some(TurnCheckpoint {
+            snapshot: SnapshotRef {
+                local: session.clone(),
+                external_uri,
+                memory: true,
+                sealed: false,
+            },
+            manifest_sha256: sealed.manifest_sha256,
+            bytes: bytes_on_disk(&target),
+            paused: std::time::Duration::from_micros(taken.paused_us),
+            pages: report.memory_pages,
+            disk_blocks: report.disk_blocks,
+            incremental: report.incremental,
+        }))
+    }
+
+    /// Folds checkpoint `lower` into `upper` as a new checkpoint (see
+    /// `LocalStore::merge_down`), re-pointing what was layered on `upper` to it.
+    pub(super) fn merge_turn_checkpoints(
+        &self,
+        session: &str,
+        lower: &SnapshotRef,
+        upper: &SnapshotRef,
+    ) -> Result<Option<TurnCheckpoint>> {
+        let (Some(lower), Some(upper)) = (self.local_id(lower), self.local_id(upper)) else {
+            return Ok(None);
+        };
+        if checkpoint_owner(&lower) != Some(session) || checkpoint_owner(&upper) != Some(session)
+        {
+            return Err(failed(session, "only its own checkpoints are merged"));
+        }
+        let merged = format!("{CHECKPOINT_PREFIX}{}", self.new_snapshot_id(session));
+        let target = self
+            .store
+            .merge_down(&lower, &upper, &merged)
+            .map_err(|e| failed(session, format!("merging checkpoint {lower} into {upper}: {e}")))?;
+        for dependent in self.store.dependents(&upper).unwrap_or_default() {
+            if dependent == merged {
+                continue;
+            }
+            if let Err(e) = self.store.rebase(&dependent, &upper, &merged) {
+                let _ = self.store.delete(&merged);
+                return Err(failed(
+                    session,
+                    format!("re-pointing {dependent} from {upper} to {merged}: {e}"),
+                ));
+            }
+        }
+        if self.last_checkpoints.get(session).as_deref() == Some(upper.as_str()) {
+            self.last_checkpoints.set(session, merged.clone());
+        }
+        let sealed = Snapshot::open(&target).map_err(|e| failed(session, e.to_string()))?;
+        Ok(Some(TurnCheckpoint {
+            snapshot: SnapshotRef {
+                local: session.to_owned(),
+                external_uri: format!("file://{}", target.display()),
+                memory: true,
+                sealed: false,
+            },
+            manifest_sha256: sealed.manifest_sha256,
+            bytes: bytes_on_disk(&target),
+            paused: std::time::Duration::ZERO,
+            pages: 0,
+            disk_blocks: 0,
+            incremental: sealed.manifest.memory.base.is_some(),
+        }))
+    }
+
+    /// Deletes checkpoint `snapshot` from the store; false if a layer or a VM still needs it.
+    pub(super) fn delete_checkpoint(&self, snapshot: &SnapshotRef) -> bool {
+        let Some(id) = self.local_id(snapshot) else {
+            return true;
+        };
+        if checkpoint_owner(&id).is_none() {
+            return false;
+        }
+        match self.store.delete(&id) {
+            Ok(()) | Err(agentvm_snapshot::SnapshotError::NotFound(_)) => true,
+            Err(e) => {
+                tracing::debug!(snapshot = %id, error = %e, "checkpoint kept for now");
+                false
+            }
+        }
+    }
+
+    /// `session`'s checkpoints in the store, oldest first.
+    pub(super) fn checkpoints_in_store(&self, session: &str) -> Vec<SnapshotRef> {
+        let mut found: Vec<(std::time::SystemTime, std::path::PathBuf)> = self
+            .store
+            .list()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|id| checkpoint_owner(id) == Some(session))
+            .filter_map(|id| {
+                let dir = self.store.dir(&id).ok()?;
+                let made = std::fs::metadata(&dir).and_then(|m| m.modified()).ok()?;
+                Some((made, dir))
+            })
+            .collect();
+        found.sort();
+        found
+            .into_iter()
+            .map(|(_, dir)| SnapshotRef {
+                local: session.to_owned(),
+                external_uri: format!("file://{}", dir.display()),
+                memory: true,
+                sealed: false,
+            })
+            .collect()
+    }
+}
+
+/// What the files of the snapshot in `dir` take on disk.
+fn bytes_on_disk(dir: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok()?.metadata().ok())
+                .map(|m| m.blocks() * 512)
+                .sum()
+        })
+        .unwrap_or(0)
+}

@@ -1,0 +1,422 @@
+//! Time travel: every turn of a memory-tier session is a point it can be forked from.
+//!
+//! When a turn of a memory-tier session ends (its END recorded and sent), its runtime
+//! checkpoints the VM in the background: what changed since the last checkpoint, as a layer
+//! on it. The client never waits for it, and a next turn waits only until the VM runs
+//! again; a suspend, fork or delete waits for it to finish. A checkpoint is recorded in the
+//! journal's side table (seq → snapshot) only once it is durable in the store, so the log
+//! and its hash chain stay exactly upstream's, and a crash at any step leaves either a
+//! recorded checkpoint or an unrecorded snapshot that [`SessionHost::sweep_checkpoints`]
+//! removes.
+//!
+//! Retention keeps the last `keep_last` turns' checkpoints and every `keep_every`th older
+//! one. Dropping one folds its pages into the next one kept (`LocalStore::merge_down`), so
+//! every kept checkpoint still restores exactly its turn; a chain is at most one layer per
+//! kept checkpoint of a VMM's run, and each run starts afresh every `CHECKPOINT_DEPTH`
+//! turns (agentvm-vmm).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use agentvm_proto::v1::SnapshotRef;
+use tokio::sync::watch;
+use tonic::Status;
+
+use super::SessionHost;
+use crate::api::status::journal_status;
+use crate::clock::now_nanos;
+use crate::crash_point;
+use crate::journal::{CheckpointRow, Journal};
+use crate::runtime::{Incarnation, Runtime};
+
+/// A session's annotation that overrides the node's retention: `off`, `K` (the last K
+/// turns) or `K/M` (and every Mth older one).
+pub const ANNOTATION: &str = "agentvm.dev/checkpoints";
+
+/// How long a turn waits for the VM of the checkpoint before it to run again, and an
+/// operation for the checkpoint to finish, before going on without it.
+const WAIT_BOUND: Duration = Duration::from_secs(60);
+
+/// Which turns' checkpoints a session keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retention {
+    /// The last this many turns; 0: no checkpoints at all.
+    pub keep_last: u32,
+    /// And, of older ones, every turn that is a multiple of this; 0: none.
+    pub keep_every: u32,
+}
+
+impl Default for Retention {
+    fn default() -> Self {
+        Self {
+            keep_last: 32,
+            keep_every: 10,
+        }
+    }
+}
+
+impl Retention {
+    /// Parses an [`ANNOTATION`] value.
+    pub fn parse(value: &str) -> Result<Self, String> {
+        let bad = || {
+            format!(
+                "annotation {ANNOTATION}: {value:?} is not \"off\", \"K\" or \"K/M\" (numbers)"
+            )
+        };
+        if value.trim() == "off" {
+            return Ok(Self {
+                keep_last: 0,
+                keep_every: 0,
+            });
+        }
+        let (last, every) = match value.split_once('/') {
+            Some((last, every)) => (last, Some(every)),
+            None => (value, None),
+        };
+        let keep_last = last.trim().parse().map_err(|_| bad())?;
+        let keep_every = match every {
+            Some(every) => every.trim().parse().map_err(|_| bad())?,
+            None => 0,
+        };
+        Ok(Self {
+            keep_last,
+            keep_every,
+        })
+    }
+
+    /// This node's retention as a session's annotations change it (a value that does not
+    /// parse was refused when the session was created; here it leaves the node's).
+    pub fn for_session(self, annotations: &BTreeMap<String, String>) -> Self {
+        annotations
+            .get(ANNOTATION)
+            .and_then(|v| Self::parse(v).ok())
+            .unwrap_or(self)
+    }
+
+    pub fn off(&self) -> bool {
+        self.keep_last == 0
+    }
+
+    /// Whether the checkpoint of `turn` stays once `latest` is the newest turn.
+    fn keeps(&self, turn: u64, latest: u64) -> bool {
+        // The newest one is always kept: the next is layered on it.
+        let recent = u64::from(self.keep_last.max(1));
+        turn + recent > latest || (self.keep_every > 0 && turn % u64::from(self.keep_every) == 0)
+    }
+}
+
+/// A checkpoint being taken: when its VM runs again, and when it is finished.
+#[derive(Clone)]
+struct Flight {
+    running_again: watch::Receiver<bool>,
+    done: watch::Receiver<bool>,
+}
+
+/// The checkpoints being taken, per session.
+#[derive(Default)]
+pub struct TurnCheckpoints {
+    flights: Mutex<HashMap<String, Flight>>,
+}
+
+impl TurnCheckpoints {
+    fn flight(&self, uid: &str) -> Option<Flight> {
+        self.flights
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(uid)
+            .cloned()
+    }
+
+    /// Waits until no checkpoint of `uid` holds its VM paused: what a next turn waits for.
+    pub async fn running_again(&self, uid: &str) {
+        if let Some(mut flight) = self.flight(uid) {
+            let _ = tokio::time::timeout(WAIT_BOUND, flight.running_again.wait_for(|r| *r)).await;
+        }
+    }
+
+    /// Waits until no checkpoint of `uid` is being taken: what a suspend, fork or delete
+    /// waits for (they change or stop the VM it is taken of).
+    pub async fn settled(&self, uid: &str) {
+        if let Some(mut flight) = self.flight(uid) {
+            let _ = tokio::time::timeout(WAIT_BOUND, flight.done.wait_for(|d| *d)).await;
+        }
+    }
+}
+
+impl SessionHost {
+    /// Keeps memory-tier sessions' checkpoints by `retention` (the node's default).
+    pub fn with_checkpoints(mut self, retention: Retention) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// After a completed turn of memory-tier session `uid` whose END is at `seq`: checkpoints
+    /// its VM in the background, unless its retention keeps none.
+    pub(super) fn checkpoint_turn(
+        &self,
+        uid: &str,
+        seq: i64,
+        incarnation: Incarnation,
+        runtime: Arc<dyn Runtime>,
+        annotations: &BTreeMap<String, String>,
+    ) {
+        let retention = self.retention.for_session(annotations);
+        if retention.off() {
+            return;
+        }
+        let previous = self.turn_checkpoints.flight(uid);
+        let (running_tx, running_rx) = watch::channel(false);
+        let (done_tx, done_rx) = watch::channel(false);
+        self.turn_checkpoints
+            .flights
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(
+                uid.to_owned(),
+                Flight {
+                    running_again: running_rx,
+                    done: done_rx.clone(),
+                },
+            );
+        let journal = self.journal.clone();
+        let flights = self.turn_checkpoints.clone();
+        let uid = uid.to_owned();
+        tokio::spawn(async move {
+            // One at a time per session: the next is layered on this one.
+            if let Some(mut previous) = previous {
+                let _ = previous.done.wait_for(|d| *d).await;
+            }
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let running = tokio::spawn(async move {
+                let _ = rx.await;
+                let _ = running_tx.send(true);
+            });
+            let taken = runtime.checkpoint_turn(&incarnation, tx).await;
+            let _ = running.await;
+            match taken {
+                Ok(Some(taken)) => {
+                    crash_point::reached(crash_point::CHECKPOINT_TAKEN);
+                    if let Err(e) =
+                        record(&*journal, &*runtime, &uid, seq, &taken.snapshot, &taken, retention)
+                    {
+                        tracing::warn!(session = %uid, seq, error = %e,
+                            "the turn's checkpoint was not recorded; it is swept");
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!(session = %uid, seq, error = %e,
+                    "the turn's checkpoint was not taken"),
+            }
+            let _ = done_tx.send(true);
+            let mut flights = flights.flights.lock().unwrap_or_else(|p| p.into_inner());
+            if flights
+                .get(&uid)
+                .is_some_and(|f| f.done.same_channel(&done_rx))
+            {
+                flights.remove(&uid);
+            }
+        });
+    }
+
+    /// The seqs `uid` can be forked at besides its head, and where each one's memory is.
+    pub fn checkpoints_of(&self, uid: &str) -> Result<Vec<CheckpointRow>, Status> {
+        self.row(uid)?;
+        self.journal
+            .checkpoints(uid)
+            .map_err(|e| journal_status(&e))
+    }
+
+    /// The checkpoint a fork of `uid` at `seq` starts from, or FAILED_PRECONDITION naming
+    /// the nearest seqs that can be forked.
+    pub(super) fn checkpoint_at(&self, uid: &str, seq: i64, head: i64) -> Result<SnapshotRef, Status> {
+        let rows = self.checkpoints_of(uid)?;
+        if let Some(row) = rows.iter().find(|r| r.seq == seq) {
+            return Ok(SnapshotRef {
+                local: uid.to_owned(),
+                external_uri: row.snapshot.clone(),
+                memory: true,
+                sealed: false,
+            });
+        }
+        let before = rows.iter().rev().find(|r| r.seq < seq).map(|r| r.seq);
+        let after = rows.iter().find(|r| r.seq > seq).map(|r| r.seq);
+        let nearest: Vec<String> = before
+            .into_iter()
+            .chain(after)
+            .map(|s| s.to_string())
+            .chain(std::iter::once(format!("{head} (the head)")))
+            .collect();
+        Err(Status::failed_precondition(format!(
+            "SnapshotSuperseded: at_seq: session {uid} has no checkpoint at seq {seq}; the \
+             nearest seqs it can be forked at are {}",
+            nearest.join(", ")
+        )))
+    }
+
+    /// Drops what no record names of `uid`'s checkpoints (a crash between the store and the
+    /// journal), and records that name what is gone.
+    pub(super) fn sweep_checkpoints(&self, uid: &str, runtime: &Arc<dyn Runtime>) {
+        if self.turn_checkpoints.flight(uid).is_some() {
+            return;
+        }
+        let Ok(rows) = self.journal.checkpoints(uid) else {
+            return;
+        };
+        // Published to the fleet's store, a record names an archive, not this node's copy.
+        if rows.iter().any(|r| !r.snapshot.starts_with("file://")) {
+            return;
+        }
+        let held = runtime.checkpoints_held(uid);
+        for snapshot in &held {
+            if !rows.iter().any(|r| r.snapshot == snapshot.external_uri) {
+                runtime.discard_checkpoint(snapshot);
+            }
+        }
+        let gone: Vec<i64> = rows
+            .iter()
+            .filter(|r| r.snapshot.starts_with("file://"))
+            .filter(|r| !held.iter().any(|h| h.external_uri == r.snapshot))
+            .map(|r| r.seq)
+            .collect();
+        if !gone.is_empty()
+            && let Err(e) = self.journal.retain_checkpoints(uid, &gone, &[])
+        {
+            tracing::warn!(session = %uid, error = %e, "could not forget missing checkpoints");
+        }
+    }
+}
+
+/// Records `taken` as `uid`'s checkpoint at `seq`, then applies `retention`.
+fn record(
+    journal: &dyn Journal,
+    runtime: &dyn Runtime,
+    uid: &str,
+    seq: i64,
+    snapshot: &SnapshotRef,
+    taken: &crate::runtime::TurnCheckpoint,
+    retention: Retention,
+) -> crate::journal::Result<()> {
+    let rows = journal.checkpoints(uid)?;
+    let turn = rows.last().map_or(1, |r| r.turn + 1);
+    journal.record_checkpoint(
+        uid,
+        &CheckpointRow {
+            seq,
+            turn,
+            snapshot: snapshot.external_uri.clone(),
+            manifest_sha256: taken.manifest_sha256.clone(),
+            bytes: taken.bytes,
+            created_at: now_nanos(),
+        },
+    )?;
+    crash_point::reached(crash_point::CHECKPOINT_RECORDED);
+    tracing::debug!(session = %uid, seq, turn, paused_us = taken.paused.as_micros() as u64,
+        pages = taken.pages, disk_blocks = taken.disk_blocks, bytes = taken.bytes,
+        incremental = taken.incremental, "turn checkpointed");
+    retain(journal, runtime, uid, retention)
+}
+
+/// Drops the checkpoints `retention` no longer keeps, oldest first, each folded into the
+/// one after it.
+fn retain(
+    journal: &dyn Journal,
+    runtime: &dyn Runtime,
+    uid: &str,
+    retention: Retention,
+) -> crate::journal::Result<()> {
+    loop {
+        let rows = journal.checkpoints(uid)?;
+        let Some(latest) = rows.last().map(|r| r.turn) else {
+            return Ok(());
+        };
+        let Some(i) = rows
+            .iter()
+            .position(|r| !retention.keeps(r.turn, latest))
+        else {
+            return Ok(());
+        };
+        let (dropped, next) = (&rows[i], rows.get(i + 1));
+        let Some(next) = next else {
+            return Ok(());
+        };
+        let as_ref = |r: &CheckpointRow| SnapshotRef {
+            local: uid.to_owned(),
+            external_uri: r.snapshot.clone(),
+            memory: true,
+            sealed: false,
+        };
+        let merged = match runtime.merge_checkpoints(uid, &as_ref(dropped), &as_ref(next)) {
+            Ok(Some(merged)) => merged,
+            Ok(None) => return Ok(()),
+            Err(e) => {
+                tracing::warn!(session = %uid, seq = dropped.seq, error = %e,
+                    "a checkpoint past retention could not be folded into the next; kept");
+                return Ok(());
+            }
+        };
+        crash_point::reached(crash_point::CHECKPOINT_MERGED);
+        journal.retain_checkpoints(
+            uid,
+            &[dropped.seq],
+            &[CheckpointRow {
+                snapshot: merged.snapshot.external_uri.clone(),
+                manifest_sha256: merged.manifest_sha256.clone(),
+                bytes: merged.bytes,
+                ..next.clone()
+            }],
+        )?;
+        // Unused now; one a VM still maps goes at a later sweep.
+        runtime.discard_checkpoint(&as_ref(next));
+        runtime.discard_checkpoint(&as_ref(dropped));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn annotations_parse_or_name_the_problem() {
+        assert_eq!(
+            Retention::parse("off").unwrap(),
+            Retention {
+                keep_last: 0,
+                keep_every: 0
+            }
+        );
+        assert_eq!(
+            Retention::parse("5/3").unwrap(),
+            Retention {
+                keep_last: 5,
+                keep_every: 3
+            }
+        );
+        assert_eq!(Retention::parse(" 7 ").unwrap().keep_every, 0);
+        for bad in ["", "x", "5/", "-1", "5/3/2"] {
+            let e = Retention::parse(bad).unwrap_err();
+            assert!(e.contains(ANNOTATION), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_last_turns_and_every_mth_older_one_are_kept() {
+        let r = Retention {
+            keep_last: 3,
+            keep_every: 4,
+        };
+        let kept: Vec<u64> = (1..=12).filter(|t| r.keeps(*t, 12)).collect();
+        assert_eq!(kept, [4, 8, 10, 11, 12]);
+        // What a later turn keeps never includes what an earlier one dropped.
+        let later: Vec<u64> = (1..=13).filter(|t| r.keeps(*t, 13)).collect();
+        assert!(later.iter().all(|t| kept.contains(t) || *t == 13));
+        let none_older = Retention {
+            keep_last: 2,
+            keep_every: 0,
+        };
+        assert_eq!(
+            (1..=5).filter(|t| none_older.keeps(*t, 5)).collect::<Vec<_>>(),
+            [4, 5]
+        );
+    }
+}
