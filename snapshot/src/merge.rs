@@ -81,7 +81,25 @@ impl LocalStore {
         }
         let mut manifest = snapshot.manifest;
         manifest.memory.base = Some(to.base_ref());
-        self.replace_manifest(&snapshot.dir, &manifest)
+        self.replace_manifest(&snapshot.dir, &manifest)?;
+        self.refresh_dependents(id)
+    }
+
+    /// After `id`'s manifest changed: whatever is layered on it names its new digest, and
+    /// so on up every chain built on it.
+    fn refresh_dependents(&self, id: &str) -> Result<(), SnapshotError> {
+        let mut changed = vec![id.to_owned()];
+        while let Some(id) = changed.pop() {
+            let base = self.get(&id)?.base_ref();
+            for dependent in self.dependents(&id)? {
+                let snapshot = self.get(&dependent)?;
+                let mut manifest = snapshot.manifest;
+                manifest.memory.base = Some(base.clone());
+                self.replace_manifest(&snapshot.dir, &manifest)?;
+                changed.push(dependent);
+            }
+        }
+        Ok(())
     }
 }
 

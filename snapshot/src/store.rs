@@ -75,9 +75,13 @@ fn copy_tree(from: &Path, to: &Path) -> Result<(), SnapshotError> {
         if kind.is_dir() {
             copy_tree(&src, &dst)?;
         } else if kind.is_file() {
-            let mut source = open_regular(&src)?;
-            let mut target = std::fs::File::create_new(&dst).map_err(io(&dst))?;
-            std::io::copy(&mut source, &mut target).map_err(io(&src))?;
+            // Holes stay holes: in a layer, a hole means "as in the base", and a byte of
+            // zeros written there would hide the base's page.
+            let source = open_regular(&src)?;
+            let target = std::fs::File::create_new(&dst).map_err(io(&dst))?;
+            let len = source.metadata().map_err(io(&src))?.len();
+            target.set_len(len).map_err(io(&dst))?;
+            crate::pages::overlay_extents(&source, &target).map_err(io(&src))?;
         } else {
             return Err(not_plain(&src));
         }
@@ -187,7 +191,10 @@ fn write_manifest(dir: &Path, manifest: &crate::Manifest) -> Result<(), Snapshot
 }
 
 /// Writes `manifest` into `dir` (a snapshot being made), synced.
-pub(crate) fn write_new_manifest(dir: &Path, manifest: &crate::Manifest) -> Result<(), SnapshotError> {
+pub(crate) fn write_new_manifest(
+    dir: &Path,
+    manifest: &crate::Manifest,
+) -> Result<(), SnapshotError> {
     write_manifest(dir, manifest)
 }
 

@@ -52,10 +52,20 @@ async fn checkpoint_on(
     (dir, report)
 }
 
-/// A VM restored from `dir`, told so, with its link.
+/// A VM restored from `dir`, told so, with its link. Restored paused and then resumed, as
+/// agentvmd does.
 async fn restored(dir: &Path, generation: u64) -> (Vmm, GuestLink) {
     let vmm = Vmm::spawn().await;
-    vmm.restore(dir).await;
+    let request = agentvm_vmm_api::types::RestoreConfig {
+        source_url: format!("file://{}", dir.display()),
+        memory_restore_mode: agentvm_vmm_api::types::MemoryRestoreMode::OnDemand,
+        resume: false,
+        vsock_socket: Some(vmm.vsock_socket()),
+        serial_file: Some(vmm.serial_log()),
+        ..Default::default()
+    };
+    vmm.client.restore(&request).await.expect("vm.restore");
+    vmm.client.resume().await.expect("vm.resume");
     let mut link = GuestLink::connect_ready(&vmm.vsock_socket(), PORT);
     assert_eq!(link.restored(true, generation, "child"), generation);
     (vmm, link)

@@ -4,10 +4,9 @@ use std::sync::Arc;
 
 use agentvm_proto::node::v1::node_server::{Node as NodeApi, NodeServer};
 use agentvm_proto::node::v1::{
-    DrainRequest, DrainResponse, FleetNode, GetStatusRequest, ListNodesRequest, ListNodesResponse,
-    Checkpoint, ListCheckpointsRequest, ListCheckpointsResponse, ListProjectsRequest,
-    ListProjectsResponse, NodeStatus, Project, Template, WarmImageRequest,
-    WarmImageResponse,
+    Checkpoint, DrainRequest, DrainResponse, FleetNode, GetStatusRequest, ListCheckpointsRequest,
+    ListCheckpointsResponse, ListNodesRequest, ListNodesResponse, ListProjectsRequest,
+    ListProjectsResponse, NodeStatus, Project, Template, WarmImageRequest, WarmImageResponse,
 };
 use agentvm_proto::v1::ComputeState;
 use tonic::{Request, Response, Status};

@@ -60,9 +60,7 @@ impl Retention {
     /// Parses an [`ANNOTATION`] value.
     pub fn parse(value: &str) -> Result<Self, String> {
         let bad = || {
-            format!(
-                "annotation {ANNOTATION}: {value:?} is not \"off\", \"K\" or \"K/M\" (numbers)"
-            )
+            format!("annotation {ANNOTATION}: {value:?} is not \"off\", \"K\" or \"K/M\" (numbers)")
         };
         if value.trim() == "off" {
             return Ok(Self {
@@ -102,7 +100,8 @@ impl Retention {
     fn keeps(&self, turn: u64, latest: u64) -> bool {
         // The newest one is always kept: the next is layered on it.
         let recent = u64::from(self.keep_last.max(1));
-        turn + recent > latest || (self.keep_every > 0 && turn % u64::from(self.keep_every) == 0)
+        turn + recent > latest
+            || (self.keep_every > 0 && turn.is_multiple_of(u64::from(self.keep_every)))
     }
 }
 
@@ -197,9 +196,15 @@ impl SessionHost {
             match taken {
                 Ok(Some(taken)) => {
                     crash_point::reached(crash_point::CHECKPOINT_TAKEN);
-                    if let Err(e) =
-                        record(&*journal, &*runtime, &uid, seq, &taken.snapshot, &taken, retention)
-                    {
+                    if let Err(e) = record(
+                        &*journal,
+                        &*runtime,
+                        &uid,
+                        seq,
+                        &taken.snapshot,
+                        &taken,
+                        retention,
+                    ) {
                         tracing::warn!(session = %uid, seq, error = %e,
                             "the turn's checkpoint was not recorded; it is swept");
                     }
@@ -229,7 +234,12 @@ impl SessionHost {
 
     /// The checkpoint a fork of `uid` at `seq` starts from, or FAILED_PRECONDITION naming
     /// the nearest seqs that can be forked.
-    pub(super) fn checkpoint_at(&self, uid: &str, seq: i64, head: i64) -> Result<SnapshotRef, Status> {
+    pub(super) fn checkpoint_at(
+        &self,
+        uid: &str,
+        seq: i64,
+        head: i64,
+    ) -> Result<SnapshotRef, Status> {
         let rows = self.checkpoints_of(uid)?;
         if let Some(row) = rows.iter().find(|r| r.seq == seq) {
             return Ok(SnapshotRef {
@@ -330,10 +340,7 @@ fn retain(
         let Some(latest) = rows.last().map(|r| r.turn) else {
             return Ok(());
         };
-        let Some(i) = rows
-            .iter()
-            .position(|r| !retention.keeps(r.turn, latest))
-        else {
+        let Some(i) = rows.iter().position(|r| !retention.keeps(r.turn, latest)) else {
             return Ok(());
         };
         let (dropped, next) = (&rows[i], rows.get(i + 1));
@@ -415,7 +422,9 @@ mod tests {
             keep_every: 0,
         };
         assert_eq!(
-            (1..=5).filter(|t| none_older.keeps(*t, 5)).collect::<Vec<_>>(),
+            (1..=5)
+                .filter(|t| none_older.keeps(*t, 5))
+                .collect::<Vec<_>>(),
             [4, 5]
         );
     }

@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use std::io::Write;
 
 use agentvm_proto::canon::to_proto_json;
-use agentvm_proto::node::v1::{ListCheckpointsRequest, ListProjectsRequest};
 use agentvm_proto::node::v1::node_client::NodeClient;
+use agentvm_proto::node::v1::{ListCheckpointsRequest, ListProjectsRequest};
 use agentvm_proto::v1::sessions_client::SessionsClient;
 use agentvm_proto::v1::{
     ApproveRequest, CancelRequest, CreateSessionRequest, DeleteSessionRequest, ExecRequest,

@@ -76,7 +76,11 @@ impl MicrovmRuntime {
         prepare_outbox(&dir, &outbox).map_err(|e| failed(session, e))?;
         let client = dir.client();
         let base_dir = match &base {
-            Some(base) => Some(self.store.dir(base).map_err(|e| failed(session, e.to_string()))?),
+            Some(base) => Some(
+                self.store
+                    .dir(base)
+                    .map_err(|e| failed(session, e.to_string()))?,
+            ),
             None => None,
         };
         let taken = client.checkpoint(&outbox, base_dir.as_deref()).await;
@@ -96,15 +100,12 @@ impl MicrovmRuntime {
             }
         };
         let (store, outbox_in) = (self.store.clone(), outbox.clone());
-        let (layer_on, id_in) = (
-            base.clone().filter(|_| report.incremental),
-            id.clone(),
-        );
+        let (layer_on, id_in) = (base.clone().filter(|_| report.incremental), id.clone());
         let target = tokio::task::spawn_blocking(move || match layer_on {
             Some(base) => store.adopt_layer(&id_in, &outbox_in, &base),
             None => {
-                let frozen_ram = Snapshot::open(&outbox_in)
-                    .is_ok_and(|s| s.manifest.memory.base.is_none());
+                let frozen_ram =
+                    Snapshot::open(&outbox_in).is_ok_and(|s| s.manifest.memory.base.is_none());
                 match frozen_ram {
                     // The VM runs over this memory file now: the store gets a copy.
                     true => store.copy_in(&id_in, &outbox_in),
@@ -113,7 +114,12 @@ impl MicrovmRuntime {
             }
         })
         .await
-        .map_err(|e| failed(session, format!("taking the checkpoint into the store: {e}")))?;
+        .map_err(|e| {
+            failed(
+                session,
+                format!("taking the checkpoint into the store: {e}"),
+            )
+        })?;
         let target = match target {
             Ok(target) => target,
             Err(e) => {
@@ -161,15 +167,19 @@ impl MicrovmRuntime {
         let (Some(lower), Some(upper)) = (self.local_id(lower), self.local_id(upper)) else {
             return Ok(None);
         };
-        if checkpoint_owner(&lower) != Some(session) || checkpoint_owner(&upper) != Some(session)
-        {
+        if checkpoint_owner(&lower) != Some(session) || checkpoint_owner(&upper) != Some(session) {
             return Err(failed(session, "only its own checkpoints are merged"));
         }
         let merged = format!("{CHECKPOINT_PREFIX}{}", self.new_snapshot_id(session));
         let target = self
             .store
             .merge_down(&lower, &upper, &merged)
-            .map_err(|e| failed(session, format!("merging checkpoint {lower} into {upper}: {e}")))?;
+            .map_err(|e| {
+                failed(
+                    session,
+                    format!("merging checkpoint {lower} into {upper}: {e}"),
+                )
+            })?;
         for dependent in self.store.dependents(&upper).unwrap_or_default() {
             if dependent == merged {
                 continue;
