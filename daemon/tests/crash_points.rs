@@ -11,7 +11,8 @@
 //!   `journal verify` passes for every session;
 //! - no memory is lost without a record: each counter goes on from its last count, or its
 //!   log says its compute was lost;
-//! - every active session answers a turn.
+//! - every active session answers a turn;
+//! - a turn's checkpoint is either recorded with its snapshot in the store, or neither.
 //!
 //! Skipped, with the reason printed, where there is no usable KVM.
 
@@ -23,6 +24,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
+use agentvm_proto::node::v1::ListCheckpointsRequest;
+use agentvm_proto::node::v1::node_client::NodeClient;
 use agentvm_proto::v1::sessions_client::SessionsClient;
 use agentvm_proto::v1::{
     ComputeState, DeleteSessionRequest, ForkRequest, ListSessionsRequest, LogRecord, ResumeRequest,
@@ -87,6 +90,14 @@ impl Daemon {
             api,
             reap: true,
         }
+    }
+
+    async fn node_client(&self) -> NodeClient<Channel> {
+        NodeClient::new(
+            agentvmd::client::connect(&ListenAddr::Unix(self.api.clone()))
+                .await
+                .unwrap(),
+        )
     }
 
     async fn client(&self) -> SessionsClient<Channel> {
@@ -271,6 +282,38 @@ async fn crash(
     c: &mut SessionsClient<Channel>,
     known: &mut Known,
 ) {
+    if family == "checkpoint" {
+        // Taken after each turn's END, in the background: the turns succeed, and the
+        // daemon dies behind them (a merge needs a checkpoint past retention: the third).
+        let s = c
+            .create_session(agentvm_proto::v1::CreateSessionRequest {
+                session: Some(Session {
+                    harness: harness.into(),
+                    annotations: [("agentvm.dev/checkpoints".to_owned(), "2".to_owned())]
+                        .into_iter()
+                        .collect(),
+                    ..Default::default()
+                }),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .metadata
+            .unwrap()
+            .uid;
+        for _ in 0..4 {
+            let (records, answer) = turn(c, &s).await;
+            match answer {
+                Ok(answer) => {
+                    known.saw(&s, records);
+                    known.counted(&s, &answer);
+                }
+                Err(_) => break,
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        return;
+    }
     let s = create_for(c, harness).await;
     if family != "start" || via == Via::Restore {
         let (records, answer) = turn(c, &s).await;
@@ -366,8 +409,56 @@ async fn check(d: &Daemon, c: &mut SessionsClient<Channel>, known: &Known) -> Ve
         {
             continue;
         }
-        if !active.iter().any(|s| name.starts_with(&format!("{s}-"))) {
+        let of_session = name.strip_prefix("ckpt.").unwrap_or(&name);
+        if !active
+            .iter()
+            .any(|s| of_session.starts_with(&format!("{s}-")))
+        {
             wrong.push(format!("snapshot {name} belongs to no active session"));
+        }
+    }
+    // A checkpoint is recorded with its snapshot in the store, or is neither.
+    let mut nodes = d.node_client().await;
+    for session in &active {
+        let recorded = nodes
+            .list_checkpoints(ListCheckpointsRequest {
+                session: session.clone(),
+            })
+            .await
+            .map(|r| r.into_inner().checkpoints)
+            .unwrap_or_default();
+        let stored: Vec<String> = std::fs::read_dir(&snapshots)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(&format!("ckpt.{session}-")))
+            .collect();
+        for checkpoint in &recorded {
+            if !stored
+                .iter()
+                .any(|n| checkpoint.snapshot.ends_with(&format!("/{n}")))
+            {
+                wrong.push(format!(
+                    "{session}: checkpoint at seq {} names {}, which is not in the store",
+                    checkpoint.seq, checkpoint.snapshot
+                ));
+            }
+        }
+        for name in &stored {
+            let named = recorded
+                .iter()
+                .any(|c| c.snapshot.ends_with(&format!("/{name}")));
+            // A checkpoint folded into the next stays only as the base of one recorded.
+            let a_base = stored.iter().any(|other| {
+                std::fs::read_to_string(snapshots.join(other).join("manifest.json"))
+                    .is_ok_and(|m| m.contains(&format!("/{name}\"")))
+            });
+            if !named && !a_base {
+                wrong.push(format!(
+                    "{session}: checkpoint {name} is stored but not recorded"
+                ));
+            }
         }
     }
     let running: Vec<String> = vmm_processes(&d.dir).into_iter().map(|(_, s)| s).collect();
@@ -459,6 +550,10 @@ async fn every_crash_point_recovers_with_nothing_lost_or_leaked() {
         crash_point::SUSPEND_PAUSED,
         crash_point::SUSPEND_FORKED,
         crash_point::SUSPEND_STORED,
+        crash_point::CHECKPOINT_TAKEN,
+        crash_point::CHECKPOINT_STORED,
+        crash_point::CHECKPOINT_RECORDED,
+        crash_point::CHECKPOINT_MERGED,
     ];
     // Only a live fork's checkpoint forks a VM in place; every suspend point is reached
     // inside one too.
