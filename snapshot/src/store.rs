@@ -588,6 +588,15 @@ impl LocalStore {
             if other == id {
                 continue;
             }
+            // Most snapshots are layered on something else: a manifest that does not even
+            // name `id` is skipped unparsed (a store of many sessions' checkpoints is read
+            // whole at every delete).
+            let manifest = self.root.join(&other).join(crate::manifest::MANIFEST_FILE);
+            let names_it = crate::dir::read_regular(&manifest, crate::dir::MAX_MANIFEST)
+                .is_ok_and(|bytes| bytes.windows(id.len()).any(|w| w == id.as_bytes()));
+            if !names_it {
+                continue;
+            }
             if let Ok(snapshot) = self.get(&other)
                 && snapshot
                     .manifest

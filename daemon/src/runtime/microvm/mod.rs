@@ -1469,7 +1469,9 @@ impl Runtime for MicrovmRuntime {
             .unwrap_or_default()
             .into_iter()
             .filter(|id| {
-                snapshot_owner(id).is_some_and(|owner| owner == session_uid || !owned(owner))
+                snapshot_owner(id)
+                    .or_else(|| turn_checkpoints::checkpoint_owner(id))
+                    .is_some_and(|owner| owner == session_uid || !owned(owner))
             })
             .collect();
         for id in &self.delete_layers_first(mine) {
