@@ -2253,12 +2253,29 @@ async fn sessions_start_in_pooled_vmms_and_the_rest_end_with_the_node() {
 /// until it was deleted. Once a newer SUSPEND is recorded, the snapshots nothing needs go:
 /// the store keeps the current snapshot and the layers under it (flattened every few), and
 /// a fork child keeps the snapshot it was cloned from however often its parent moves on.
+/// (Without turn checkpoints: each keeps the snapshot its VM was resumed from, for as long
+/// as retention keeps it.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn superseded_snapshots_are_reclaimed_and_what_a_child_needs_stays() {
     require_kvm!();
     let node = microvm_node().await;
     let mut c = node.c();
-    let s = create(&mut c).await;
+    let s = c
+        .create_session(CreateSessionRequest {
+            session: Some(Session {
+                harness: "testguest".into(),
+                annotations: [("agentvm.dev/checkpoints".to_owned(), "off".to_owned())]
+                    .into_iter()
+                    .collect(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .metadata
+        .unwrap()
+        .uid;
     let store = node.dir.join("state/snapshots");
     let snapshots_of = |session: &str| {
         std::fs::read_dir(&store)

@@ -128,22 +128,40 @@ impl TurnCheckpoints {
     }
 
     /// Waits until no checkpoint of `uid` holds its VM paused: what a next turn waits for.
-    pub async fn running_again(&self, uid: &str) {
-        if let Some(mut flight) = self.flight(uid) {
-            let _ = tokio::time::timeout(WAIT_BOUND, flight.running_again.wait_for(|r| *r)).await;
+    /// Not for a VM that is gone or stalled (`given_up`): its checkpoint will not finish,
+    /// and what comes next finds out about the VM itself.
+    pub async fn running_again(&self, uid: &str, given_up: impl Fn() -> bool) {
+        if let Some(flight) = self.flight(uid) {
+            wait_until(flight.running_again, given_up).await;
         }
     }
 
     /// Waits until no checkpoint of `uid` is being taken: what a suspend, fork or delete
-    /// waits for (they change or stop the VM it is taken of).
-    pub async fn settled(&self, uid: &str) {
-        if let Some(mut flight) = self.flight(uid) {
-            let _ = tokio::time::timeout(WAIT_BOUND, flight.done.wait_for(|d| *d)).await;
+    /// waits for (they change or stop the VM it is taken of). As `running_again`.
+    pub async fn settled(&self, uid: &str, given_up: impl Fn() -> bool) {
+        if let Some(flight) = self.flight(uid) {
+            wait_until(flight.done, given_up).await;
         }
     }
 }
 
+/// Until `flag` is set, `given_up()` says to stop waiting, or [`WAIT_BOUND`] passes.
+async fn wait_until(mut flag: watch::Receiver<bool>, given_up: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + WAIT_BOUND;
+    while !*flag.borrow() && !given_up() && tokio::time::Instant::now() < deadline {
+        let _ = tokio::time::timeout(Duration::from_millis(100), flag.changed()).await;
+    }
+}
+
 impl SessionHost {
+    /// Whether `uid`'s VM is gone or stalled: a checkpoint of it will not finish.
+    pub(super) fn checkpoint_hopeless(&self, uid: &str) -> bool {
+        match self.live_get(uid) {
+            Some((inc, runtime)) => !runtime.alive(&inc) || runtime.stalled(&inc).is_some(),
+            None => true,
+        }
+    }
+
     /// Keeps memory-tier sessions' checkpoints by `retention` (the node's default).
     pub fn with_checkpoints(mut self, retention: Retention) -> Self {
         self.retention = retention;

@@ -259,7 +259,9 @@ impl SessionHost {
             return Err(Status::internal("no harness resolved for the turn"));
         };
         // The last turn's checkpoint may still hold the VM paused: its input waits for that.
-        self.turn_checkpoints.running_again(&uid).await;
+        self.turn_checkpoints
+            .running_again(&uid, || self.checkpoint_hopeless(&uid))
+            .await;
         let turn = self
             .admit(&row, &placement, &held, deadline, Some(updates.clone()))
             .await?;
@@ -613,7 +615,9 @@ impl SessionHost {
     /// has nothing in memory, so its reference is the session itself. The caller records
     /// the SUSPEND, then ends the returned intent.
     pub(super) async fn checkpoint(&self, uid: &str) -> Result<(SnapshotRef, Intent), Status> {
-        self.turn_checkpoints.settled(uid).await;
+        self.turn_checkpoints
+            .settled(uid, || self.checkpoint_hopeless(uid))
+            .await;
         self.adopt(uid).await?;
         let Some((inc, runtime)) = self.live_get(uid) else {
             let local = SnapshotRef {
@@ -650,7 +654,9 @@ impl SessionHost {
         &self,
         uid: &str,
     ) -> Result<Option<(SnapshotRef, Intent)>, Status> {
-        self.turn_checkpoints.settled(uid).await;
+        self.turn_checkpoints
+            .settled(uid, || self.checkpoint_hopeless(uid))
+            .await;
         self.adopt(uid).await?;
         let Some((inc, runtime)) = self.live_get(uid) else {
             return Ok(None);

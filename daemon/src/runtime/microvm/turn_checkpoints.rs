@@ -59,6 +59,9 @@ impl MicrovmRuntime {
         if !self.keeps_memory(&dir) || !self.config.flavour.cow_fork() {
             return Ok(None);
         }
+        if let super::vmm_process::VmmHealth::Stalled(why) = dir.health() {
+            return Err(failed(session, format!("its VMM {why}: no checkpoint")));
+        }
         let id = format!("{CHECKPOINT_PREFIX}{}", self.new_snapshot_id(session));
         let base = self
             .last_checkpoints
@@ -132,13 +135,9 @@ impl MicrovmRuntime {
         };
         crate::crash_point::reached(crate::crash_point::CHECKPOINT_STORED);
         let sealed = Snapshot::open(&target).map_err(|e| failed(session, e.to_string()))?;
-        let external_uri = match self.publish(&id, &target).await {
-            Ok(uri) => uri,
-            Err(e) => {
-                let _ = self.store.delete(&id);
-                return Err(failed(session, e));
-            }
-        };
+        // This node's: a turn's checkpoint is not uploaded to the fleet's store at every
+        // turn (a fork at a past turn runs where the session is).
+        let external_uri = format!("file://{}", target.display());
         self.last_checkpoints.set(session, id);
         Ok(Some(TurnCheckpoint {
             snapshot: SnapshotRef {
