@@ -72,6 +72,12 @@ impl Daemon {
             .arg(c.guest_ready_timeout_secs.to_string())
             .arg("--templates")
             .arg(c.templates.to_string())
+            // Turn checkpoints only where a scenario asks (the time-travel one, by a
+            // session's annotation): every checkpoint costs emulated time in each scenario's
+            // turns, and the scenarios that kill daemons and VMMs mid-way test what they
+            // name, not a checkpoint's timing. The test-guest suites run with the default.
+            .arg("--checkpoints-keep")
+            .arg("0")
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
@@ -106,6 +112,16 @@ impl Daemon {
         let channel =
             agentvmd::client::connect(&ListenAddr::Unix(self.config.socket.clone())).await?;
         Ok(SessionsClient::new(channel))
+    }
+
+    pub async fn node_client(
+        &self,
+    ) -> anyhow::Result<agentvm_proto::node::v1::node_client::NodeClient<Channel>> {
+        let channel =
+            agentvmd::client::connect(&ListenAddr::Unix(self.config.socket.clone())).await?;
+        Ok(agentvm_proto::node::v1::node_client::NodeClient::new(
+            channel,
+        ))
     }
 
     /// A new agentvmd over the same state with templates on or off (none of the lane's

@@ -75,6 +75,7 @@ pub const ALL: &[(&str, Scenario)] = &[
         Box::pin(daemon_killed_mid_suspend(l))
     }),
     ("template-starts", |l| Box::pin(template_starts(l))),
+    ("time-travel", |l| Box::pin(time_travel(l))),
 ];
 
 /// Scenarios run only when named (`tests/linux/run.sh NAME`), not in a full run: none now.
@@ -883,4 +884,77 @@ async fn template_starts_on(lane: &mut Lane) -> anyhow::Result<String> {
     );
     report.push("kernel and Python randomness differ between sessions of one template".into());
     Ok(report.join("; "))
+}
+
+/// Every turn a fork point: a Linux counter writing its count into a note on its ext4
+/// workspace runs 10 turns, each checkpointed; forks at turns 3 and 7 answer 4 and 8 and
+/// read the note as it was then; the parent answers 11; every chain verifies.
+async fn time_travel(lane: &mut Lane) -> anyhow::Result<String> {
+    let mut c = lane.c().await?;
+    let parent = session::create_with(
+        &mut c,
+        "linux-probe",
+        &[("agentvm.dev/checkpoints", "32/10")],
+    )
+    .await?;
+    lane.sessions.push(parent.clone());
+    let note = |a: &ProbeAnswer| a.note.clone().unwrap_or_else(|| "(none)".into());
+    for n in 1..=10 {
+        let a = probe(&mut c, &parent, &format!("note turn {n}")).await?;
+        ensure!(a.count == n, "parent turn {n} counted {}", a.count);
+        expect(&note(&a), &format!("turn {n}"), "the note just written")?;
+    }
+    let mut node = lane.daemon.node_client().await?;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let kept = loop {
+        let kept = session::checkpoints(&mut node, &parent).await?;
+        if kept.last().is_some_and(|k| k.turn == 10) {
+            break kept;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "no checkpoint of turn 10 within 120 s: {:?}",
+            kept.iter().map(|k| k.turn).collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    ensure!(
+        kept.iter().map(|k| k.turn).collect::<Vec<_>>() == (1..=10).collect::<Vec<u64>>(),
+        "checkpoints of turns {:?}",
+        kept.iter().map(|k| k.turn).collect::<Vec<_>>()
+    );
+    let bytes: u64 = kept.iter().map(|k| k.bytes).sum();
+    let mut forked = Vec::new();
+    for (turn, count) in [(3u64, 4u64), (7, 8)] {
+        let t = Instant::now();
+        let child = session::fork_at(&mut c, &parent, kept[turn as usize - 1].seq).await?;
+        lane.sessions.push(child.clone());
+        let a = probe(&mut c, &child, "look").await?;
+        forked.push(t.elapsed());
+        ensure!(
+            a.count == count,
+            "a fork at turn {turn} counted {} (want {count})",
+            a.count
+        );
+        expect(
+            &note(&a),
+            &format!("turn {turn}"),
+            &format!("the note of a fork at turn {turn}"),
+        )?;
+        session::verify(&mut c, &child).await?;
+    }
+    let a = probe(&mut c, &parent, "look").await?;
+    ensure!(
+        a.count == 11,
+        "the parent counted {} after its forks",
+        a.count
+    );
+    expect(&note(&a), "turn 10", "the parent's note")?;
+    session::verify(&mut c, &parent).await?;
+    Ok(format!(
+        "10 turns, 10 checkpoints ({:.1} KiB on disk); forks at turns 3 and 7 answered 4 and 8 with their notes in {} and {}; parent 11",
+        bytes as f64 / 1024.0,
+        secs(forked[0]),
+        secs(forked[1])
+    ))
 }

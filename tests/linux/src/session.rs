@@ -14,10 +14,23 @@ use tonic::transport::Channel;
 pub type Client = SessionsClient<Channel>;
 
 pub async fn create(c: &mut Client, harness: &str) -> anyhow::Result<String> {
+    create_with(c, harness, &[]).await
+}
+
+/// A session of `harness` with `annotations`.
+pub async fn create_with(
+    c: &mut Client,
+    harness: &str,
+    annotations: &[(&str, &str)],
+) -> anyhow::Result<String> {
     let session = c
         .create_session(CreateSessionRequest {
             session: Some(Session {
                 harness: harness.into(),
+                annotations: annotations
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
                 ..Default::default()
             }),
         })
@@ -187,6 +200,42 @@ pub async fn fork(c: &mut Client, session: &str, count: i32) -> anyhow::Result<V
         .into_iter()
         .map(|s| s.metadata.unwrap_or_default().uid)
         .collect())
+}
+
+/// One child of `session` at `at_seq`.
+pub async fn fork_at(c: &mut Client, session: &str, at_seq: i64) -> anyhow::Result<String> {
+    let children = c
+        .fork(ForkRequest {
+            session: session.into(),
+            count: 1,
+            at_seq,
+            ..Default::default()
+        })
+        .await
+        .with_context(|| format!("Fork({session} at {at_seq})"))?
+        .into_inner()
+        .children;
+    Ok(children
+        .into_iter()
+        .next()
+        .and_then(|s| s.metadata)
+        .unwrap_or_default()
+        .uid)
+}
+
+/// `session`'s checkpoints (Node.ListCheckpoints), oldest first.
+pub async fn checkpoints(
+    node: &mut agentvm_proto::node::v1::node_client::NodeClient<Channel>,
+    session: &str,
+) -> anyhow::Result<Vec<agentvm_proto::node::v1::Checkpoint>> {
+    Ok(node
+        .list_checkpoints(agentvm_proto::node::v1::ListCheckpointsRequest {
+            session: session.into(),
+        })
+        .await
+        .with_context(|| format!("ListCheckpoints({session})"))?
+        .into_inner()
+        .checkpoints)
 }
 
 pub async fn delete(c: &mut Client, session: &str) -> anyhow::Result<()> {
