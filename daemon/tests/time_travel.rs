@@ -231,6 +231,28 @@ async fn retention_keeps_the_last_turns_and_every_mth_and_each_still_forks_exact
             checkpoint.turn
         );
     }
+    // Across a suspend: the resumed VMM starts a chain of its own, so the checkpoint before
+    // it is dropped without a fold (and retention goes on past it).
+    let resumed = create(&mut c, &[("agentvm.dev/checkpoints", "2")])
+        .await
+        .unwrap();
+    assert_eq!(turn(&mut c, &resumed).await, "1");
+    assert_eq!(turn(&mut c, &resumed).await, "2");
+    checkpoints_through(&node, &resumed, 2).await;
+    c.suspend(agentvm_proto::v1::SuspendRequest {
+        session: resumed.clone(),
+    })
+    .await
+    .unwrap();
+    for n in 3..=5 {
+        assert_eq!(turn(&mut c, &resumed).await, n.to_string());
+    }
+    let kept = checkpoints_through(&node, &resumed, 5).await;
+    assert_eq!(kept.iter().map(|c| c.turn).collect::<Vec<_>>(), [4, 5]);
+    for (checkpoint, next) in kept.iter().zip(["5", "6"]) {
+        let child = fork_at(&mut c, &resumed, checkpoint.seq).await;
+        assert_eq!(turn(&mut c, &child).await, next);
+    }
     // Off: no checkpoint, and forks only at the head.
     let plain = create(&mut c, &[("agentvm.dev/checkpoints", "off")])
         .await

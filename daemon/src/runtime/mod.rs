@@ -239,7 +239,8 @@ pub trait Runtime: Send + Sync {
 
     /// Folds checkpoint `lower` into `upper` (layered on it) as a new checkpoint that
     /// restores exactly what `upper` does, re-pointing what was layered on `upper` to it;
-    /// `lower` and `upper` are then unused. `None`: this runtime cannot.
+    /// `lower` and `upper` are then unused. An `upper` not layered on `lower` is returned as
+    /// it is (`lower` alone is then unused). `None`: this runtime cannot.
     fn merge_checkpoints(
         &self,
         _session_uid: &str,

@@ -381,18 +381,19 @@ fn retain(
             }
         };
         crash_point::reached(crash_point::CHECKPOINT_MERGED);
-        journal.retain_checkpoints(
-            uid,
-            &[dropped.seq],
-            &[CheckpointRow {
-                snapshot: merged.snapshot.external_uri.clone(),
-                manifest_sha256: merged.manifest_sha256.clone(),
-                bytes: merged.bytes,
-                ..next.clone()
-            }],
-        )?;
+        let folded = merged.snapshot.external_uri != next.snapshot;
+        let replaced = CheckpointRow {
+            snapshot: merged.snapshot.external_uri.clone(),
+            manifest_sha256: merged.manifest_sha256.clone(),
+            bytes: merged.bytes,
+            ..next.clone()
+        };
+        let replace = if folded { vec![replaced] } else { Vec::new() };
+        journal.retain_checkpoints(uid, &[dropped.seq], &replace)?;
         // Unused now; one a VM still maps goes at a later sweep.
-        runtime.discard_checkpoint(&as_ref(next));
+        if folded {
+            runtime.discard_checkpoint(&as_ref(next));
+        }
         runtime.discard_checkpoint(&as_ref(dropped));
     }
 }

@@ -169,6 +169,41 @@ impl MicrovmRuntime {
         if checkpoint_owner(&lower) != Some(session) || checkpoint_owner(&upper) != Some(session) {
             return Err(failed(session, "only its own checkpoints are merged"));
         }
+        // A checkpoint that starts a chain of its own (a VMM's first, or every
+        // CHECKPOINT_DEPTH-th) is not layered on the one before: nothing to fold, and the
+        // one before is dropped as it is.
+        let upper_dir = self
+            .store
+            .dir(&upper)
+            .map_err(|e| failed(session, e.to_string()))?;
+        let upper_snapshot =
+            Snapshot::open(&upper_dir).map_err(|e| failed(session, e.to_string()))?;
+        let lower_dir = self
+            .store
+            .dir(&lower)
+            .map_err(|e| failed(session, e.to_string()))?;
+        let on_lower = upper_snapshot
+            .manifest
+            .memory
+            .base
+            .as_ref()
+            .is_some_and(|b| std::fs::canonicalize(&lower_dir).is_ok_and(|d| d == b.dir));
+        if !on_lower {
+            return Ok(Some(TurnCheckpoint {
+                snapshot: SnapshotRef {
+                    local: session.to_owned(),
+                    external_uri: format!("file://{}", upper_dir.display()),
+                    memory: true,
+                    sealed: false,
+                },
+                manifest_sha256: upper_snapshot.manifest_sha256,
+                bytes: bytes_on_disk(&upper_dir),
+                paused: std::time::Duration::ZERO,
+                pages: 0,
+                disk_blocks: 0,
+                incremental: upper_snapshot.manifest.memory.base.is_some(),
+            }));
+        }
         let merged = format!("{CHECKPOINT_PREFIX}{}", self.new_snapshot_id(session));
         let target = self
             .store
