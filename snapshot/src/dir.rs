@@ -218,7 +218,33 @@ impl Snapshot {
         BaseRef {
             dir: self.dir.clone(),
             manifest_sha256: self.manifest_sha256.clone(),
+            content_sha256: Some(self.content_sha256()),
         }
+    }
+
+    /// SHA-256 of what this snapshot holds: every file's name, size, digest kind and
+    /// digest, and the memory's size (not its stamps, nor what it is layered on).
+    pub fn content_sha256(&self) -> String {
+        let mut hasher = sha2::Sha256::new();
+        use sha2::Digest;
+        hasher.update(self.manifest.memory.size.to_le_bytes());
+        for (name, entry) in &self.manifest.files {
+            hasher.update((name.len() as u64).to_le_bytes());
+            hasher.update(name.as_bytes());
+            hasher.update(entry.size.to_le_bytes());
+            hasher.update(format!("{:?}", entry.digest).as_bytes());
+            hasher.update(entry.sha256.as_bytes());
+        }
+        crate::pages::hex(&hasher.finalize())
+    }
+
+    /// Whether `base`, recorded by a layer, still names this snapshot as it was.
+    pub fn is_base_of(&self, base: &BaseRef) -> bool {
+        self.dir == base.dir
+            && match &base.content_sha256 {
+                Some(content) => *content == self.content_sha256(),
+                None => self.manifest_sha256 == base.manifest_sha256,
+            }
     }
 
     /// Refuses a snapshot from an incompatible host.
@@ -285,7 +311,7 @@ impl Snapshot {
                 dir: base.dir.display().to_string(),
                 reason: e.to_string(),
             })?;
-            if opened.manifest_sha256 != base.manifest_sha256 {
+            if !opened.is_base_of(base) {
                 return Err(SnapshotError::Base {
                     dir: base.dir.display().to_string(),
                     reason: "its manifest changed since the layer on top was taken".into(),
@@ -420,11 +446,18 @@ mod tests {
         let chain = top.chain().unwrap();
         assert_eq!(chain.len(), 2);
         assert_eq!(chain[0].dir, base.dir);
-        // Rewrite the base's manifest: the layer must not be composed onto it.
+        // A manifest rewritten without changing what the base holds (as a merge below it
+        // re-points it) still carries the layer.
         let manifest = base_dir.path().join(MANIFEST_FILE);
-        let mut text = std::fs::read_to_string(&manifest).unwrap();
-        text = text.replace("\"vmm_version\": \"test\"", "\"vmm_version\": \"other\"");
-        std::fs::write(&manifest, text).unwrap();
+        let text = std::fs::read_to_string(&manifest).unwrap();
+        let relabeled = text.replace("\"vmm_version\": \"test\"", "\"vmm_version\": \"other\"");
+        assert_ne!(relabeled, text);
+        std::fs::write(&manifest, &relabeled).unwrap();
+        assert_eq!(top.chain().unwrap().len(), 2);
+        // One that says the base holds something else: the layer must not be composed onto it.
+        let changed = relabeled.replacen("\"sha256\": \"", "\"sha256\": \"0", 1);
+        assert_ne!(changed, relabeled);
+        std::fs::write(&manifest, changed).unwrap();
         assert!(matches!(top.chain(), Err(SnapshotError::Base { .. })));
     }
 }

@@ -155,8 +155,14 @@ pub struct MemoryLayout {
 pub struct BaseRef {
     /// The base snapshot's directory (absolute).
     pub dir: PathBuf,
-    /// SHA-256 of the base's manifest.json: a base rewritten since is refused.
+    /// SHA-256 of the base's manifest.json when the layer was taken.
     pub manifest_sha256: String,
+    /// SHA-256 of what the base holds (its files' digests and its memory size), which is
+    /// what a layer on it depends on: a base whose contents changed is refused, while one
+    /// whose own base was re-pointed (a merge below it, composing the same memory) is not.
+    /// Without it (older snapshots) the base's manifest must be unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content_sha256: Option<String>,
 }
 
 impl Manifest {

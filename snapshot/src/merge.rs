@@ -45,7 +45,7 @@ impl LocalStore {
             .memory
             .base
             .as_ref()
-            .is_some_and(|b| b.dir == lower.dir && b.manifest_sha256 == lower.manifest_sha256);
+            .is_some_and(|b| lower.is_base_of(b));
         if !on_lower {
             return Err(SnapshotError::Base {
                 dir: upper.dir.display().to_string(),
@@ -79,27 +79,11 @@ impl LocalStore {
                 reason: format!("is not layered on {}", from.dir.display()),
             });
         }
+        // What `id` holds is unchanged, so the layers above it (which pin its contents, not
+        // its manifest) need nothing.
         let mut manifest = snapshot.manifest;
         manifest.memory.base = Some(to.base_ref());
-        self.replace_manifest(&snapshot.dir, &manifest)?;
-        self.refresh_dependents(id)
-    }
-
-    /// After `id`'s manifest changed: whatever is layered on it names its new digest, and
-    /// so on up every chain built on it.
-    fn refresh_dependents(&self, id: &str) -> Result<(), SnapshotError> {
-        let mut changed = vec![id.to_owned()];
-        while let Some(id) = changed.pop() {
-            let base = self.get(&id)?.base_ref();
-            for dependent in self.dependents(&id)? {
-                let snapshot = self.get(&dependent)?;
-                let mut manifest = snapshot.manifest;
-                manifest.memory.base = Some(base.clone());
-                self.replace_manifest(&snapshot.dir, &manifest)?;
-                changed.push(dependent);
-            }
-        }
-        Ok(())
+        self.replace_manifest(&snapshot.dir, &manifest)
     }
 }
 

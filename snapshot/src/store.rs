@@ -478,7 +478,7 @@ impl LocalStore {
             dir: base.dir.display().to_string(),
             reason: format!("cannot be read to move it into the store: {e}"),
         })?;
-        if original.manifest_sha256 != base.manifest_sha256 {
+        if !original.is_base_of(&base) {
             return Err(SnapshotError::Base {
                 dir: base.dir.display().to_string(),
                 reason: "changed since the layer was taken on it".into(),

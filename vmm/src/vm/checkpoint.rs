@@ -259,11 +259,12 @@ impl Vm {
                 // Moved by whoever keeps it: its manifest there, if this VMM can read it
                 // (else the caller re-points the layer it gets).
                 Some(dir) => Some(LastCheckpoint {
-                    base: BaseRef {
-                        dir: dir.to_owned(),
-                        manifest_sha256: Snapshot::open(dir)
-                            .map(|s| s.manifest_sha256)
-                            .unwrap_or(last.base.manifest_sha256),
+                    base: match Snapshot::open(dir) {
+                        Ok(moved) => moved.base_ref(),
+                        Err(_) => BaseRef {
+                            dir: dir.to_owned(),
+                            ..last.base
+                        },
                     },
                     depth: last.depth,
                 }),
@@ -629,7 +630,7 @@ fn backed_pages(top: &Snapshot) -> Result<std::collections::BTreeSet<u64>, Persi
 /// The previous checkpoint is still where it was written, unchanged: else the next one
 /// cannot be layered on it.
 fn still_there(base: &BaseRef) -> bool {
-    Snapshot::open(&base.dir).is_ok_and(|s| s.manifest_sha256 == base.manifest_sha256)
+    Snapshot::open(&base.dir).is_ok_and(|s| s.is_base_of(base))
 }
 
 fn micros(d: Duration) -> u64 {
