@@ -116,6 +116,8 @@ struct Flight {
 #[derive(Default)]
 pub struct TurnCheckpoints {
     flights: Mutex<HashMap<String, Flight>>,
+    /// Held while checkpoints past retention are folded away.
+    retaining: Arc<Mutex<()>>,
 }
 
 impl TurnCheckpoints {
@@ -211,27 +213,51 @@ impl SessionHost {
             });
             let taken = runtime.checkpoint_turn(&incarnation, tx).await;
             let _ = running.await;
-            match taken {
+            let recorded = match taken {
                 Ok(Some(taken)) => {
                     crash_point::reached(crash_point::CHECKPOINT_TAKEN);
-                    if let Err(e) = record(
-                        &*journal,
-                        &*runtime,
-                        &uid,
-                        seq,
-                        &taken.snapshot,
-                        &taken,
-                        retention,
-                    ) {
-                        tracing::warn!(session = %uid, seq, error = %e,
-                            "the turn's checkpoint was not recorded; it is swept");
+                    let (journal, session) = (journal.clone(), uid.clone());
+                    // Journal and file work, off the async workers.
+                    let recorded = tokio::task::spawn_blocking(move || {
+                        record(&*journal, &session, seq, &taken.snapshot, &taken)
+                    })
+                    .await;
+                    match recorded {
+                        Ok(Ok(())) => true,
+                        Ok(Err(e)) => {
+                            tracing::warn!(session = %uid, seq, error = %e,
+                                "the turn's checkpoint was not recorded; it is swept");
+                            false
+                        }
+                        Err(e) => {
+                            tracing::warn!(session = %uid, seq, error = %e,
+                                "recording the turn's checkpoint failed");
+                            false
+                        }
                     }
                 }
-                Ok(None) => {}
-                Err(e) => tracing::warn!(session = %uid, seq, error = %e,
-                    "the turn's checkpoint was not taken"),
-            }
+                Ok(None) => false,
+                Err(e) => {
+                    tracing::warn!(session = %uid, seq, error = %e,
+                        "the turn's checkpoint was not taken");
+                    false
+                }
+            };
             let _ = done_tx.send(true);
+            // Retention after: the next checkpoint need not wait for a fold of old ones
+            // (which touches only checkpoints older than the one just taken, and layers pin
+            // their bases' contents, not their manifests). One fold at a time on the node.
+            if recorded {
+                let (journal, uid, runtime) = (journal.clone(), uid.clone(), runtime.clone());
+                let lock = flights.retaining.clone();
+                let _ = tokio::task::spawn_blocking(move || {
+                    let _one = lock.lock().unwrap_or_else(|p| p.into_inner());
+                    if let Err(e) = retain(&*journal, &*runtime, &uid, retention) {
+                        tracing::warn!(session = %uid, error = %e, "retention of checkpoints");
+                    }
+                })
+                .await;
+            }
             let mut flights = flights.flights.lock().unwrap_or_else(|p| p.into_inner());
             if flights
                 .get(&uid)
@@ -315,15 +341,13 @@ impl SessionHost {
     }
 }
 
-/// Records `taken` as `uid`'s checkpoint at `seq`, then applies `retention`.
+/// Records `taken` as `uid`'s checkpoint at `seq`.
 fn record(
     journal: &dyn Journal,
-    runtime: &dyn Runtime,
     uid: &str,
     seq: i64,
     snapshot: &SnapshotRef,
     taken: &crate::runtime::TurnCheckpoint,
-    retention: Retention,
 ) -> crate::journal::Result<()> {
     let rows = journal.checkpoints(uid)?;
     let turn = rows.last().map_or(1, |r| r.turn + 1);
@@ -342,7 +366,7 @@ fn record(
     tracing::debug!(session = %uid, seq, turn, paused_us = taken.paused.as_micros() as u64,
         pages = taken.pages, disk_blocks = taken.disk_blocks, bytes = taken.bytes,
         incremental = taken.incremental, "turn checkpointed");
-    retain(journal, runtime, uid, retention)
+    Ok(())
 }
 
 /// Drops the checkpoints `retention` no longer keeps, oldest first, each folded into the
