@@ -10,14 +10,13 @@
 #[path = "../tests/support/mod.rs"]
 mod support;
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use agentvm_proto::node::v1::ListCheckpointsRequest;
 use agentvm_proto::node::v1::node_client::NodeClient;
+use agentvm_proto::v1::ForkRequest;
 use agentvm_proto::v1::sessions_client::SessionsClient;
-use agentvm_proto::v1::{CreateSessionRequest, ForkRequest, Session};
 use tonic::transport::Channel;
 
 fn summary(name: &str, unit: &str, mut xs: Vec<f64>) {
@@ -47,23 +46,9 @@ fn ms(d: Duration) -> f64 {
 }
 
 async fn create(c: &mut SessionsClient<Channel>, checkpoints: &str) -> String {
-    let annotations: HashMap<String, String> =
-        [("agentvm.dev/checkpoints".to_owned(), checkpoints.to_owned())]
-            .into_iter()
-            .collect();
-    c.create_session(CreateSessionRequest {
-        session: Some(Session {
-            harness: "testguest".into(),
-            annotations,
-            ..Default::default()
-        }),
-    })
-    .await
-    .unwrap()
-    .into_inner()
-    .metadata
-    .unwrap()
-    .uid
+    support::create_annotated(c, "testguest", &[("agentvm.dev/checkpoints", checkpoints)])
+        .await
+        .unwrap()
 }
 
 /// One turn: (time to its first record, time to the end of its stream).

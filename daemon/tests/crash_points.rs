@@ -285,22 +285,9 @@ async fn crash(
     if family == "checkpoint" {
         // Taken after each turn's END, in the background: the turns succeed, and the
         // daemon dies behind them (a merge needs a checkpoint past retention: the third).
-        let s = c
-            .create_session(agentvm_proto::v1::CreateSessionRequest {
-                session: Some(Session {
-                    harness: harness.into(),
-                    annotations: [("agentvm.dev/checkpoints".to_owned(), "2".to_owned())]
-                        .into_iter()
-                        .collect(),
-                    ..Default::default()
-                }),
-            })
+        let s = support::create_annotated(c, harness, &[("agentvm.dev/checkpoints", "2")])
             .await
-            .unwrap()
-            .into_inner()
-            .metadata
-            .unwrap()
-            .uid;
+            .unwrap();
         for _ in 0..4 {
             let (records, answer) = turn(c, &s).await;
             match answer {

@@ -2260,22 +2260,9 @@ async fn superseded_snapshots_are_reclaimed_and_what_a_child_needs_stays() {
     require_kvm!();
     let node = microvm_node().await;
     let mut c = node.c();
-    let s = c
-        .create_session(CreateSessionRequest {
-            session: Some(Session {
-                harness: "testguest".into(),
-                annotations: [("agentvm.dev/checkpoints".to_owned(), "off".to_owned())]
-                    .into_iter()
-                    .collect(),
-                ..Default::default()
-            }),
-        })
+    let s = support::create_annotated(&mut c, "testguest", &[("agentvm.dev/checkpoints", "off")])
         .await
-        .unwrap()
-        .into_inner()
-        .metadata
-        .unwrap()
-        .uid;
+        .unwrap();
     let store = node.dir.join("state/snapshots");
     let snapshots_of = |session: &str| {
         std::fs::read_dir(&store)

@@ -7,15 +7,12 @@
 
 mod support;
 
-use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use agentvm_proto::node::v1::node_client::NodeClient;
 use agentvm_proto::node::v1::{Checkpoint, ListCheckpointsRequest};
 use agentvm_proto::v1::sessions_client::SessionsClient;
-use agentvm_proto::v1::{
-    CreateSessionRequest, ExecUpdate, ForkRequest, Session, event::Body, exec_update::Update, part,
-};
+use agentvm_proto::v1::{ExecUpdate, ForkRequest, event::Body, exec_update::Update, part};
 use agentvmd::journal::verify::verify_chain;
 use support::daemon::{kvm_unavailable, vmm_binary};
 use support::{TestNode, replay, start_with};
@@ -48,22 +45,7 @@ async fn create(
     c: &mut SessionsClient<Channel>,
     annotations: &[(&str, &str)],
 ) -> Result<String, tonic::Status> {
-    let annotations: HashMap<String, String> = annotations
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
-    Ok(c.create_session(CreateSessionRequest {
-        session: Some(Session {
-            harness: "testguest".into(),
-            annotations,
-            ..Default::default()
-        }),
-    })
-    .await?
-    .into_inner()
-    .metadata
-    .unwrap()
-    .uid)
+    support::create_annotated(c, "testguest", annotations).await
 }
 
 /// One counter turn; its answer.

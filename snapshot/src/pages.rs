@@ -171,20 +171,8 @@ pub fn copy_extents(src: &File, dst: &File) -> io::Result<()> {
     if reflink(src, dst)? {
         return Ok(());
     }
-    let len = src.metadata()?.len();
-    dst.set_len(len)?;
-    let mut buf = vec![0u8; CHUNK];
-    for (offset, extent) in data_extents(src)? {
-        let end = (offset + extent).min(len);
-        let mut at = offset;
-        while at < end {
-            let n = ((end - at) as usize).min(CHUNK);
-            src.read_exact_at(&mut buf[..n], at)?;
-            dst.write_all_at(&buf[..n], at)?;
-            at += n as u64;
-        }
-    }
-    Ok(())
+    dst.set_len(src.metadata()?.len())?;
+    overlay_extents(src, dst)
 }
 
 /// Writes the data extents of `src` over `dst` at the same offsets (never a reflink: what

@@ -255,16 +255,28 @@ pub async fn replay(
 
 /// A new session of `harness`; returns its uid.
 pub async fn create_for(c: &mut SessionsClient<Channel>, harness: &str) -> String {
-    c.create_session(agentvm_proto::v1::CreateSessionRequest {
+    create_annotated(c, harness, &[]).await.unwrap()
+}
+
+/// A new session of `harness` with `annotations`; its uid, or why it was refused.
+pub async fn create_annotated(
+    c: &mut SessionsClient<Channel>,
+    harness: &str,
+    annotations: &[(&str, &str)],
+) -> Result<String, tonic::Status> {
+    Ok(c.create_session(agentvm_proto::v1::CreateSessionRequest {
         session: Some(agentvm_proto::v1::Session {
             harness: harness.into(),
+            annotations: annotations
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
             ..Default::default()
         }),
     })
-    .await
-    .unwrap()
+    .await?
     .into_inner()
     .metadata
-    .unwrap()
-    .uid
+    .unwrap_or_default()
+    .uid)
 }
