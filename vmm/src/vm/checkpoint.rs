@@ -275,6 +275,9 @@ impl Vm {
             (None, Backing::Private { .. }) => How::SinceRestore,
             (None, Backing::Own) => How::Freeze,
         };
+        // From here the logs are being consumed: until this checkpoint is written, the next
+        // has nothing to layer on (one that failed half-way would lose pages for it).
+        self.last_checkpoint = None;
         let precopy_at = Instant::now();
         let staged = self.precopy(dir, how)?;
         let precopied = precopy_at.elapsed();
@@ -293,8 +296,6 @@ impl Vm {
             self.resume()
                 .map_err(|e| PersistError::Mismatch(format!("resuming after a checkpoint: {e}")))?;
         }
-        // Until this one is written, the next has nothing to layer on.
-        self.last_checkpoint = None;
         let captured = captured?;
         let report = VmCheckpointReport {
             memory_pages: captured.memory.pages(),
