@@ -1112,6 +1112,43 @@ impl MicrovmRuntime {
     }
 }
 
+impl MicrovmRuntime {
+    /// The snapshots in the store that `owner` says are `session`'s, oldest (or newest)
+    /// first. In the store means complete: a VMM's snapshot moves in only once written.
+    fn stored_of(
+        &self,
+        session: &str,
+        owner: fn(&str) -> Option<&str>,
+        newest_first: bool,
+    ) -> Vec<SnapshotRef> {
+        let mut found: Vec<(SystemTime, PathBuf)> = self
+            .store
+            .list()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|id| owner(id) == Some(session))
+            .filter_map(|id| {
+                let dir = self.store.dir(&id).ok()?;
+                let made = std::fs::metadata(&dir).and_then(|m| m.modified()).ok()?;
+                Some((made, dir))
+            })
+            .collect();
+        match newest_first {
+            true => found.sort_by_key(|(made, _)| std::cmp::Reverse(*made)),
+            false => found.sort(),
+        }
+        found
+            .into_iter()
+            .map(|(_, dir)| SnapshotRef {
+                local: session.to_owned(),
+                external_uri: format!("file://{}", dir.display()),
+                memory: true,
+                sealed: false,
+            })
+            .collect()
+    }
+}
+
 /// The session a snapshot id (`SESSION-EPOCH-N`) was taken of.
 pub(super) fn snapshot_owner(id: &str) -> Option<&str> {
     if id.starts_with(turn_checkpoints::CHECKPOINT_PREFIX) {
@@ -1671,29 +1708,7 @@ impl Runtime for MicrovmRuntime {
     }
 
     fn snapshots_of(&self, session_uid: &str) -> Vec<SnapshotRef> {
-        let mut found: Vec<(SystemTime, PathBuf)> = self
-            .store
-            .list()
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|id| snapshot_owner(id) == Some(session_uid))
-            .filter_map(|id| {
-                // In the store means complete: a VMM's snapshot moves in only once written.
-                let dir = self.store.dir(&id).ok()?;
-                let made = std::fs::metadata(&dir).and_then(|m| m.modified()).ok()?;
-                Some((made, dir))
-            })
-            .collect();
-        found.sort_by_key(|(made, _)| std::cmp::Reverse(*made));
-        found
-            .into_iter()
-            .map(|(_, dir)| SnapshotRef {
-                local: session_uid.to_owned(),
-                external_uri: format!("file://{}", dir.display()),
-                memory: true,
-                sealed: false,
-            })
-            .collect()
+        self.stored_of(session_uid, snapshot_owner, true)
     }
 
     fn discard_snapshot(&self, snapshot: &SnapshotRef) {

@@ -265,28 +265,7 @@ impl MicrovmRuntime {
 
     /// `session`'s checkpoints in the store, oldest first.
     pub(super) fn checkpoints_in_store(&self, session: &str) -> Vec<SnapshotRef> {
-        let mut found: Vec<(std::time::SystemTime, std::path::PathBuf)> = self
-            .store
-            .list()
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|id| checkpoint_owner(id) == Some(session))
-            .filter_map(|id| {
-                let dir = self.store.dir(&id).ok()?;
-                let made = std::fs::metadata(&dir).and_then(|m| m.modified()).ok()?;
-                Some((made, dir))
-            })
-            .collect();
-        found.sort();
-        found
-            .into_iter()
-            .map(|(_, dir)| SnapshotRef {
-                local: session.to_owned(),
-                external_uri: format!("file://{}", dir.display()),
-                memory: true,
-                sealed: false,
-            })
-            .collect()
+        self.stored_of(session, checkpoint_owner, false)
     }
 }
 
