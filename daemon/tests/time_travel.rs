@@ -260,3 +260,78 @@ async fn a_retention_that_does_not_parse_is_refused_by_name() {
         refused.message()
     );
 }
+
+/// Item 5 (fleet): a suspended session's checkpoints go to the fleet's snapshot store with
+/// it, so another node of the fleet forks it at a past turn from the published chain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_node_forks_a_suspended_session_at_a_past_turn_from_the_fleet_store() {
+    require_kvm!();
+    let server = match agentvmd::testing::TestPostgres::start() {
+        Ok(server) => server,
+        Err(why) => {
+            eprintln!("SKIPPED: {why}; this test needs PostgreSQL for the shared journal");
+            return;
+        }
+    };
+    server.create_database("time_travel_fleet").unwrap();
+    let shared = tempfile::tempdir().unwrap();
+    let remote = agentvmd::runtime::microvm::remote::SnapshotRemote::Dir(shared.path().into());
+    let binary = vmm_binary();
+    let node = |name: &'static str, uid_base: u32| {
+        let (url, remote, binary) = (
+            server.url("time_travel_fleet"),
+            remote.clone(),
+            binary.clone(),
+        );
+        start_with(move |cfg| {
+            cfg.vmm_binary = Some(binary);
+            cfg.ram_dir = "/dev/shm".into();
+            cfg.journal_url = Some(url);
+            cfg.node_name = name.into();
+            cfg.snapshot_remote = Some(remote);
+            cfg.vm_uid_base = uid_base;
+        })
+    };
+    let base = agentvmd::runtime::microvm::DEFAULT_VM_UID_BASE;
+    let a = node("node-a", base).await;
+    let b = node("node-b", base + 65_536).await;
+    let (mut ca, mut cb) = (a.c(), b.c());
+
+    let parent = create(&mut ca, &[]).await.unwrap();
+    for n in 1..=5 {
+        assert_eq!(turn(&mut ca, &parent).await, n.to_string());
+    }
+    let kept = checkpoints_through(&a, &parent, 5).await;
+    let in_fleet_store = |c: &Checkpoint| c.snapshot.contains(&*shared.path().to_string_lossy());
+    assert!(!kept.iter().any(in_fleet_store), "{kept:?}");
+    ca.suspend(agentvm_proto::v1::SuspendRequest {
+        session: parent.clone(),
+    })
+    .await
+    .unwrap();
+    // Published with the suspend: every record names an archive of the fleet's store.
+    let published = checkpoints(&b, &parent).await;
+    assert_eq!(
+        published.iter().map(|c| c.seq).collect::<Vec<_>>(),
+        kept.iter().map(|c| c.seq).collect::<Vec<_>>()
+    );
+    assert!(published.iter().all(in_fleet_store), "{published:?}");
+    // Node b has none of them, and forks at turns 2 and 4 from the fleet's store.
+    assert_eq!(stored_checkpoints(&b), 0);
+    let at_two = fork_at(&mut cb, &parent, kept[1].seq).await;
+    let at_four = fork_at(&mut cb, &parent, kept[3].seq).await;
+    assert_eq!(turn(&mut cb, &at_two).await, "3");
+    assert_eq!(turn(&mut cb, &at_four).await, "5");
+    // The parent goes on (on node b now) from where it was suspended.
+    assert_eq!(turn(&mut cb, &parent).await, "6");
+    for session in [&parent, &at_two, &at_four] {
+        verify_chain(&replay(&mut cb, session).await).unwrap();
+    }
+    for session in [&at_two, &at_four, &parent] {
+        cb.delete_session(agentvm_proto::v1::DeleteSessionRequest {
+            uid: session.to_string(),
+        })
+        .await
+        .unwrap();
+    }
+}

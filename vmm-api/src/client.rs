@@ -277,10 +277,27 @@ impl VmmClient {
         decode(endpoint::VM_CHECKPOINT, &response.body)
     }
 
-    /// `PUT vm.checkpoint-wait` (extension): the last checkpoint, once durable.
-    pub async fn checkpoint_wait(&self) -> Result<crate::types::VmCheckpointReport, ClientError> {
+    /// `PUT vm.checkpoint-wait` (extension): the checkpoint taken into `dir` (the last one
+    /// taken if `None`), once durable.
+    pub async fn checkpoint_wait(
+        &self,
+        dir: Option<&std::path::Path>,
+    ) -> Result<crate::types::VmCheckpointReport, ClientError> {
+        let body = match dir {
+            Some(dir) => {
+                let body = crate::types::VmCheckpointWait {
+                    destination_url: Some(format!("file://{}", dir.display())),
+                };
+                let body = serde_json::to_vec(&body).map_err(|e| ClientError::InvalidRequest {
+                    endpoint: endpoint::VM_CHECKPOINT_WAIT.to_owned(),
+                    reason: format!("encoding the body: {e}"),
+                })?;
+                Some(Bytes::from(body))
+            }
+            None => None,
+        };
         let response = self
-            .request(Method::PUT, endpoint::VM_CHECKPOINT_WAIT, None)
+            .request(Method::PUT, endpoint::VM_CHECKPOINT_WAIT, body)
             .await?;
         decode(endpoint::VM_CHECKPOINT_WAIT, &response.body)
     }

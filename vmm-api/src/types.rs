@@ -177,6 +177,15 @@ pub struct VmCheckpointConfig {
     pub base_url: Option<String>,
 }
 
+/// Body of `vm.checkpoint-wait` (extension; optional): which checkpoint to wait for, by the
+/// directory it was taken into. Without it, the last one taken.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmCheckpointWait {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub destination_url: Option<String>,
+}
+
 /// What `vm.checkpoint` did. The first checkpoint of a VM holds what it changed since it was
 /// restored (or, booted, its whole RAM, linked rather than copied); each later one is a
 /// layer on the one before holding only the pages and disk blocks written in between.

@@ -70,7 +70,7 @@ async fn main() {
         }
         let first_dir = new_dir(store.path(), &format!("{mib}-first"));
         vmm.client.checkpoint(&first_dir, None).await.unwrap();
-        let first = vmm.client.checkpoint_wait().await.unwrap();
+        let first = vmm.client.checkpoint_wait(None).await.unwrap();
         let mut paused = Vec::new();
         let mut call = Vec::new();
         let mut precopy = Vec::new();
@@ -87,7 +87,7 @@ async fn main() {
             let started = Instant::now();
             let taken = vmm.client.checkpoint(&dir, None).await.unwrap();
             call.push(ms(started.elapsed()));
-            let report = vmm.client.checkpoint_wait().await.unwrap();
+            let report = vmm.client.checkpoint_wait(None).await.unwrap();
             durable.push(ms(started.elapsed()));
             assert!(report.incremental || report.chain_depth == 1, "{report:?}");
             paused.push(taken.paused_us as f64 / 1e3);

@@ -580,15 +580,33 @@ impl VmmBackend for Vmm {
         }
     }
 
-    fn checkpoint_wait(&self) -> Result<agentvm_vmm_api::types::VmCheckpointReport, ApiError> {
-        let mut inner = lock(&self.inner);
-        match &mut inner.slot {
-            Slot::Running(_, booted) | Slot::Paused(_, booted) => match booted.vm.checkpoint_wait()
-            {
-                Some(written) => written.map_err(|e| ApiError::from_error(500, &e)),
-                None => Err(ApiError::not_found("no checkpoint is being written")),
-            },
-            _ => Err(no_vm()),
+    fn checkpoint_wait(
+        &self,
+        request: agentvm_vmm_api::types::VmCheckpointWait,
+    ) -> Result<agentvm_vmm_api::types::VmCheckpointReport, ApiError> {
+        let dir = request
+            .destination_url
+            .as_deref()
+            .map(|url| dir_from_url("destination_url", url))
+            .transpose()
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        // Found under the lock, waited for without it: the VM's other calls (the next
+        // checkpoint among them) go on meanwhile.
+        let waiter = {
+            let inner = lock(&self.inner);
+            match &inner.slot {
+                Slot::Running(_, booted) | Slot::Paused(_, booted) => {
+                    booted.vm.checkpoint_waiter(dir.as_deref())
+                }
+                _ => return Err(no_vm()),
+            }
+        };
+        match waiter {
+            Some(waiter) => waiter.wait().map_err(|e| ApiError::from_error(500, &e)),
+            None => Err(ApiError::not_found(match dir {
+                Some(dir) => format!("no checkpoint was taken into {}", dir.display()),
+                None => "no checkpoint was taken".into(),
+            })),
         }
     }
 

@@ -40,7 +40,7 @@ async fn checkpoint_on(
     assert!(!taken.durable);
     let report = vmm
         .client
-        .checkpoint_wait()
+        .checkpoint_wait(None)
         .await
         .expect("vm.checkpoint-wait");
     assert!(report.durable);
@@ -157,7 +157,7 @@ async fn a_checkpoint_needs_a_running_vm_and_a_fresh_directory() {
     vmm.client.pause().await.unwrap();
     assert_eq!(status(vmm.client.checkpoint(&dir, None).await), Some(500));
     vmm.client.resume().await.unwrap();
-    assert_eq!(status(vmm.client.checkpoint_wait().await), Some(404));
+    assert_eq!(status(vmm.client.checkpoint_wait(None).await), Some(404));
     vmm.client
         .checkpoint(&dir, None)
         .await
@@ -168,5 +168,73 @@ async fn a_checkpoint_needs_a_running_vm_and_a_fresh_directory() {
         vmm.client.info().await.unwrap().state,
         agentvm_vmm_api::VmState::Running
     );
+    vmm.shutdown().await;
+}
+
+/// Checkpoints are pipelined: the next is taken before the last is durable, each layered
+/// on the one before (named where it will be moved to), and waiting for one holds up
+/// neither the VM nor the API.
+#[tokio::test]
+async fn a_checkpoint_can_be_taken_while_the_last_is_still_being_written() {
+    require_kvm!();
+    let vmm = Vmm::spawn().await;
+    vmm.boot(&vmm.config(1, 256, "")).await;
+    let mut link = GuestLink::connect_ready(&vmm.vsock_socket(), PORT);
+    assert_eq!(link.counter_turn(1, "e1"), "1");
+    let store = store();
+    let (first, _) = checkpoint(&vmm, store.path(), "c1").await;
+
+    // Three back to back, none waited for until all are taken; the second and third name
+    // where their base will be once moved.
+    let mut dirs = Vec::new();
+    let mut base: Option<PathBuf> = Some(first.clone());
+    for (n, count) in [(2, "2"), (3, "3"), (4, "4")] {
+        assert_eq!(link.counter_turn(n, &format!("e{n}")), count);
+        let dir = store.path().join(format!("c{n}"));
+        std::fs::create_dir(&dir).unwrap();
+        let taken = vmm
+            .client
+            .checkpoint(&dir, base.as_deref())
+            .await
+            .expect("vm.checkpoint");
+        assert!(taken.incremental, "{taken:?}");
+        base = Some(store.path().join(format!("kept-c{n}")));
+        dirs.push(dir);
+    }
+    // The VMM answers other calls while a wait is under way.
+    let waiting = {
+        let client = vmm.client.clone();
+        let dir = dirs[0].clone();
+        tokio::spawn(async move { client.checkpoint_wait(Some(&dir)).await })
+    };
+    vmm.client.info().await.expect("vm.info beside a wait");
+    let report = waiting.await.unwrap().expect("the second, durable");
+    assert!(report.durable && report.chain_depth >= 2, "{report:?}");
+    // Moved in order, as agentvmd's store takes them in.
+    let mut kept = Vec::new();
+    for (i, dir) in dirs.iter().enumerate() {
+        let report = vmm
+            .client
+            .checkpoint_wait(Some(dir))
+            .await
+            .expect("each one, by where it was taken");
+        assert!(report.durable, "{report:?}");
+        let moved = store.path().join(format!("kept-c{}", i + 2));
+        std::fs::rename(dir, &moved).unwrap();
+        kept.push(moved);
+    }
+    assert_eq!(link.counter_turn(5, "e5"), "5");
+    // Each is the guest as it was when taken, over the chain as it was moved.
+    for (i, dir) in kept.iter().enumerate() {
+        let snapshot = agentvm_snapshot::Snapshot::open(dir).unwrap();
+        assert_eq!(snapshot.chain().unwrap().len(), i + 2, "{}", dir.display());
+        let (child_vmm, mut child) = restored(dir, 1).await;
+        assert_eq!(child.counter_turn(1, "x"), (i + 3).to_string());
+        child_vmm.shutdown().await;
+    }
+    // A wait for a checkpoint never taken is a 404 naming it.
+    let never = store.path().join("never");
+    let e = vmm.client.checkpoint_wait(Some(&never)).await.unwrap_err();
+    assert_eq!(e.status(), Some(404));
     vmm.shutdown().await;
 }

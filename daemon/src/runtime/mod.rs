@@ -132,6 +132,16 @@ pub struct ComputeLost {
     pub reason: String,
 }
 
+/// How a turn's checkpoint keeps time with the turns and checkpoints around it.
+pub struct CheckpointCues {
+    /// Told as soon as the VM runs again: all a next turn waits for.
+    pub running_again: tokio::sync::oneshot::Sender<()>,
+    /// Resolves once the checkpoint before this one is stored and recorded (or given up):
+    /// this one may be taken while that one is still being written, but is layered on it,
+    /// so it is stored after it.
+    pub below_stored: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
+}
+
 /// A turn's checkpoint, in the runtime's store (see `session::checkpoints`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TurnCheckpoint {
@@ -210,13 +220,13 @@ pub trait Runtime: Send + Sync {
     async fn restore(&self, snapshot: &SnapshotRef, spec: &SessionSpec) -> Result<Incarnation>;
 
     /// Takes a checkpoint of a running memory-tier incarnation at a turn's end, layered on
-    /// the last one it took of this incarnation where it can be; `running_again` is told as
-    /// soon as the VM runs again, and the checkpoint is returned once durable in the store.
-    /// `None`: this runtime keeps no checkpoints (of this incarnation).
+    /// the last one it took of this incarnation where it can be, keeping time by `cues`;
+    /// returns it once durable in the store. `None`: this runtime keeps no checkpoints (of
+    /// this incarnation).
     async fn checkpoint_turn(
         &self,
         _incarnation: &Incarnation,
-        _running_again: tokio::sync::oneshot::Sender<()>,
+        _cues: CheckpointCues,
     ) -> Result<Option<TurnCheckpoint>> {
         Ok(None)
     }
@@ -248,6 +258,19 @@ pub trait Runtime: Send + Sync {
         _upper: &SnapshotRef,
     ) -> Result<Option<TurnCheckpoint>> {
         Ok(None)
+    }
+
+    /// Publishes checkpoint `snapshot` to the fleet's snapshot store (as a layer on its
+    /// base where that is published): what a record of it names from then on. `None`: no
+    /// fleet store, or this runtime keeps no checkpoints.
+    async fn publish_checkpoint(&self, _snapshot: &SnapshotRef) -> Result<Option<String>> {
+        Ok(None)
+    }
+
+    /// Whether `snapshot` names an archive in the fleet's snapshot store (published), not
+    /// a snapshot of this node's own.
+    fn is_published(&self, _snapshot: &SnapshotRef) -> bool {
+        false
     }
 
     /// A child from a parent's snapshot. Must not leak a half-built child on failure.

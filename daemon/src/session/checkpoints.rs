@@ -203,15 +203,29 @@ impl SessionHost {
         let uid = uid.to_owned();
         tokio::spawn(async move {
             // One at a time per session: the next is layered on this one.
-            if let Some(mut previous) = previous {
-                let _ = previous.done.wait_for(|d| *d).await;
-            }
+            // Taken in turn order (the VMM layers each on the one it took last), but stored
+            // after the one before only: the next turn need not wait for that one's writing.
+            let below_stored: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> =
+                match previous {
+                    Some(previous) => {
+                        wait_until(previous.running_again, || false).await;
+                        let mut done = previous.done;
+                        Box::pin(async move {
+                            let _ = done.wait_for(|d| *d).await;
+                        })
+                    }
+                    None => Box::pin(std::future::ready(())),
+                };
             let (tx, rx) = tokio::sync::oneshot::channel();
             let running = tokio::spawn(async move {
                 let _ = rx.await;
                 let _ = running_tx.send(true);
             });
-            let taken = runtime.checkpoint_turn(&incarnation, tx).await;
+            let cues = crate::runtime::CheckpointCues {
+                running_again: tx,
+                below_stored,
+            };
+            let taken = runtime.checkpoint_turn(&incarnation, cues).await;
             let _ = running.await;
             let recorded = match taken {
                 Ok(Some(taken)) => {
@@ -286,12 +300,7 @@ impl SessionHost {
     ) -> Result<SnapshotRef, Status> {
         let rows = self.checkpoints_of(uid)?;
         if let Some(row) = rows.iter().find(|r| r.seq == seq) {
-            return Ok(SnapshotRef {
-                local: uid.to_owned(),
-                external_uri: row.snapshot.clone(),
-                memory: true,
-                sealed: false,
-            });
+            return Ok(as_ref(uid, row));
         }
         let before = rows.iter().rev().find(|r| r.seq < seq).map(|r| r.seq);
         let after = rows.iter().find(|r| r.seq > seq).map(|r| r.seq);
@@ -308,6 +317,65 @@ impl SessionHost {
         )))
     }
 
+    /// In a fleet, a suspended session's checkpoints go to the fleet's snapshot store
+    /// (oldest first, each a layer on the one before, as its suspends' snapshots go), and
+    /// their records name the archives from then on: any node can then fork it at a past
+    /// turn. Nothing is lost if this fails: the records keep naming this node's copies.
+    pub(super) async fn publish_checkpoints(&self, uid: &str, runtime: &Arc<dyn Runtime>) {
+        let Ok(rows) = self.journal.checkpoints(uid) else {
+            return;
+        };
+        let mut published = Vec::new();
+        for row in &rows {
+            let snapshot = as_ref(uid, row);
+            if runtime.is_published(&snapshot) {
+                continue;
+            }
+            match runtime.publish_checkpoint(&snapshot).await {
+                Ok(Some(uri)) => published.push((row.snapshot.clone(), uri, row.clone())),
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::warn!(session = %uid, seq = row.seq, error = %e,
+                        "a checkpoint was not published to the fleet; it and later ones stay this node's");
+                    break;
+                }
+            }
+        }
+        if published.is_empty() {
+            return;
+        }
+        let (journal, lock, session) = (
+            self.journal.clone(),
+            self.turn_checkpoints.retaining.clone(),
+            uid.to_owned(),
+        );
+        let n = published.len();
+        let recorded = tokio::task::spawn_blocking(move || {
+            // Against a fold that ran meanwhile: only records still naming what was sent.
+            let _one = lock.lock().unwrap_or_else(|p| p.into_inner());
+            let now = journal.checkpoints(&session)?;
+            let replace: Vec<CheckpointRow> = published
+                .into_iter()
+                .filter(|(local, _, row)| {
+                    now.iter().any(|r| r.seq == row.seq && &r.snapshot == local)
+                })
+                .map(|(_, uri, row)| CheckpointRow {
+                    snapshot: uri,
+                    ..row
+                })
+                .collect();
+            journal.retain_checkpoints(&session, &[], &replace)
+        })
+        .await;
+        match recorded {
+            Ok(Ok(())) => tracing::info!(session = %uid, checkpoints = n,
+                "checkpoints published to the fleet's snapshot store"),
+            Ok(Err(e)) => tracing::warn!(session = %uid, error = %e,
+                "published checkpoints not recorded; their records name this node's copies"),
+            Err(e) => tracing::warn!(session = %uid, error = %e, "recording published checkpoints"),
+        }
+    }
+
     /// Drops what no record names of `uid`'s checkpoints (a crash between the store and the
     /// journal), and records that name what is gone.
     pub(super) fn sweep_checkpoints(&self, uid: &str, runtime: &Arc<dyn Runtime>) {
@@ -318,7 +386,7 @@ impl SessionHost {
             return;
         };
         // Published to the fleet's store, a record names an archive, not this node's copy.
-        if rows.iter().any(|r| !r.snapshot.starts_with("file://")) {
+        if rows.iter().any(|r| runtime.is_published(&as_ref(uid, r))) {
             return;
         }
         let held = runtime.checkpoints_held(uid);
@@ -329,7 +397,6 @@ impl SessionHost {
         }
         let gone: Vec<i64> = rows
             .iter()
-            .filter(|r| r.snapshot.starts_with("file://"))
             .filter(|r| !held.iter().any(|h| h.external_uri == r.snapshot))
             .map(|r| r.seq)
             .collect();
@@ -338,6 +405,16 @@ impl SessionHost {
         {
             tracing::warn!(session = %uid, error = %e, "could not forget missing checkpoints");
         }
+    }
+}
+
+/// What `uid`'s checkpoint record `row` names, as a snapshot.
+fn as_ref(uid: &str, row: &CheckpointRow) -> SnapshotRef {
+    SnapshotRef {
+        local: uid.to_owned(),
+        external_uri: row.snapshot.clone(),
+        memory: true,
+        sealed: false,
     }
 }
 
@@ -389,12 +466,14 @@ fn retain(
         let Some(next) = next else {
             return Ok(());
         };
-        let as_ref = |r: &CheckpointRow| SnapshotRef {
-            local: uid.to_owned(),
-            external_uri: r.snapshot.clone(),
-            memory: true,
-            sealed: false,
-        };
+        let as_ref = |r: &CheckpointRow| as_ref(uid, r);
+        // Published, a checkpoint may be what later archives are layered on (and this
+        // node may hold no copy): its record goes, its archive stays with its session's.
+        if runtime.is_published(&as_ref(dropped)) {
+            journal.retain_checkpoints(uid, &[dropped.seq], &[])?;
+            runtime.discard_checkpoint(&as_ref(dropped));
+            continue;
+        }
         let merged = match runtime.merge_checkpoints(uid, &as_ref(dropped), &as_ref(next)) {
             Ok(Some(merged)) => merged,
             Ok(None) => return Ok(()),

@@ -735,11 +735,15 @@ impl SessionHost {
             return self.view(uid);
         }
         self.admit_disk("a suspend (its snapshot)")?;
+        let runtime = self.live_get(uid).map(|(_, runtime)| runtime);
         let (snapshot, intent) = self.checkpoint(uid).await?;
         self.suspend_at_head(uid, "", Some(snapshot.clone()))?;
         crash_point::reached(crash_point::SUSPEND_RECORDED);
         drop(intent);
         self.superseded(uid, &snapshot).await;
+        if let Some(runtime) = runtime {
+            self.publish_checkpoints(uid, &runtime).await;
+        }
         // Nothing runs here any more: any node of a fleet may take it at its next call.
         if let Err(e) = self.journal.release(uid) {
             tracing::warn!(session = %uid, error = %e, "the suspended session stays held here");

@@ -3,8 +3,8 @@
 use crate::config::VmConfig;
 use crate::error::ApiError;
 use crate::types::{
-    RestoreConfig, VmCheckpointConfig, VmCheckpointReport, VmCounters, VmEgressAllow, VmForkConfig,
-    VmInfo, VmSnapshotConfig, VmmPingResponse, VmmRamDir,
+    RestoreConfig, VmCheckpointConfig, VmCheckpointReport, VmCheckpointWait, VmCounters,
+    VmEgressAllow, VmForkConfig, VmInfo, VmSnapshotConfig, VmmPingResponse, VmmRamDir,
 };
 
 /// The VMM behind the API.
@@ -61,8 +61,9 @@ pub trait VmmBackend: Send + Sync + 'static {
         ))
     }
 
-    /// `PUT vm.checkpoint-wait` (extension): no VM → 404; no checkpoint being written → 404.
-    fn checkpoint_wait(&self) -> Result<VmCheckpointReport, ApiError> {
+    /// `PUT vm.checkpoint-wait` (extension): no VM → 404; no such checkpoint taken → 404.
+    /// Runs beside other calls (it only waits): it must not hold up the VM while it does.
+    fn checkpoint_wait(&self, _request: VmCheckpointWait) -> Result<VmCheckpointReport, ApiError> {
         Err(ApiError::new(
             501,
             "vm.checkpoint-wait is not supported by this VMM",

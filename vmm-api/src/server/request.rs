@@ -147,8 +147,12 @@ impl Dispatcher {
 
     /// Runs `call` on a blocking thread once every earlier call has finished. The lock guard
     /// travels with the call, so a client hanging up mid-call cannot let the next one overlap.
+    /// A call that runs `beside_others` takes no turn.
     async fn run(self: &Arc<Self>, route: &Route, call: routes::Call) -> Result<Reply, ApiError> {
-        let guard = Arc::clone(&self.calls).lock_owned().await;
+        let guard = match route.beside_others {
+            true => None,
+            false => Some(Arc::clone(&self.calls).lock_owned().await),
+        };
         let this = Arc::clone(self);
         let stops_server = route.stops_server;
         let span = tracing::Span::current();

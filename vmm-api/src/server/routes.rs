@@ -57,6 +57,8 @@ pub(super) enum BodyRule {
     Forbidden,
     /// A missing or empty body is a 400.
     Required,
+    /// Either.
+    Optional,
 }
 
 pub(super) struct Route {
@@ -67,6 +69,9 @@ pub(super) struct Route {
     pub prepare: fn(&[u8]) -> Result<Call, ApiError>,
     /// Once the call succeeds the server stops: no further call runs, `serve` returns.
     pub stops_server: bool,
+    /// Runs beside the other calls instead of after them: it only waits for something
+    /// another call started, and must not hold up the calls that follow.
+    pub beside_others: bool,
 }
 
 const fn route(
@@ -81,6 +86,7 @@ const fn route(
         body,
         prepare,
         stops_server: false,
+        beside_others: false,
     }
 }
 
@@ -118,12 +124,15 @@ static ROUTES: &[Route] = &[
         BodyRule::Required,
         checkpoint,
     ),
-    route(
-        endpoint::VM_CHECKPOINT_WAIT,
-        Verb::Put,
-        BodyRule::Forbidden,
-        checkpoint_wait,
-    ),
+    Route {
+        beside_others: true,
+        ..route(
+            endpoint::VM_CHECKPOINT_WAIT,
+            Verb::Put,
+            BodyRule::Optional,
+            checkpoint_wait,
+        )
+    },
     route(
         endpoint::VM_EGRESS_ALLOW,
         Verb::Put,
@@ -266,8 +275,15 @@ fn checkpoint(body: &[u8]) -> Result<Call, ApiError> {
     call(move |b| json(&b.checkpoint(config)?))
 }
 
-fn checkpoint_wait(_: &[u8]) -> Result<Call, ApiError> {
-    call(|b| json(&b.checkpoint_wait()?))
+fn checkpoint_wait(body: &[u8]) -> Result<Call, ApiError> {
+    let request: crate::types::VmCheckpointWait = match body.is_empty() {
+        true => Default::default(),
+        false => decode(body, "checkpoint wait")?,
+    };
+    if let Some(dir) = &request.destination_url {
+        url_field("destination_url", dir)?;
+    }
+    call(move |b| json(&b.checkpoint_wait(request)?))
 }
 
 fn egress_allow(body: &[u8]) -> Result<Call, ApiError> {

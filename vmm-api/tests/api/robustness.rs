@@ -1,5 +1,6 @@
 //! Whatever a client sends, the server keeps serving everybody else.
 
+use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -211,4 +212,64 @@ async fn a_panicking_backend_call_is_a_500() {
     // The serialisation lock was released with the panic.
     still_serving(&server).await;
     assert_eq!(put(&server.socket, "vm.delete", None).await.status, 204);
+}
+
+/// `vm.checkpoint-wait` only waits: the calls behind it go on meanwhile, and its optional
+/// body names which checkpoint, checked like every other body.
+#[tokio::test]
+async fn a_checkpoint_wait_runs_beside_other_calls() {
+    let server = TestServer::start().await;
+    let client = server.client();
+    let waiting = {
+        let client = client.clone();
+        tokio::spawn(async move { client.checkpoint_wait(Some(Path::new("/c/1"))).await })
+    };
+    while server
+        .backend
+        .checkpoint_waits
+        .lock()
+        .expect("waits")
+        .is_empty()
+    {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    client
+        .ping()
+        .await
+        .expect("a ping while a wait is under way");
+    client
+        .create(&TestServer::config())
+        .await
+        .expect("create too");
+    assert!(!waiting.is_finished());
+    server
+        .backend
+        .checkpoint_written
+        .store(true, Ordering::SeqCst);
+    let report = waiting.await.expect("task").expect("the wait");
+    assert!(report.durable);
+    client.checkpoint_wait(None).await.expect("without a body");
+    assert_eq!(
+        server
+            .backend
+            .checkpoint_waits
+            .lock()
+            .expect("waits")
+            .as_slice(),
+        [Some("file:///c/1".to_owned()), None]
+    );
+    for (body, names) in [
+        (&b"{"[..], "checkpoint wait"),
+        (b"{\"dir\": 1}", "dir"),
+        (b"{\"destination_url\": \"http://x/y\"}", "destination_url"),
+    ] {
+        let m = put(&server.socket, "vm.checkpoint-wait", Some(body))
+            .await
+            .error(400);
+        assert!(m.join(" ").contains(names), "{names}: {m:?}");
+    }
+    assert_eq!(
+        server.backend.checkpoint_waits.lock().expect("waits").len(),
+        2
+    );
 }

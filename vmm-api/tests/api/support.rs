@@ -9,7 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use agentvm_vmm_api::types::{
-    DeviceNode, RestoreConfig, VmEgressAllow, VmForkConfig, VmSnapshotConfig,
+    DeviceNode, RestoreConfig, VmCheckpointReport, VmCheckpointWait, VmEgressAllow, VmForkConfig,
+    VmSnapshotConfig,
 };
 use agentvm_vmm_api::{
     ApiError, ServerConfig, VmConfig, VmCounters, VmInfo, VmState, VmmBackend, VmmClient,
@@ -47,6 +48,10 @@ pub struct FakeBackend {
     /// The next `counters` call panics.
     pub panic_on_counters: AtomicBool,
     pub vmm_shut_down: AtomicBool,
+    /// `vm.checkpoint-wait` answers only once this is set (bounded by [`WAIT`]), with the
+    /// destination it was asked for in the report's place.
+    pub checkpoint_written: AtomicBool,
+    pub checkpoint_waits: Mutex<Vec<Option<String>>>,
 }
 
 struct InCall<'a>(&'a FakeBackend);
@@ -189,6 +194,25 @@ impl VmmBackend for FakeBackend {
             )])),
             _ => Err(ApiError::internal("VmNotRunning")),
         }
+    }
+
+    fn checkpoint_wait(&self, request: VmCheckpointWait) -> Result<VmCheckpointReport, ApiError> {
+        // Not `enter`: it runs beside the other calls.
+        self.checkpoint_waits
+            .lock()
+            .expect("waits")
+            .push(request.destination_url);
+        let deadline = std::time::Instant::now() + WAIT;
+        while !self.checkpoint_written.load(Ordering::SeqCst) {
+            if std::time::Instant::now() > deadline {
+                return Err(ApiError::internal("never written"));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Ok(VmCheckpointReport {
+            durable: true,
+            ..Default::default()
+        })
     }
 
     fn snapshot(&self, _: VmSnapshotConfig) -> Result<(), ApiError> {

@@ -15,6 +15,11 @@
 //! - The vsock streams stay open (the daemon keeps talking to the guest); the saved state
 //!   says so, and a VM restored from it tells the guest its streams are gone.
 //!
+//! Checkpoints are pipelined: the next one may be taken while the files of the one before
+//! are still being synced and hashed (its writer waits for them only to name its base in
+//! its manifest), and waiting for one to be durable holds up neither the VM nor the API.
+//! A next turn that follows its predecessor closely thus waits only for its own pause.
+//!
 //! The first checkpoint of a VM has no previous one: a booted VM's RAM file becomes its
 //! memory (linked, not copied, as `vm.fork` does), a restored VM's is a layer of what it
 //! changed since it was restored, over the snapshot it runs from. So is every
@@ -26,6 +31,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use agentvm_snapshot::Snapshot;
@@ -44,12 +50,89 @@ use crate::kvm::memory::{Backing, GuestRam};
 /// Layers a VM's checkpoints stack on one another before one starts a new chain.
 pub const CHECKPOINT_DEPTH: u32 = 32;
 
-/// The VM's last checkpoint, which the next one is layered on.
-#[derive(Debug, Clone)]
-pub(super) struct LastCheckpoint {
-    base: BaseRef,
-    /// Layers from the start of this run of checkpoints up to it.
-    depth: u32,
+/// Checkpoints kept track of after they are written, newest last: `vm.checkpoint-wait`
+/// may ask for one a little after the next was taken.
+const REMEMBERED: usize = 8;
+
+/// What a checkpoint is layered on, as known when it is captured.
+enum Base {
+    /// Nothing: the first of a chain, over a booted VM's RAM.
+    None,
+    Known(BaseRef),
+    /// The previous checkpoint, whose files are still being written: its writer's outcome
+    /// names it. `moved_to`: where it lives after it was moved (see `vm.checkpoint`).
+    After {
+        writing: Arc<Writing>,
+        moved_to: Option<PathBuf>,
+    },
+}
+
+impl Base {
+    /// The base to name in the manifest, waiting for the previous checkpoint if need be.
+    fn resolve(self) -> Result<Option<BaseRef>, PersistError> {
+        match self {
+            Base::None => Ok(None),
+            Base::Known(base) => Ok(Some(base)),
+            Base::After { writing, moved_to } => {
+                let written = writing.wait().map_err(|e| {
+                    PersistError::Mismatch(format!("the checkpoint below was not written: {e}"))
+                })?;
+                Ok(Some(match moved_to {
+                    Some(dir) => moved_base(&dir, written.base),
+                    None => written.base,
+                }))
+            }
+        }
+    }
+}
+
+/// The base of a checkpoint moved to `dir`: its manifest there if this VMM can read it
+/// (else the caller re-points the layer it gets).
+fn moved_base(dir: &Path, written: BaseRef) -> BaseRef {
+    match Snapshot::open(dir) {
+        Ok(moved) => moved.base_ref(),
+        Err(_) => BaseRef {
+            dir: dir.to_owned(),
+            ..written
+        },
+    }
+}
+
+/// The outcome of a checkpoint's writing thread, shared with whoever waits for it.
+#[derive(Default)]
+pub(super) struct Writing {
+    outcome: Mutex<Option<Result<Written, String>>>,
+    done: Condvar,
+}
+
+impl Writing {
+    fn failed(why: String) -> Arc<Self> {
+        let writing = Arc::new(Self::default());
+        writing.finish(Err(why));
+        writing
+    }
+
+    fn finish(&self, outcome: Result<Written, String>) {
+        *self.outcome.lock().unwrap_or_else(|p| p.into_inner()) = Some(outcome);
+        self.done.notify_all();
+    }
+
+    fn finished(&self) -> Option<Result<Written, String>> {
+        self.outcome
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn wait(&self) -> Result<Written, String> {
+        let mut outcome = self.outcome.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(outcome) = outcome.as_ref() {
+                return outcome.clone();
+            }
+            outcome = self.done.wait(outcome).unwrap_or_else(|p| p.into_inner());
+        }
+    }
 }
 
 /// What was taken while the VM was paused, to be finished once it runs again.
@@ -59,7 +142,7 @@ struct Captured {
     /// Per writable disk (by index): its layer of the blocks written since the last
     /// checkpoint, or `None` where the disk was copied into the directory while paused.
     disks: Vec<(usize, Option<LayerFile>)>,
-    base: Option<BaseRef>,
+    base: Base,
 }
 
 /// How a checkpoint is taken (see the module comment).
@@ -214,17 +297,44 @@ enum Memory {
     Written { digest: String, pages: u64 },
 }
 
-/// A checkpoint whose files are still being written, by a thread of its own.
-pub(super) struct PendingCheckpoint {
+/// A checkpoint taken: its files written by a thread of its own, or being.
+pub(super) struct TakenCheckpoint {
     dir: PathBuf,
     report: VmCheckpointReport,
     started: Instant,
+    /// Layers from the start of its run of checkpoints up to it.
     depth: u32,
-    writing: std::thread::JoinHandle<Result<Written, PersistError>>,
+    writing: Arc<Writing>,
+}
+
+/// Waits for one checkpoint to be durable, without holding the VM.
+pub struct CheckpointWaiter {
+    dir: PathBuf,
+    report: VmCheckpointReport,
+    started: Instant,
+    writing: Arc<Writing>,
+}
+
+impl CheckpointWaiter {
+    /// The checkpoint's final report once its files and manifest are synced.
+    pub fn wait(self) -> Result<VmCheckpointReport, PersistError> {
+        let written = self.writing.wait().map_err(PersistError::Mismatch)?;
+        let report = VmCheckpointReport {
+            memory_pages: written.memory_pages,
+            disk_blocks: written.disk_blocks,
+            elapsed_us: micros(self.started.elapsed()),
+            chain_depth: written.chain_depth,
+            durable: true,
+            ..self.report
+        };
+        tracing::info!(?report, dir = %self.dir.display(), "checkpoint written");
+        Ok(report)
+    }
 }
 
 /// What the writing thread produced.
-struct Written {
+#[derive(Clone)]
+pub(super) struct Written {
     base: BaseRef,
     memory_pages: u64,
     disk_blocks: u64,
@@ -234,7 +344,7 @@ struct Written {
 impl Vm {
     /// Takes a checkpoint of this running VM into `dir` (existing, without a snapshot) and
     /// leaves it running; returns once the VM runs again, with the files still being
-    /// written ([`Self::checkpoint_wait`] waits for them). See the module comment.
+    /// written ([`Self::checkpoint_waiter`] waits for them). See the module comment.
     pub fn checkpoint(
         &mut self,
         dir: &Path,
@@ -242,61 +352,34 @@ impl Vm {
         config_json: &[u8],
     ) -> Result<VmCheckpointReport, PersistError> {
         let started = Instant::now();
-        if let Some(Err(e)) = self.finish_checkpoint() {
-            tracing::warn!(error = %e, "the previous checkpoint was not written; this one starts afresh");
-        }
         // Before the pause: turning the log on changes the memory slots, which may wait
         // out a grace period in KVM.
         self.kvm
             .log_dirty_pages(&self.ram)
             .map_err(|e| PersistError::Mismatch(format!("dirty page logging: {e}")))?;
         let mut writer = SnapshotWriter::create(dir, true)?;
-        let previous = self
-            .last_checkpoint
-            .clone()
-            .filter(|last| last.depth < CHECKPOINT_DEPTH)
-            .and_then(|last| match moved_to {
-                // Moved by whoever keeps it: its manifest there, if this VMM can read it
-                // (else the caller re-points the layer it gets).
-                Some(dir) => Some(LastCheckpoint {
-                    base: match Snapshot::open(dir) {
-                        Ok(moved) => moved.base_ref(),
-                        Err(_) => BaseRef {
-                            dir: dir.to_owned(),
-                            ..last.base
-                        },
-                    },
-                    depth: last.depth,
-                }),
-                None => still_there(&last.base).then_some(last),
-            });
+        let (previous, depth) = self.previous_checkpoint(moved_to);
         let how = match (&previous, self.ram.backing()) {
-            (Some(_), _) => How::Layer,
-            (None, Backing::Private { .. }) => How::SinceRestore,
-            (None, Backing::Own) => How::Freeze,
+            (Base::Known(_) | Base::After { .. }, _) => How::Layer,
+            (Base::None, Backing::Private { .. }) => How::SinceRestore,
+            (Base::None, Backing::Own) => How::Freeze,
         };
-        // From here the logs are being consumed: until this checkpoint is written, the next
-        // has nothing to layer on (one that failed half-way would lose pages for it).
-        self.last_checkpoint = None;
-        let precopy_at = Instant::now();
-        let staged = self.precopy(dir, how)?;
-        let precopied = precopy_at.elapsed();
-        let paused_at = Instant::now();
-        self.pause()
-            .map_err(|e| PersistError::Mismatch(format!("pausing for the checkpoint: {e}")))?;
-        let captured = self.capture(&mut writer, dir, how, staged, previous.as_ref());
-        let (captured, paused) = match captured {
-            Ok((captured, resumed_at)) => {
-                let paused = resumed_at.unwrap_or_else(Instant::now) - paused_at;
-                (Ok(captured), paused)
+        let taken = self.capture_running(&mut writer, dir, how, previous);
+        let (captured, precopied, paused) = match taken {
+            Ok(taken) => taken,
+            Err(e) => {
+                // The logs may be consumed: the next checkpoint cannot be layered on this
+                // one's predecessor (it would miss pages), so it starts afresh.
+                self.remember_checkpoint(TakenCheckpoint {
+                    dir: dir.to_owned(),
+                    report: VmCheckpointReport::default(),
+                    started,
+                    depth,
+                    writing: Writing::failed(e.to_string()),
+                });
+                return Err(e);
             }
-            Err(e) => (Err(e), paused_at.elapsed()),
         };
-        if !self.running() {
-            self.resume()
-                .map_err(|e| PersistError::Mismatch(format!("resuming after a checkpoint: {e}")))?;
-        }
-        let captured = captured?;
         let report = VmCheckpointReport {
             memory_pages: captured.memory.pages(),
             disk_blocks: captured
@@ -308,7 +391,7 @@ impl Vm {
             paused_us: micros(paused),
             precopy_us: micros(precopied),
             elapsed_us: micros(started.elapsed()),
-            incremental: previous.is_some(),
+            incremental: how == How::Layer,
             chain_depth: 0,
             durable: false,
         };
@@ -317,54 +400,110 @@ impl Vm {
             config_json: config_json.to_vec(),
             memory_size: self.ram.size(),
         };
-        let writing = std::thread::Builder::new()
+        let writing = Arc::new(Writing::default());
+        let outcome = Arc::clone(&writing);
+        std::thread::Builder::new()
             .name("checkpoint".into())
-            .spawn(move || write_captured(writer, target, captured))
+            .spawn(move || {
+                outcome.finish(write_captured(writer, target, captured).map_err(|e| e.to_string()))
+            })
             .map_err(|source| PersistError::DiskCopy {
                 path: dir.to_owned(),
                 source,
             })?;
-        self.pending_checkpoint = Some(PendingCheckpoint {
+        self.remember_checkpoint(TakenCheckpoint {
             dir: dir.to_owned(),
             report: report.clone(),
             started,
-            depth: previous.as_ref().map_or(1, |last| last.depth + 1),
+            depth,
             writing,
         });
         Ok(report)
     }
 
-    /// Waits until the last checkpoint is written and durable; returns its report. `None`
-    /// if none was being written.
-    pub fn checkpoint_wait(&mut self) -> Option<Result<VmCheckpointReport, PersistError>> {
-        self.finish_checkpoint()
+    /// What the next checkpoint is layered on, and its depth in its run of checkpoints:
+    /// the last one, unless that failed, ended a run, or is no longer where it was.
+    fn previous_checkpoint(&self, moved_to: Option<&Path>) -> (Base, u32) {
+        let Some(last) = self
+            .checkpoints
+            .back()
+            .filter(|last| last.depth < CHECKPOINT_DEPTH)
+        else {
+            return (Base::None, 1);
+        };
+        let layered = |base| (base, last.depth + 1);
+        match last.writing.finished() {
+            None => layered(Base::After {
+                writing: Arc::clone(&last.writing),
+                moved_to: moved_to.map(Path::to_owned),
+            }),
+            Some(Err(_)) => (Base::None, 1),
+            Some(Ok(written)) => match moved_to {
+                Some(dir) => layered(Base::Known(moved_base(dir, written.base))),
+                None if still_there(&written.base) => layered(Base::Known(written.base)),
+                None => (Base::None, 1),
+            },
+        }
     }
 
-    /// Waits for the checkpoint being written, if any, and makes it what the next one
-    /// layers on. Every other save waits for it too: one snapshot at a time.
-    pub(super) fn finish_checkpoint(&mut self) -> Option<Result<VmCheckpointReport, PersistError>> {
-        let pending = self.pending_checkpoint.take()?;
-        let written = pending.writing.join().unwrap_or_else(|_| {
-            Err(PersistError::Mismatch(
-                "the checkpoint's writer panicked".into(),
-            ))
-        });
-        Some(written.map(|written| {
-            self.last_checkpoint = Some(LastCheckpoint {
-                base: written.base,
-                depth: pending.depth,
-            });
-            let report = VmCheckpointReport {
-                memory_pages: written.memory_pages,
-                disk_blocks: written.disk_blocks,
-                elapsed_us: micros(pending.started.elapsed()),
-                chain_depth: written.chain_depth,
-                durable: true,
-                ..pending.report
-            };
-            tracing::info!(?report, dir = %pending.dir.display(), "checkpoint written");
-            report
-        }))
+    /// The pre-copy and the pause: returns what was captured, how long the pre-copy took
+    /// and how long the VM was paused. The VM runs again whatever happened.
+    fn capture_running(
+        &mut self,
+        writer: &mut SnapshotWriter,
+        dir: &Path,
+        how: How,
+        previous: Base,
+    ) -> Result<(Captured, Duration, Duration), PersistError> {
+        let precopy_at = Instant::now();
+        let staged = self.precopy(dir, how)?;
+        let precopied = precopy_at.elapsed();
+        let paused_at = Instant::now();
+        self.pause()
+            .map_err(|e| PersistError::Mismatch(format!("pausing for the checkpoint: {e}")))?;
+        let captured = self.capture(writer, dir, how, staged, previous);
+        let paused = match &captured {
+            Ok((_, resumed_at)) => resumed_at.unwrap_or_else(Instant::now) - paused_at,
+            Err(_) => paused_at.elapsed(),
+        };
+        if !self.running() {
+            self.resume()
+                .map_err(|e| PersistError::Mismatch(format!("resuming after a checkpoint: {e}")))?;
+        }
+        let (captured, _) = captured?;
+        Ok((captured, precopied, paused))
+    }
+
+    fn remember_checkpoint(&mut self, taken: TakenCheckpoint) {
+        self.checkpoints.push_back(taken);
+        while self.checkpoints.len() > REMEMBERED {
+            self.checkpoints.pop_front();
+        }
+    }
+
+    /// A waiter for the checkpoint written into `dir` (the newest if `None`); `None` if
+    /// there is none such.
+    pub fn checkpoint_waiter(&self, dir: Option<&Path>) -> Option<CheckpointWaiter> {
+        let taken = match dir {
+            Some(dir) => self.checkpoints.iter().rev().find(|c| c.dir == dir)?,
+            None => self.checkpoints.back()?,
+        };
+        Some(CheckpointWaiter {
+            dir: taken.dir.clone(),
+            report: taken.report.clone(),
+            started: taken.started,
+            writing: Arc::clone(&taken.writing),
+        })
+    }
+
+    /// Waits until every checkpoint being written is; returns the newest's outcome, if any
+    /// was taken. Every other save waits for them: one snapshot at a time.
+    pub(super) fn settle_checkpoints(&self) -> Option<Result<VmCheckpointReport, PersistError>> {
+        let newest = self.checkpoint_waiter(None)?;
+        for taken in &self.checkpoints {
+            let _ = taken.writing.wait();
+        }
+        Some(newest.wait())
     }
 
     /// What can be copied while the VM still runs (a pre-copy): the pages and blocks
@@ -460,7 +599,7 @@ impl Vm {
         dir: &Path,
         how: How,
         mut staged: Staged,
-        previous: Option<&LastCheckpoint>,
+        previous: Base,
     ) -> Result<(Captured, Option<Instant>), PersistError> {
         let mut state = self.save_state()?;
         state.streams_live = true;
@@ -481,10 +620,10 @@ impl Vm {
                     self.copied_disks()
                 };
                 let base = match how {
-                    How::Layer => previous.map(|last| last.base.clone()),
+                    How::Layer => previous,
                     _ => match self.ram.backing() {
-                        Backing::Private { top } => Some(Snapshot::open(top)?.base_ref()),
-                        Backing::Own => None,
+                        Backing::Private { top } => Base::Known(Snapshot::open(top)?.base_ref()),
+                        Backing::Own => Base::None,
                     },
                 };
                 let memory = staged
@@ -515,7 +654,7 @@ impl Vm {
                     state,
                     memory: Memory::Written { digest, pages },
                     disks: self.copied_disks(),
-                    base: None,
+                    base: Base::None,
                 }
             }
         };
@@ -592,12 +731,14 @@ fn write_captured(
             writer.add_memory_file(&name, DigestKind::LayerPages, digest)?;
         }
     }
+    // Last: the checkpoint below may still be being written.
+    let base = captured.base.resolve()?;
     writer.finish(
         HostIdentity::current(Flavour::detect().name()),
         env!("CARGO_PKG_VERSION"),
         MemoryLayout {
             size: target.memory_size,
-            base: captured.base,
+            base,
         },
     )?;
     let snapshot = Snapshot::open(dir)?;

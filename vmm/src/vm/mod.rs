@@ -190,10 +190,8 @@ pub struct Vm {
     booted: Instant,
     /// The MSRs a snapshot saves, probed on first use.
     msrs: std::sync::OnceLock<Vec<u32>>,
-    /// What the next checkpoint is layered on.
-    last_checkpoint: Option<checkpoint::LastCheckpoint>,
-    /// The checkpoint whose files are being written.
-    pending_checkpoint: Option<checkpoint::PendingCheckpoint>,
+    /// The last checkpoints taken, newest last: the next is layered on the newest.
+    checkpoints: std::collections::VecDeque<checkpoint::TakenCheckpoint>,
 }
 
 /// What a VM is built from before KVM is involved.
@@ -385,8 +383,7 @@ impl Vm {
             ram,
             booted: started,
             msrs: std::sync::OnceLock::new(),
-            last_checkpoint: None,
-            pending_checkpoint: None,
+            checkpoints: std::collections::VecDeque::new(),
         })
     }
 

@@ -210,7 +210,7 @@ impl Vm {
         resume_when_frozen: bool,
     ) -> Result<SaveReport, PersistError> {
         let started = Instant::now();
-        if let Some(Err(e)) = self.finish_checkpoint() {
+        if let Some(Err(e)) = self.settle_checkpoints() {
             tracing::warn!(error = %e, "the last checkpoint was not written");
         }
         let mut writer = SnapshotWriter::create(dir, kind == SaveKind::Snapshot)?;

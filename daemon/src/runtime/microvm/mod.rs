@@ -1726,9 +1726,9 @@ impl Runtime for MicrovmRuntime {
     async fn checkpoint_turn(
         &self,
         incarnation: &Incarnation,
-        running_again: tokio::sync::oneshot::Sender<()>,
+        cues: crate::runtime::CheckpointCues,
     ) -> Result<Option<crate::runtime::TurnCheckpoint>> {
-        self.take_turn_checkpoint(incarnation, running_again).await
+        self.take_turn_checkpoint(incarnation, cues).await
     }
 
     fn discard_checkpoint(&self, snapshot: &SnapshotRef) -> bool {
@@ -1759,6 +1759,17 @@ impl Runtime for MicrovmRuntime {
         upper: &SnapshotRef,
     ) -> Result<Option<crate::runtime::TurnCheckpoint>> {
         self.merge_turn_checkpoints(session_uid, lower, upper)
+    }
+
+    fn is_published(&self, snapshot: &SnapshotRef) -> bool {
+        self.config
+            .snapshot_remote
+            .as_ref()
+            .is_some_and(|remote| remote.archive_of(&snapshot.external_uri).is_some())
+    }
+
+    async fn publish_checkpoint(&self, snapshot: &SnapshotRef) -> Result<Option<String>> {
+        self.publish_turn_checkpoint(snapshot).await
     }
 
     async fn dial(&self, incarnation: &Incarnation) -> Result<Arc<dyn HarnessEndpoint>> {

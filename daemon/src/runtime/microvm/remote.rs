@@ -118,7 +118,9 @@ fn whole_id(short: &str, session: &str) -> String {
 impl Archive {
     /// The session whose directory holds the archive.
     pub fn session(&self) -> &str {
-        super::snapshot_owner(&self.id).unwrap_or(NO_SESSION)
+        super::snapshot_owner(&self.id)
+            .or_else(|| super::turn_checkpoints::checkpoint_owner(&self.id))
+            .unwrap_or(NO_SESSION)
     }
 
     /// Its name in its session's directory: `EPOCH-N`, and the base's id after

@@ -16,7 +16,7 @@ use agentvm_proto::v1::SnapshotRef;
 use agentvm_snapshot::Snapshot;
 
 use super::{MicrovmRuntime, failed, lock, prepare_outbox};
-use crate::runtime::{Incarnation, Result, TurnCheckpoint};
+use crate::runtime::{CheckpointCues, Incarnation, Result, Runtime, TurnCheckpoint};
 
 /// Store ids of checkpoints start with this (`ckpt.SESSION-EPOCH-N`): they are the session's
 /// but are not the snapshots a suspend or fork takes (which the session's other sweeps
@@ -45,13 +45,21 @@ impl LastCheckpoints {
     fn set(&self, session: &str, id: String) {
         lock(&self.0).insert(session.to_owned(), id);
     }
+
+    /// Forgets `id` as `session`'s last, unless a later one took its place.
+    fn forget_if(&self, session: &str, id: &str) {
+        let mut last = lock(&self.0);
+        if last.get(session).is_some_and(|last| last == id) {
+            last.remove(session);
+        }
+    }
 }
 
 impl MicrovmRuntime {
     pub(super) async fn take_turn_checkpoint(
         &self,
         incarnation: &Incarnation,
-        running_again: tokio::sync::oneshot::Sender<()>,
+        cues: CheckpointCues,
     ) -> Result<Option<TurnCheckpoint>> {
         let session = &incarnation.id;
         let dir = self.vmm_dir(session);
@@ -63,10 +71,9 @@ impl MicrovmRuntime {
             return Err(failed(session, format!("its VMM {why}: no checkpoint")));
         }
         let id = format!("{CHECKPOINT_PREFIX}{}", self.new_snapshot_id(session));
-        let base = self
-            .last_checkpoints
-            .get(session)
-            .filter(|base| self.store.dir(base).is_ok_and(|d| d.is_dir()));
+        // The last one may still be being written (and not yet in the store): the VMM layers
+        // this one on it where the store will keep it, and it is stored after it.
+        let base = self.last_checkpoints.get(session);
         // A first checkpoint may be the VM's RAM file, which must stay in the RAM directory.
         let outbox = match &base {
             Some(_) => dir.checkpoint_outbox(&id),
@@ -87,20 +94,25 @@ impl MicrovmRuntime {
             None => None,
         };
         let taken = client.checkpoint(&outbox, base_dir.as_deref()).await;
-        let _ = running_again.send(());
+        let _ = cues.running_again.send(());
+        let given_up = |why: String| {
+            let _ = std::fs::remove_dir_all(&outbox);
+            self.last_checkpoints.forget_if(session, &id);
+            Err(failed(session, why))
+        };
         let taken = match taken {
             Ok(taken) => taken,
             Err(e) => {
-                let _ = std::fs::remove_dir_all(&outbox);
-                return Err(failed(session, format!("vm.checkpoint: {e}")));
+                self.last_checkpoints.forget(session);
+                return given_up(format!("vm.checkpoint: {e}"));
             }
         };
-        let report = match client.checkpoint_wait().await {
+        // The next is layered on this one from now on, even before it is stored.
+        self.last_checkpoints.set(session, id.clone());
+        cues.below_stored.await;
+        let report = match client.checkpoint_wait(Some(&outbox)).await {
             Ok(report) => report,
-            Err(e) => {
-                let _ = std::fs::remove_dir_all(&outbox);
-                return Err(failed(session, format!("vm.checkpoint-wait: {e}")));
-            }
+            Err(e) => return given_up(format!("vm.checkpoint-wait: {e}")),
         };
         let (store, outbox_in) = (self.store.clone(), outbox.clone());
         let (layer_on, id_in) = (base.clone().filter(|_| report.incremental), id.clone());
@@ -125,20 +137,14 @@ impl MicrovmRuntime {
         })?;
         let target = match target {
             Ok(target) => target,
-            Err(e) => {
-                let _ = std::fs::remove_dir_all(&outbox);
-                return Err(failed(
-                    session,
-                    format!("taking the checkpoint into the store: {e}"),
-                ));
-            }
+            // Its base among them, if that was not stored.
+            Err(e) => return given_up(format!("taking the checkpoint into the store: {e}")),
         };
         crate::crash_point::reached(crate::crash_point::CHECKPOINT_STORED);
         let sealed = Snapshot::open(&target).map_err(|e| failed(session, e.to_string()))?;
         // This node's: a turn's checkpoint is not uploaded to the fleet's store at every
         // turn (a fork at a past turn runs where the session is).
         let external_uri = format!("file://{}", target.display());
-        self.last_checkpoints.set(session, id);
         Ok(Some(TurnCheckpoint {
             snapshot: SnapshotRef {
                 local: session.clone(),
@@ -244,6 +250,35 @@ impl MicrovmRuntime {
             disk_blocks: 0,
             incremental: sealed.manifest.memory.base.is_some(),
         }))
+    }
+
+    /// Publishes a checkpoint of this node's store to the fleet's (see
+    /// `Runtime::publish_checkpoint`); `None` without a fleet store or if it is published.
+    pub(super) async fn publish_turn_checkpoint(
+        &self,
+        snapshot: &SnapshotRef,
+    ) -> Result<Option<String>> {
+        if self.config.snapshot_remote.is_none() || Runtime::is_published(self, snapshot) {
+            return Ok(None);
+        }
+        let session = snapshot.local.as_str();
+        let Some(id) = self
+            .local_id(snapshot)
+            .filter(|id| checkpoint_owner(id) == Some(session))
+        else {
+            return Err(failed(
+                session,
+                format!("{} is none of its checkpoints", snapshot.external_uri),
+            ));
+        };
+        let target = self
+            .store
+            .dir(&id)
+            .map_err(|e| failed(session, e.to_string()))?;
+        self.publish(&id, &target)
+            .await
+            .map(Some)
+            .map_err(|e| failed(session, e))
     }
 
     /// Deletes checkpoint `snapshot` from the store; false if a layer or a VM still needs it.
