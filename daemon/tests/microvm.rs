@@ -2457,3 +2457,52 @@ async fn every_session_starts_from_its_image_s_template() {
         "the old template went with its sessions"
     );
 }
+
+/// `[vm] checkpoints` in image.toml sets which turns of the image's sessions stay fork
+/// points; a session's `agentvm.dev/checkpoints` annotation still overrides it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_sets_its_sessions_checkpoint_retention() {
+    require_kvm!();
+    let dir = tempfile::tempdir().unwrap();
+    let images = dir.path().join("images");
+    testguest_bundle_with(&images, "tg-keep2", "checkpoints = \"2\"");
+    let node = bundle_node(images).await;
+    let mut c = node.c();
+    let by_image = create_for(&mut c, "tg-keep2").await;
+    let annotated =
+        support::create_annotated(&mut c, "tg-keep2", &[("agentvm.dev/checkpoints", "off")])
+            .await
+            .unwrap();
+    for n in 1..=4 {
+        assert_eq!(turn(&mut c, &by_image).await, n.to_string());
+        assert_eq!(turn(&mut c, &annotated).await, n.to_string());
+    }
+    let mut node_client =
+        agentvm_proto::node::v1::node_client::NodeClient::new(node.channel().await);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let turns = loop {
+        let kept = node_client
+            .list_checkpoints(agentvm_proto::node::v1::ListCheckpointsRequest {
+                session: by_image.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .checkpoints;
+        let turns: Vec<u64> = kept.iter().map(|c| c.turn).collect();
+        if turns == [3, 4] || std::time::Instant::now() > deadline {
+            break turns;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(turns, [3, 4], "the image keeps the last 2");
+    let none = node_client
+        .list_checkpoints(agentvm_proto::node::v1::ListCheckpointsRequest {
+            session: annotated.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .checkpoints;
+    assert!(none.is_empty(), "the annotation turned them off: {none:?}");
+}

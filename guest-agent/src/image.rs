@@ -148,6 +148,30 @@ pub struct VmConfig {
     /// boot must happen per session, such as one that draws secrets at start).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub cold_boot: bool,
+    /// Which turns of a memory-tier session stay fork points (time travel): `"off"`, `"K"`
+    /// (the last K) or `"K/M"` (and every Mth older one). Unset: the node's setting. A
+    /// session's `agentvm.dev/checkpoints` annotation overrides it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoints: Option<String>,
+}
+
+/// A checkpoint retention (`[vm] checkpoints`, the `agentvm.dev/checkpoints` annotation):
+/// `(keep_last, keep_every)`, `(0, 0)` for `off`; `None` if `value` is none of `off`, `K`
+/// or `K/M`.
+pub fn parse_checkpoint_retention(value: &str) -> Option<(u32, u32)> {
+    if value.trim() == "off" {
+        return Some((0, 0));
+    }
+    let (last, every) = match value.split_once('/') {
+        Some((last, every)) => (last, Some(every)),
+        None => (value, None),
+    };
+    let keep_last = last.trim().parse().ok()?;
+    let keep_every = match every {
+        Some(every) => every.trim().parse().ok()?,
+        None => 0,
+    };
+    Some((keep_last, keep_every))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -210,6 +234,7 @@ impl Default for VmConfig {
             workspace_mount: default_workspace_mount(),
             rootfs: false,
             cold_boot: false,
+            checkpoints: None,
         }
     }
 }
@@ -325,6 +350,14 @@ impl ImageConfig {
         }
         if self.vm.vcpus == 0 {
             return Err(invalid("vm.vcpus", "must be at least 1"));
+        }
+        if let Some(value) = &self.vm.checkpoints
+            && parse_checkpoint_retention(value).is_none()
+        {
+            return Err(invalid(
+                "vm.checkpoints",
+                "must be \"off\", \"K\" or \"K/M\" (numbers of turns)",
+            ));
         }
         if self.vm.memory_mib < 32 {
             return Err(invalid("vm.memory_mib", "must be at least 32"));
@@ -502,6 +535,10 @@ mod tests {
             (
                 "[harness]\ncommand = [\"/e\"]\nresumability = \"STATELESS_REPLAY\"\n[vm]\nvcpus = 0",
                 "vm.vcpus",
+            ),
+            (
+                "[harness]\ncommand = [\"/e\"]\nresumability = \"STATELESS_REPLAY\"\n[vm]\ncheckpoints = \"5/\"",
+                "vm.checkpoints",
             ),
             (
                 "[harness]\ncommand = [\"/e\"]\nresumability = \"STATELESS_REPLAY\"\n[vm]\nmemory_mib = 4",

@@ -267,6 +267,12 @@ pub trait Runtime: Send + Sync {
         Ok(None)
     }
 
+    /// What `harness`'s image says of its sessions' checkpoints (`[vm] checkpoints`), if
+    /// anything: a retention as the `agentvm.dev/checkpoints` annotation spells it.
+    fn checkpoint_retention(&self, _harness: &str) -> Option<String> {
+        None
+    }
+
     /// Whether `snapshot` names an archive in the fleet's snapshot store (published), not
     /// a snapshot of this node's own.
     fn is_published(&self, _snapshot: &SnapshotRef) -> bool {

@@ -59,36 +59,26 @@ impl Default for Retention {
 impl Retention {
     /// Parses an [`ANNOTATION`] value.
     pub fn parse(value: &str) -> Result<Self, String> {
-        let bad = || {
-            format!("annotation {ANNOTATION}: {value:?} is not \"off\", \"K\" or \"K/M\" (numbers)")
-        };
-        if value.trim() == "off" {
-            return Ok(Self {
-                keep_last: 0,
-                keep_every: 0,
-            });
-        }
-        let (last, every) = match value.split_once('/') {
-            Some((last, every)) => (last, Some(every)),
-            None => (value, None),
-        };
-        let keep_last = last.trim().parse().map_err(|_| bad())?;
-        let keep_every = match every {
-            Some(every) => every.trim().parse().map_err(|_| bad())?,
-            None => 0,
-        };
-        Ok(Self {
-            keep_last,
-            keep_every,
-        })
+        agentvm_guest::image::parse_checkpoint_retention(value)
+            .map(|(keep_last, keep_every)| Self {
+                keep_last,
+                keep_every,
+            })
+            .ok_or_else(|| {
+                format!(
+                    "annotation {ANNOTATION}: {value:?} is not \"off\", \"K\" or \"K/M\" (numbers)"
+                )
+            })
     }
 
-    /// This node's retention as a session's annotations change it (a value that does not
-    /// parse was refused when the session was created; here it leaves the node's).
-    pub fn for_session(self, annotations: &BTreeMap<String, String>) -> Self {
-        annotations
-            .get(ANNOTATION)
-            .and_then(|v| Self::parse(v).ok())
+    /// This node's retention as a session's image (its `[vm] checkpoints`) and then its
+    /// annotations change it (a value that does not parse was refused when the image was
+    /// built or the session created; here it leaves what was).
+    pub fn for_session(self, image: Option<&str>, annotations: &BTreeMap<String, String>) -> Self {
+        [annotations.get(ANNOTATION).map(String::as_str), image]
+            .into_iter()
+            .flatten()
+            .find_map(|v| Self::parse(v).ok())
             .unwrap_or(self)
     }
 
@@ -178,9 +168,11 @@ impl SessionHost {
         seq: i64,
         incarnation: Incarnation,
         runtime: Arc<dyn Runtime>,
+        harness: &str,
         annotations: &BTreeMap<String, String>,
     ) {
-        let retention = self.retention.for_session(annotations);
+        let image = runtime.checkpoint_retention(harness);
+        let retention = self.retention.for_session(image.as_deref(), annotations);
         if retention.off() {
             return;
         }

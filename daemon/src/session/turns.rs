@@ -310,7 +310,14 @@ impl SessionHost {
             && placement.memory_tier()
             && let Some((inc, runtime)) = self.live_get(&uid)
         {
-            self.checkpoint_turn(&uid, view.last_seq, inc, runtime, &row.annotations);
+            self.checkpoint_turn(
+                &uid,
+                view.last_seq,
+                inc,
+                runtime,
+                &placement.harness,
+                &row.annotations,
+            );
         }
         // What the harness now holds: a memory-tier one ran the whole turn, so the log
         // through its last record; one that keeps its history, what it was sent. (A failed
@@ -844,6 +851,10 @@ impl SessionHost {
         })?;
         // A resume writes a record and may start the session's VM.
         let quota = self.admit_turn(&row, &placement, Some(0))?;
+        // As for Exec: a checkpoint may still hold the VM paused.
+        self.turn_checkpoints
+            .running_again(uid, || self.checkpoint_hopeless(uid))
+            .await;
         let (turn, forward) = self.admit(&row, &placement, &held, None, None).await?;
         drop(quota);
         let outcome = if pending.is_some() {
@@ -863,6 +874,21 @@ impl SessionHost {
         }
         let head = self.row(uid)?.last_seq;
         self.append_lifecycle(uid, head, fence, LifecycleKind::LifecycleResume, "", None)?;
+        // A re-driven turn that completed (after an approval, or a lost VM) is a fork point
+        // like any other: its END is the head RESUME was appended at.
+        if let Some(TurnOutcome::Completed { .. }) = outcome
+            && placement.memory_tier()
+            && let Some((inc, runtime)) = self.live_get(uid)
+        {
+            self.checkpoint_turn(
+                uid,
+                head,
+                inc,
+                runtime,
+                &placement.harness,
+                &row.annotations,
+            );
+        }
         tracing::info!(session = %uid, "session resumed");
         self.view(uid)
     }

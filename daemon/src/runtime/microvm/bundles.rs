@@ -135,6 +135,7 @@ fn load_one(dir: &Path, reserved: &[&str]) -> Result<GuestImage, String> {
         network: image_network(&config.network)?,
         linux_kernel,
         cold_boot: config.vm.cold_boot,
+        checkpoints: config.vm.checkpoints.clone(),
     })
 }
 

@@ -92,6 +92,8 @@ pub struct GuestImage {
     pub linux_kernel: bool,
     /// `[vm] cold_boot`: every session boots the image; it has no template.
     pub cold_boot: bool,
+    /// `[vm] checkpoints`: which turns of its sessions stay fork points, if the image says.
+    pub checkpoints: Option<String>,
 }
 
 /// What the runtime needs from the node.
@@ -1759,6 +1761,10 @@ impl Runtime for MicrovmRuntime {
         upper: &SnapshotRef,
     ) -> Result<Option<crate::runtime::TurnCheckpoint>> {
         self.merge_turn_checkpoints(session_uid, lower, upper)
+    }
+
+    fn checkpoint_retention(&self, harness: &str) -> Option<String> {
+        self.image(harness)?.checkpoints.clone()
     }
 
     fn is_published(&self, snapshot: &SnapshotRef) -> bool {
