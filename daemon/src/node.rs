@@ -471,6 +471,31 @@ impl Node {
     }
 }
 
+impl Node {
+    /// What `/readyz` answers: whether this node takes new work, and if not, why.
+    pub fn ready_fn(&self) -> crate::metrics::server::ReadyFn {
+        let journal = Arc::clone(&self.journal);
+        let microvm = self.microvm.clone();
+        let draining = self.host.draining();
+        Arc::new(move || {
+            let mut why = Vec::new();
+            if *draining.borrow() {
+                why.push("the node is draining".to_owned());
+            }
+            if let Err(e) = journal.count_by_compute_state() {
+                why.push(format!("the journal does not answer: {e}"));
+            }
+            if let Some(Err(e)) = microvm.as_ref().map(|m| m.ready()) {
+                why.push(format!("microVMs cannot start: {e}"));
+            }
+            match why.is_empty() {
+                true => Ok(()),
+                false => Err(why),
+            }
+        })
+    }
+}
+
 fn compute_state_label(state: ComputeState) -> &'static str {
     match state {
         ComputeState::ComputeLive => "live",

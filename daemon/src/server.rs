@@ -107,19 +107,20 @@ pub async fn api_routes_with(
     // compute that dies between requests is noticed.
     host.watch_compute().await;
     let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_service_status("", tonic_health::ServingStatus::Serving)
-        .await;
+    let mut served = vec!["", SESSIONS_SERVICE];
+    if node.is_some() {
+        served.push(NODE_SERVICE);
+    }
+    report_health(health_reporter, served, host.draining()).await;
     // Only what this listener serves: the descriptor set also holds the harness SPI and the
     // admin-only HarnessRegistry, which must not be advertised here (as upstream keeps them).
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(agentvm_proto::FILE_DESCRIPTOR_SET)
-        .with_service_name("agentsessions.v1.Sessions")
-        .with_service_name("agentvm.node.v1.Node")
-        .with_service_name("grpc.health.v1.Health")
-        .with_service_name("grpc.reflection.v1.ServerReflection")
+    // Both reflection versions: older grpcurl and grpc_cli ask for v1alpha.
+    let reflection = reflection_builder()
         .build_v1()
         .context("building the reflection service")?;
+    let reflection_v1alpha = reflection_builder()
+        .build_v1alpha()
+        .context("building the v1alpha reflection service")?;
     let check = move |mut req: tonic::Request<()>| {
         if let Some(auth) = &auth {
             let principal = auth.authenticate(&req)?;
@@ -129,6 +130,7 @@ pub async fn api_routes_with(
     };
     let mut routes = Routes::new(health)
         .add_service(InterceptedService::new(reflection, check.clone()))
+        .add_service(InterceptedService::new(reflection_v1alpha, check.clone()))
         .add_service(InterceptedService::new(
             SessionsService::new(host).into_server(),
             check.clone(),
@@ -137,6 +139,44 @@ pub async fn api_routes_with(
         routes = routes.add_service(InterceptedService::new(node.into_server(), check));
     }
     Ok(routes)
+}
+
+const SESSIONS_SERVICE: &str = "agentsessions.v1.Sessions";
+const NODE_SERVICE: &str = "agentvm.node.v1.Node";
+
+fn reflection_builder() -> tonic_reflection::server::Builder<'static> {
+    tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(agentvm_proto::FILE_DESCRIPTOR_SET)
+        .with_service_name(SESSIONS_SERVICE)
+        .with_service_name(NODE_SERVICE)
+        .with_service_name("grpc.health.v1.Health")
+        .with_service_name("grpc.reflection.v1.ServerReflection")
+        .with_service_name("grpc.reflection.v1alpha.ServerReflection")
+}
+
+/// gRPC health for the whole server (`""`) and each service `served` by name: SERVING, and
+/// NOT_SERVING once the node drains (a balancer then sends new work elsewhere).
+async fn report_health(
+    reporter: tonic_health::server::HealthReporter,
+    served: Vec<&'static str>,
+    mut draining: tokio::sync::watch::Receiver<bool>,
+) {
+    let status = |draining: bool| match draining {
+        true => tonic_health::ServingStatus::NotServing,
+        false => tonic_health::ServingStatus::Serving,
+    };
+    let now = *draining.borrow_and_update();
+    for name in &served {
+        reporter.set_service_status(*name, status(now)).await;
+    }
+    tokio::spawn(async move {
+        while draining.changed().await.is_ok() {
+            let now = *draining.borrow_and_update();
+            for name in &served {
+                reporter.set_service_status(*name, status(now)).await;
+            }
+        }
+    });
 }
 
 /// The Sessions API listener's routes for a whole node: Sessions, health, reflection and

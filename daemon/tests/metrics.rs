@@ -52,6 +52,7 @@ async fn metrics_are_scraped_and_move_with_sessions_turns_and_forks() {
     tokio::spawn(agentvmd::metrics::server::serve(
         listener,
         node.node.state_fn(false),
+        node.node.ready_fn(),
         None,
     ));
     let before = scrape(addr).await;
@@ -99,4 +100,20 @@ async fn metrics_are_scraped_and_move_with_sessions_turns_and_forks() {
 
     assert_eq!(http(addr, "GET /other HTTP/1.1").await.0, 404);
     assert_eq!(http(addr, "POST /metrics HTTP/1.1").await.0, 405);
+
+    // The probes: up, and ready until the node drains (then 503, saying why).
+    assert_eq!(
+        http(addr, "GET /healthz HTTP/1.1").await,
+        (200, "ok\n".into())
+    );
+    assert_eq!(
+        http(addr, "GET /readyz HTTP/1.1").await,
+        (200, "ready\n".into())
+    );
+    assert_eq!(http(addr, "POST /readyz HTTP/1.1").await.0, 405);
+    node.node.host.start_draining();
+    let (status, body) = http(addr, "GET /readyz HTTP/1.1").await;
+    assert_eq!(status, 503);
+    assert!(body.contains("draining"), "{body}");
+    assert_eq!(http(addr, "GET /healthz HTTP/1.1").await.0, 200);
 }

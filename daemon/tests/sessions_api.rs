@@ -2534,8 +2534,66 @@ async fn reflection_on_the_sessions_listener_lists_only_its_own_services() {
             "agentvm.node.v1.Node",
             "grpc.health.v1.Health",
             "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection",
         ]
     );
+    // Older grpcurl and grpc_cli ask the v1alpha service, and hear the same.
+    use tonic_reflection::pb::v1alpha as alpha;
+    let mut reflection =
+        alpha::server_reflection_client::ServerReflectionClient::new(n.channel().await);
+    let request = alpha::ServerReflectionRequest {
+        message_request: Some(
+            alpha::server_reflection_request::MessageRequest::ListServices(String::new()),
+        ),
+        ..Default::default()
+    };
+    let mut responses = reflection
+        .server_reflection_info(tokio_stream::once(request))
+        .await
+        .unwrap()
+        .into_inner();
+    let Some(alpha::server_reflection_response::MessageResponse::ListServicesResponse(list)) =
+        responses.message().await.unwrap().unwrap().message_response
+    else {
+        panic!("no v1alpha ListServices answer");
+    };
+    assert_eq!(list.service.len(), names.len());
+}
+
+/// gRPC health answers for the server and for each service by name, and says NOT_SERVING
+/// for all of them once the node drains (a balancer then sends new work elsewhere).
+#[tokio::test]
+async fn health_answers_per_service_and_not_serving_once_the_node_drains() {
+    use tonic_health::pb::{
+        HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+    };
+    let n = start().await;
+    let mut health = HealthClient::new(n.channel().await);
+    let services = ["", "agentsessions.v1.Sessions", "agentvm.node.v1.Node"];
+    let status = |service: &str| HealthCheckRequest {
+        service: service.to_owned(),
+    };
+    for service in services {
+        let answer = health.check(status(service)).await.unwrap().into_inner();
+        assert_eq!(answer.status(), ServingStatus::Serving, "{service:?}");
+    }
+    let unknown = health.check(status("no.such.Service")).await.unwrap_err();
+    assert_eq!(unknown.code(), Code::NotFound);
+    n.node.host.start_draining();
+    for service in services {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            let answer = health.check(status(service)).await.unwrap().into_inner();
+            if answer.status() == ServingStatus::NotServing {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{service:?} still serving"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
 }
 
 /// A registered harness that is not there: the turn fails UNAVAILABLE naming the address

@@ -374,10 +374,11 @@ fn run(s: Settings) -> anyhow::Result<()> {
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
                 .with_context(|| format!("binding --metrics-listen {addr}"))?;
-            info!(%addr, "metrics at /metrics");
+            info!(%addr, "metrics at /metrics, probes at /healthz and /readyz");
             tokio::spawn(agentvmd::metrics::server::serve(
                 listener,
                 node.state_fn(metrics_session_labels),
+                node.ready_fn(),
                 node.auth.clone(),
             ));
         }

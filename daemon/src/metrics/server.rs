@@ -1,6 +1,11 @@
 //! The `/metrics` endpoint: plain HTTP/1.1, GET only. On a node with an auth file a scrape
 //! must carry an operator's bearer token (401 without a known one, 403 for a tenant's): the
 //! figures are node-wide.
+//!
+//! Beside it, the probes operators point load balancers and supervisors at, open to all (a
+//! probe carries no credential; they tell no more than gRPC health does): `/healthz`, 200
+//! while the process serves; `/readyz`, 200 when the node takes new work (its journal
+//! answers, its runtimes can start compute, it is not draining), else 503 with the reasons.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -15,21 +20,43 @@ use super::exposition::{NodeState, render};
 use crate::api::auth::Authenticator;
 
 pub type StateFn = Arc<dyn Fn() -> NodeState + Send + Sync>;
+/// Whether the node takes new work; the reasons it does not.
+pub type ReadyFn = Arc<dyn Fn() -> Result<(), Vec<String>> + Send + Sync>;
 
 const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 fn respond<B>(
     req: &Request<B>,
     state: &StateFn,
+    ready: &ReadyFn,
     auth: Option<&Authenticator>,
 ) -> Response<Full<Bytes>> {
-    let plain = |status: StatusCode, body: &'static str| {
+    let text = |status: StatusCode, body: String| {
         Response::builder()
             .status(status)
             .header("content-type", "text/plain; charset=utf-8")
-            .body(Full::new(Bytes::from_static(body.as_bytes())))
-            .expect("static response")
+            .header(hyper::header::CACHE_CONTROL, "no-store")
+            .body(Full::new(Bytes::from(body)))
+            .expect("plain response")
     };
+    let plain = |status: StatusCode, body: &'static str| text(status, body.to_owned());
+    let probe = matches!(req.uri().path(), "/healthz" | "/readyz");
+    if probe && req.method() != Method::GET && req.method() != Method::HEAD {
+        return plain(StatusCode::METHOD_NOT_ALLOWED, "GET /healthz or /readyz\n");
+    }
+    match req.uri().path() {
+        "/healthz" => return plain(StatusCode::OK, "ok\n"),
+        "/readyz" => {
+            return match ready() {
+                Ok(()) => plain(StatusCode::OK, "ready\n"),
+                Err(why) => text(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("not ready: {}\n", why.join("; ")),
+                ),
+            };
+        }
+        _ => {}
+    }
     if let Some(auth) = auth {
         let header = req
             .headers()
@@ -59,7 +86,7 @@ fn respond<B>(
     if req.uri().path() != "/metrics" {
         return plain(
             StatusCode::NOT_FOUND,
-            "not found; metrics are at /metrics\n",
+            "not found; metrics are at /metrics, probes at /healthz and /readyz\n",
         );
     }
     if req.method() != Method::GET && req.method() != Method::HEAD {
@@ -77,6 +104,7 @@ fn respond<B>(
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: StateFn,
+    ready: ReadyFn,
     auth: Option<Arc<Authenticator>>,
 ) -> std::io::Result<()> {
     loop {
@@ -90,11 +118,11 @@ pub async fn serve(
         };
         // Small responses, each written at once: no waiting on Nagle.
         let _ = stream.set_nodelay(true);
-        let state = state.clone();
+        let (state, ready) = (state.clone(), ready.clone());
         let auth = auth.clone();
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {
-                let response = respond(&req, &state, auth.as_deref());
+                let response = respond(&req, &state, &ready, auth.as_deref());
                 async move { Ok::<_, Infallible>(response) }
             });
             if let Err(e) = hyper::server::conn::http1::Builder::new()
@@ -130,17 +158,29 @@ mod tests {
         )
         .unwrap();
         let state: StateFn = Arc::new(NodeState::default);
-        let scrape = |token: Option<&str>, auth: Option<&Authenticator>| {
-            let mut req = Request::builder().uri("/metrics");
+        let ready: ReadyFn = Arc::new(|| Err(vec!["draining".to_owned()]));
+        let get = |path: &str, token: Option<&str>, auth: Option<&Authenticator>| {
+            let mut req = Request::builder().uri(path);
             if let Some(t) = token {
                 req = req.header("authorization", format!("Bearer {t}"));
             }
-            respond(&req.body(()).unwrap(), &state, auth).status()
+            respond(&req.body(()).unwrap(), &state, &ready, auth).status()
         };
+        let scrape = |token, auth| get("/metrics", token, auth);
         assert_eq!(scrape(None, Some(&auth)), StatusCode::UNAUTHORIZED);
         assert_eq!(scrape(Some("guess"), Some(&auth)), StatusCode::UNAUTHORIZED);
         assert_eq!(scrape(Some("alice"), Some(&auth)), StatusCode::FORBIDDEN);
         assert_eq!(scrape(Some("ops"), Some(&auth)), StatusCode::OK);
         assert_eq!(scrape(None, None), StatusCode::OK);
+        // Probes carry no credential.
+        assert_eq!(get("/healthz", None, Some(&auth)), StatusCode::OK);
+        assert_eq!(
+            get("/readyz", None, Some(&auth)),
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+        assert_eq!(
+            get("/other", Some("ops"), Some(&auth)),
+            StatusCode::NOT_FOUND
+        );
     }
 }

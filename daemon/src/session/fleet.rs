@@ -14,12 +14,16 @@ impl SessionHost {
     /// From now until the node restarts, new work (sessions, turns, resumes, forks) is
     /// refused, so a drain's suspends are the last word here.
     pub fn start_draining(&self) {
-        self.draining
-            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.draining.send_replace(true);
+    }
+
+    /// Whether the node drains, and when that changes.
+    pub fn draining(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.draining.subscribe()
     }
 
     pub(super) fn refuse_if_draining(&self) -> Result<(), tonic::Status> {
-        match self.draining.load(std::sync::atomic::Ordering::SeqCst) {
+        match *self.draining.borrow() {
             true => Err(tonic::Status::unavailable(
                 "NodeDraining: this node is draining; send the call to another node of the fleet",
             )),

@@ -101,7 +101,8 @@ pub struct SessionHost {
     /// Set once the runtimes' lost-compute reports are being recorded.
     watching: std::sync::atomic::AtomicBool,
     /// Set by a drain: new work goes to other nodes.
-    draining: std::sync::atomic::AtomicBool,
+    /// Set once the node drains; watched by what tells probes (gRPC health, `/readyz`).
+    draining: tokio::sync::watch::Sender<bool>,
     /// Free space new work must leave in the node's directories.
     disk: Option<crate::disk::DiskReserve>,
     /// The bound on a harness's Describe (at least [`DESCRIBE_TIMEOUT`]).
@@ -170,7 +171,7 @@ impl SessionHost {
             guards: Arc::default(),
             live: Mutex::default(),
             watching: Default::default(),
-            draining: Default::default(),
+            draining: tokio::sync::watch::Sender::new(false),
             disk: None,
             describe_timeout: DESCRIBE_TIMEOUT,
             quotas: None,

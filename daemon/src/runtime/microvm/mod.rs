@@ -363,6 +363,30 @@ impl MicrovmRuntime {
     }
 
     /// Each running VMM's session and proportional set size in bytes (for metrics).
+    /// Whether a VM can be started now (what `/readyz` asks): the VMM binary is there and
+    /// executable, and the RAM directory exists.
+    pub fn ready(&self) -> std::result::Result<(), String> {
+        use std::os::unix::fs::PermissionsExt;
+        let vmm = &self.config.vmm_binary;
+        match std::fs::metadata(vmm) {
+            Ok(m) if m.is_file() && m.permissions().mode() & 0o111 != 0 => {}
+            Ok(_) => {
+                return Err(format!(
+                    "the VMM {} is not an executable file",
+                    vmm.display()
+                ));
+            }
+            Err(e) => return Err(format!("the VMM {}: {e}", vmm.display())),
+        }
+        if !self.config.ram_dir.is_dir() {
+            return Err(format!(
+                "the RAM directory {} is missing",
+                self.config.ram_dir.display()
+            ));
+        }
+        Ok(())
+    }
+
     pub fn vmm_memory(&self) -> Vec<(String, u64)> {
         let mut out: Vec<(String, u64)> = vmm_process::sessions(&self.config.run_dir)
             .into_iter()
