@@ -448,3 +448,101 @@ fn connection_options_go_anywhere() {
     let (ok, _, err) = agentvm(&["--addr", &addr, "completions", "bash"]);
     assert!(!ok && err.contains("--addr"), "{err}");
 }
+
+/// `agentvm harness register|get|list|retire` on the admin socket beside the API socket,
+/// with agentctl's flags; `--json` prints the registry's proto-JSON answer as agentctl does.
+#[test]
+fn the_harness_registry_is_driven_from_the_cli() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = start_daemon(dir.path());
+    let (ok, out, err) = cli(&d, &["harness", "list"]);
+    assert!(ok, "{err}");
+    for builtin in ["echo", "counter", "testguest"] {
+        assert!(
+            out.lines()
+                .any(|l| l.starts_with(builtin) && l.contains("built-in")),
+            "{out}"
+        );
+    }
+    let spec = dir.path().join("spec.json");
+    std::fs::write(
+        &spec,
+        r#"{"remote": {"address": "unix:///nowhere/h.sock"},
+            "capabilities": {"resumability": "RESUMABILITY_STATELESS_REPLAY"}}"#,
+    )
+    .unwrap();
+    let spec_arg = spec.to_str().unwrap();
+    let (ok, out, err) = cli(
+        &d,
+        &["harness", "register", "--name", "ext", "--spec", spec_arg],
+    );
+    assert!(
+        ok && out.starts_with("registered ext sha256:"),
+        "{out}{err}"
+    );
+    let (ok, out, _) = cli(
+        &d,
+        &["harness", "register", "--name", "ext", "--spec", spec_arg],
+    );
+    assert!(ok && out.starts_with("unchanged ext"), "{out}");
+
+    let (ok, out, err) = cli(&d, &["--json", "harness", "get", "--name", "ext"]);
+    assert!(ok, "{err}");
+    let got: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(got["metadata"]["name"], "ext");
+    assert_eq!(got["state"], "HARNESS_STATE_ACTIVE");
+    assert_eq!(got["source"], "HARNESS_SOURCE_REGISTERED");
+    assert_eq!(got["spec"]["remote"]["address"], "unix:///nowhere/h.sock");
+    // --observe asks the harness, which is not there: said, not fatal.
+    let (ok, out, err) = cli(&d, &["harness", "get", "--name", "ext", "--observe"]);
+    assert!(ok && out.contains("observe:   failed"), "{out}{err}");
+
+    let (ok, out, err) = cli(
+        &d,
+        &["harness", "retire", "--name", "ext", "--reason", "moved"],
+    );
+    assert!(ok && out.trim() == "retired ext", "{out}{err}");
+    let listed = |extra: &[&str]| {
+        let mut args = vec!["--json", "harness", "list", "--page-size", "2"];
+        args.extend(extra);
+        let (ok, out, err) = cli(&d, &args);
+        assert!(ok, "{err}");
+        let all: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        all["harnesses"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| h["metadata"]["name"].as_str().unwrap().to_owned())
+            .collect::<Vec<_>>()
+    };
+    let active = listed(&[]);
+    assert!(active.contains(&"echo".to_owned()) && !active.contains(&"ext".to_owned()));
+    assert!(listed(&["--include-retired"]).contains(&"ext".to_owned()));
+
+    // Bad input: the spec file and the name are named, and nothing is registered.
+    std::fs::write(&spec, "{\"remote\": 7}").unwrap();
+    let (ok, _, err) = cli(
+        &d,
+        &["harness", "register", "--name", "bad", "--spec", spec_arg],
+    );
+    assert!(!ok && err.contains("spec.json"), "{err}");
+    std::fs::write(
+        &spec,
+        r#"{"remote": {"address": "unix:///h.sock"}, "capabilities": {"resumability": 1}}"#,
+    )
+    .unwrap();
+    let (ok, _, err) = cli(
+        &d,
+        &[
+            "harness",
+            "register",
+            "--name",
+            "Not_A_Label",
+            "--spec",
+            spec_arg,
+        ],
+    );
+    assert!(!ok && err.contains("name"), "{err}");
+    let (ok, _, err) = cli(&d, &["harness", "get", "--name", "bad"]);
+    assert!(!ok && err.contains("NotFound") && err.contains("\"bad\""), "{err}");
+}

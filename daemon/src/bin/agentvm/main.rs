@@ -112,6 +112,8 @@ enum HarnessCommand {
         #[arg(long)]
         listen: config::ListenAddr,
     },
+    #[command(flatten)]
+    Registry(harness_cmd::registry::RegistryCommand),
 }
 
 #[derive(Subcommand, Debug)]
@@ -329,6 +331,10 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Harness(HarnessCommand::Serve { name, listen }) => {
             harness_cmd::serve(name, listen)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Harness(HarnessCommand::Registry(command)) => {
+            async_runtime()?.block_on(harness_cmd::registry::run(command, cli.json))?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Image(ImageCommand::Build {
