@@ -544,5 +544,8 @@ fn the_harness_registry_is_driven_from_the_cli() {
     );
     assert!(!ok && err.contains("name"), "{err}");
     let (ok, _, err) = cli(&d, &["harness", "get", "--name", "bad"]);
-    assert!(!ok && err.contains("NotFound") && err.contains("\"bad\""), "{err}");
+    assert!(
+        !ok && err.contains("NotFound") && err.contains("\"bad\""),
+        "{err}"
+    );
 }

@@ -284,6 +284,16 @@ impl SharedStore {
     }
 }
 
+/// Published archives: the suspends' snapshots, and the turns' checkpoints.
+fn suspends_and_checkpoints(published: Vec<String>) -> (Vec<String>, Vec<String>) {
+    let (checkpoints, suspends) = published.into_iter().partition(|name| {
+        name.rsplit('/')
+            .next()
+            .is_some_and(|n| n.starts_with("ckpt."))
+    });
+    (suspends, checkpoints)
+}
+
 /// The snapshots a node's store holds.
 fn stored(dir: &std::path::Path) -> Vec<String> {
     std::fs::read_dir(dir.join("state/snapshots"))
@@ -345,10 +355,16 @@ fn a_memory_session_moves_through(mut store: SharedStore, db: &str) {
     let second = count(&a);
     let (ok, out, err) = cli(&a, &["suspend", &uid]);
     assert!(ok && out.contains("compute=COLD"), "{out}{err}");
-    let published = store.published();
+    // The suspend's snapshot, and the checkpoints of both turns with it (the second a layer
+    // on the first): node-b could fork it at either turn.
+    let (published, checkpoints) = suspends_and_checkpoints(store.published());
     assert!(
         published.len() == 1 && published[0].ends_with(".agvmsnap"),
         "{published:?}"
+    );
+    assert!(
+        checkpoints.len() == 2 && checkpoints.iter().any(|name| name.contains('@')),
+        "{checkpoints:?}"
     );
     let third = count(&b);
     assert!(
@@ -368,11 +384,12 @@ fn a_memory_session_moves_through(mut store: SharedStore, db: &str) {
     // published, which node-a fetches once, and goes on from node-b's count.
     let (ok, out, err) = cli(&b, &["suspend", &uid]);
     assert!(ok && out.contains("compute=COLD"), "{out}{err}");
-    let published = store.published();
+    let (published, checkpoints) = suspends_and_checkpoints(store.published());
     assert!(
         published.len() == 2 && published.iter().any(|name| name.contains('@')),
         "node-b's snapshot was not published as a layer: {published:?}"
     );
+    assert_eq!(checkpoints.len(), 3, "node-b's turn too: {checkpoints:?}");
     let (ok, out, err) = cli(&a, &["--json", "fork", &uid, "--count", "3"]);
     assert!(ok, "{out}{err}");
     let children: Vec<String> = out

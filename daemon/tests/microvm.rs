@@ -1222,7 +1222,7 @@ async fn image_bundles_in_the_image_dir_are_served_as_harnesses() {
             .any(|(session, pss)| session == &s && *pss > 0),
         "{state:?}"
     );
-    assert!(agentvmd::metrics::global().vmm_boot.snapshot().2 >= 1);
+    assert!(agentvmd::metrics::global().vmm_boot.count() >= 1);
     assert!(
         info.config
             .payload
@@ -1762,9 +1762,7 @@ async fn a_guest_over_its_memory_limit_kills_only_its_vmm() {
     let bystander = create(&mut c).await;
     assert_eq!(turn(&mut c, &greedy).await, "1");
     assert_eq!(turn(&mut c, &bystander).await, "1");
-    let lost_before = agentvmd::metrics::global()
-        .vmm_lost
-        .load(std::sync::atomic::Ordering::Relaxed);
+    let lost_before = agentvmd::metrics::global().vmm_lost.get();
     // The guest writes 128 MiB of its RAM.
     let mut conn = GuestConn::connect(
         &vm_dir(&node, &greedy).join("vsock.sock"),
@@ -1797,12 +1795,7 @@ async fn a_guest_over_its_memory_limit_kills_only_its_vmm() {
         "{}",
         lost.detail
     );
-    assert!(
-        agentvmd::metrics::global()
-            .vmm_lost
-            .load(std::sync::atomic::Ordering::Relaxed)
-            > lost_before
-    );
+    assert!(agentvmd::metrics::global().vmm_lost.get() > lost_before);
     // The rest of the node carries on.
     assert_eq!(turn(&mut c, &bystander).await, "2");
     verify_chain(&records).unwrap();

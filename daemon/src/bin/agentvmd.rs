@@ -375,6 +375,7 @@ fn run(s: Settings) -> anyhow::Result<()> {
                 .await
                 .with_context(|| format!("binding --metrics-listen {addr}"))?;
             info!(%addr, "metrics at /metrics, probes at /healthz and /readyz");
+            agentvmd::metrics::name_sessions_in_exemplars(metrics_session_labels);
             tokio::spawn(agentvmd::metrics::server::serve(
                 listener,
                 node.state_fn(metrics_session_labels),

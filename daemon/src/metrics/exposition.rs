@@ -1,9 +1,17 @@
-//! The Prometheus text format (version 0.0.4) of the node's metrics.
+//! The OpenMetrics text of the node's metrics: the process-wide event metrics and the
+//! node's present state, read at scrape time. Names are those agentvm has always exposed
+//! (a counter registered as `agentvm_executions` is written `agentvm_executions_total`).
 
-use std::fmt::Write;
-use std::sync::atomic::Ordering;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::info::Info;
+use prometheus_client::registry::Registry;
 
-use super::{Histogram, Metrics};
+use super::{Labels, Metrics};
+
+/// The content type of [`render`]'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// What the node is now, read at scrape time.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -18,162 +26,116 @@ pub struct NodeState {
     pub disk_free: Vec<(&'static str, u64)>,
 }
 
-fn escape(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
-
-fn family(out: &mut String, name: &str, kind: &str, help: &str) {
-    let _ = writeln!(out, "# HELP {name} {help}");
-    let _ = writeln!(out, "# TYPE {name} {kind}");
-}
-
-fn histogram(out: &mut String, name: &str, help: &str, h: &Histogram) {
-    family(out, name, "histogram", help);
-    let (buckets, sum, count) = h.snapshot();
-    for (bound, cumulative) in buckets {
-        let le = if bound.is_infinite() {
-            "+Inf".to_owned()
-        } else {
-            bound.to_string()
-        };
-        let _ = writeln!(out, "{name}_bucket{{le=\"{le}\"}} {cumulative}");
+/// A gauge family of `(label value, value)` under label `label`.
+fn by_label<'a>(
+    label: &str,
+    values: impl IntoIterator<Item = (&'a str, u64)>,
+) -> Family<Labels, Gauge<u64, std::sync::atomic::AtomicU64>> {
+    let family = Family::<Labels, Gauge<u64, std::sync::atomic::AtomicU64>>::default();
+    for (value, n) in values {
+        family
+            .get_or_create(&vec![super::label(label, value)])
+            .set(n);
     }
-    let _ = writeln!(out, "{name}_sum {sum}");
-    let _ = writeln!(out, "{name}_count {count}");
+    family
+}
+
+fn gauge(n: u64) -> Gauge<u64, std::sync::atomic::AtomicU64> {
+    let gauge = Gauge::<u64, std::sync::atomic::AtomicU64>::default();
+    gauge.set(n);
+    gauge
 }
 
 pub fn render(m: &Metrics, state: &NodeState) -> String {
-    let mut out = String::new();
-    family(
-        &mut out,
-        "agentvm_build_info",
-        "gauge",
-        "The agentvmd build; always 1.",
+    let mut r = Registry::default();
+    r.register(
+        "agentvm_build",
+        "The agentvmd build",
+        Info::new(vec![(
+            "version".to_owned(),
+            env!("CARGO_PKG_VERSION").to_owned(),
+        )]),
     );
-    let _ = writeln!(
-        out,
-        "agentvm_build_info{{version=\"{}\"}} 1",
-        escape(env!("CARGO_PKG_VERSION"))
-    );
-    family(
-        &mut out,
+    r.register(
         "agentvm_sessions",
-        "gauge",
-        "Active sessions by compute state.",
+        "Active sessions by compute state",
+        by_label(
+            "compute_state",
+            state.sessions.iter().map(|(s, n)| (s.as_str(), *n)),
+        ),
     );
-    for (compute_state, n) in &state.sessions {
-        let _ = writeln!(
-            out,
-            "agentvm_sessions{{compute_state=\"{}\"}} {n}",
-            escape(compute_state)
-        );
-    }
-    family(
-        &mut out,
+    r.register(
         "agentvm_vmms",
-        "gauge",
-        "VMM processes running on this node.",
+        "VMM processes running on this node",
+        gauge(state.vmms.len() as u64),
     );
-    let _ = writeln!(out, "agentvm_vmms {}", state.vmms.len());
-    family(
-        &mut out,
+    r.register(
         "agentvm_vmm_memory_pss_bytes",
-        "gauge",
-        "Proportional set size of every running VMM together (guest RAM they touched included).",
+        "Proportional set size of every running VMM together (guest RAM they touched included)",
+        gauge(state.vmms.iter().map(|(_, pss)| pss).sum()),
     );
-    let total: u64 = state.vmms.iter().map(|(_, pss)| pss).sum();
-    let _ = writeln!(out, "agentvm_vmm_memory_pss_bytes {total}");
     if state.per_session {
-        family(
-            &mut out,
+        r.register(
             "agentvm_vmm_session_memory_pss_bytes",
-            "gauge",
-            "Proportional set size of each session's VMM (metrics_session_labels).",
+            "Proportional set size of each session's VMM (metrics_session_labels)",
+            by_label(
+                "session",
+                state.vmms.iter().map(|(s, pss)| (s.as_str(), *pss)),
+            ),
         );
-        for (session, pss) in &state.vmms {
-            let _ = writeln!(
-                out,
-                "agentvm_vmm_session_memory_pss_bytes{{session=\"{}\"}} {pss}",
-                escape(session)
-            );
-        }
     }
-    family(
-        &mut out,
+    r.register(
         "agentvm_disk_free_bytes",
-        "gauge",
-        "Free space of the directories the node writes (state: journal and snapshots; ram: guest memory).",
+        "Free space of the directories the node writes (state: journal and snapshots; ram: guest memory)",
+        by_label("dir", state.disk_free.iter().copied()),
     );
-    for (dir, free) in &state.disk_free {
-        let _ = writeln!(out, "agentvm_disk_free_bytes{{dir=\"{dir}\"}} {free}");
+    for (name, help, h) in [
+        (
+            "agentvm_journal_append_seconds",
+            "Journal append latency, commit (and fsync) included",
+            &m.journal_append,
+        ),
+        (
+            "agentvm_vmm_boot_seconds",
+            "VMM spawn to guest ready, for a fresh boot",
+            &m.vmm_boot,
+        ),
+        (
+            "agentvm_vmm_restore_seconds",
+            "VMM spawn to guest ready, for a restore from a snapshot (forks included)",
+            &m.vmm_restore,
+        ),
+        (
+            "agentvm_vmm_snapshot_seconds",
+            "Pause to snapshot written, for a suspend or a fork's checkpoint",
+            &m.vmm_snapshot,
+        ),
+        (
+            "agentvm_fork_seconds",
+            "Fork RPCs, checkpoint and every child included",
+            &m.fork,
+        ),
+    ] {
+        r.register(name, help, h.histogram.clone());
     }
-    histogram(
-        &mut out,
-        "agentvm_journal_append_seconds",
-        "Journal append latency, commit (and fsync) included.",
-        &m.journal_append,
+    r.register(
+        "agentvm_executions",
+        "Executions run (live, recovered) by how they ended",
+        m.executions.family.clone(),
     );
-    histogram(
-        &mut out,
-        "agentvm_vmm_boot_seconds",
-        "VMM spawn to guest ready, for a fresh boot.",
-        &m.vmm_boot,
+    r.register(
+        "agentvm_fork_children",
+        "Sessions created by Fork",
+        m.fork_children.clone(),
     );
-    histogram(
-        &mut out,
-        "agentvm_vmm_restore_seconds",
-        "VMM spawn to guest ready, for a restore from a snapshot (forks included).",
-        &m.vmm_restore,
+    r.register(
+        "agentvm_vmm_lost",
+        "VMMs that exited without being asked to",
+        m.vmm_lost.clone(),
     );
-    histogram(
-        &mut out,
-        "agentvm_vmm_snapshot_seconds",
-        "Pause to snapshot written, for a suspend or a fork's checkpoint.",
-        &m.vmm_snapshot,
-    );
-    histogram(
-        &mut out,
-        "agentvm_fork_seconds",
-        "Fork RPCs, checkpoint and every child included.",
-        &m.fork,
-    );
-    family(
-        &mut out,
-        "agentvm_executions_total",
-        "counter",
-        "Executions run (live, recovered) by how they ended.",
-    );
-    for (outcome, n) in m.executions.snapshot() {
-        let _ = writeln!(
-            out,
-            "agentvm_executions_total{{outcome=\"{}\"}} {n}",
-            escape(&outcome)
-        );
-    }
-    family(
-        &mut out,
-        "agentvm_fork_children_total",
-        "counter",
-        "Sessions created by Fork.",
-    );
-    let _ = writeln!(
-        out,
-        "agentvm_fork_children_total {}",
-        m.fork_children.load(Ordering::Relaxed)
-    );
-    family(
-        &mut out,
-        "agentvm_vmm_lost_total",
-        "counter",
-        "VMMs that exited without being asked to.",
-    );
-    let _ = writeln!(
-        out,
-        "agentvm_vmm_lost_total {}",
-        m.vmm_lost.load(Ordering::Relaxed)
-    );
+    let mut out = String::new();
+    // Writing into a String cannot fail.
+    let _ = encode(&mut out, &r);
     out
 }
 
@@ -201,15 +163,40 @@ mod tests {
         );
         state.per_session = true;
         let text = render(&m, &state);
+        assert!(
+            text.contains("agentvm_build_info{version=\"0.1.0\"} 1"),
+            "{text}"
+        );
         assert!(text.contains("agentvm_sessions{compute_state=\"live\"} 2"));
         assert!(text.contains("agentvm_disk_free_bytes{dir=\"state\"} 4096"));
         assert!(text.contains("session=\"we\\\"ird\\\\\"} 1024"), "{text}");
         assert!(text.contains("agentvm_journal_append_seconds_bucket{le=\"+Inf\"} 1"));
         assert!(text.contains("agentvm_executions_total{outcome=\"completed\"} 1"));
+        assert!(text.contains("agentvm_fork_children_total 0"), "{text}");
+        assert!(text.ends_with("# EOF\n"), "{text}");
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             let value = line.rsplit(' ').next().unwrap();
             assert!(value.parse::<f64>().is_ok(), "{line}");
             assert!(line.starts_with("agentvm_"), "{line}");
         }
+    }
+
+    #[test]
+    fn exemplars_name_a_session_only_when_asked() {
+        let m = Metrics::new();
+        m.fork
+            .observe_of(std::time::Duration::from_millis(3), "sess-a");
+        assert!(!render(&m, &NodeState::default()).contains("sess-a"));
+        super::super::name_sessions_in_exemplars(true);
+        m.fork
+            .observe_of(std::time::Duration::from_millis(3), "sess-b");
+        super::super::name_sessions_in_exemplars(false);
+        let text = render(&m, &NodeState::default());
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("agentvm_fork_seconds_bucket")
+                    && l.contains("# {session=\"sess-b\"} 0.003")),
+            "{text}"
+        );
     }
 }

@@ -1,4 +1,5 @@
-//! Prometheus metrics (`agentvmd --metrics-listen HOST:PORT`, text format at `/metrics`).
+//! Prometheus metrics (`agentvmd --metrics-listen HOST:PORT`, OpenMetrics text at
+//! `/metrics`), kept with the maintained `prometheus-client` crate.
 //!
 //! Event-driven figures (latencies, counts) are recorded where they happen into one
 //! process-wide [`Metrics`]; figures about the node's present state (sessions by state,
@@ -7,10 +8,13 @@
 pub mod exposition;
 pub mod server;
 
-use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::exemplar::HistogramWithExemplars;
+use prometheus_client::metrics::family::Family;
 
 /// Latency buckets in seconds: 100 µs to 60 s.
 pub const LATENCY_BUCKETS: &[f64] = &[
@@ -18,99 +22,112 @@ pub const LATENCY_BUCKETS: &[f64] = &[
     5.0, 10.0, 30.0, 60.0,
 ];
 
-pub struct Histogram {
-    bounds: &'static [f64],
-    /// Per bucket (not cumulative); the last counts what is above every bound.
-    buckets: Vec<AtomicU64>,
-    sum_nanos: AtomicU64,
-    count: AtomicU64,
+/// A metric's labels (and an exemplar's): name, value (escaped: see [`label`]).
+pub type Labels = Vec<(String, String)>;
+
+/// One label. prometheus-client writes label values as given, so they are escaped here as
+/// the text formats require (a backslash, a double quote, a line feed).
+pub fn label(name: &str, value: &str) -> (String, String) {
+    let escaped = value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n");
+    (name.to_owned(), escaped)
 }
 
-impl Histogram {
-    pub fn new(bounds: &'static [f64]) -> Self {
+/// Whether exemplars may name the session an observation was of (`--metrics-session-labels`:
+/// like a per-session series, it names tenants' sessions to whoever scrapes).
+static SESSION_EXEMPLARS: AtomicBool = AtomicBool::new(false);
+
+/// Lets exemplars name sessions from now on.
+pub fn name_sessions_in_exemplars(on: bool) {
+    SESSION_EXEMPLARS.store(on, Ordering::Relaxed);
+}
+
+/// A latency histogram in seconds; the last observation of each bucket may carry the
+/// session it was of as an exemplar (see [`name_sessions_in_exemplars`]).
+#[derive(Clone)]
+pub struct Latency {
+    histogram: HistogramWithExemplars<Labels>,
+    /// Observations so far (the crate's histogram does not tell its count but in text).
+    count: std::sync::Arc<AtomicU64>,
+}
+
+impl Latency {
+    fn new() -> Self {
         Self {
-            bounds,
-            buckets: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
-            sum_nanos: AtomicU64::new(0),
-            count: AtomicU64::new(0),
+            histogram: HistogramWithExemplars::new(LATENCY_BUCKETS.iter().copied()),
+            count: Default::default(),
         }
     }
 
     pub fn observe(&self, d: Duration) {
-        let secs = d.as_secs_f64();
-        let i = self
-            .bounds
-            .iter()
-            .position(|b| secs <= *b)
-            .unwrap_or(self.bounds.len());
-        self.buckets[i].fetch_add(1, Ordering::Relaxed);
-        self.sum_nanos.fetch_add(
-            d.as_nanos().min(u128::from(u64::MAX)) as u64,
-            Ordering::Relaxed,
-        );
+        self.histogram.observe(d.as_secs_f64(), None, None);
         self.count.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// (upper bound, cumulative count) per bucket, then the sum in seconds and the count.
-    pub fn snapshot(&self) -> (Vec<(f64, u64)>, f64, u64) {
-        let mut cumulative = 0;
-        let mut out = Vec::with_capacity(self.bounds.len() + 1);
-        for (i, b) in self.buckets.iter().enumerate() {
-            cumulative += b.load(Ordering::Relaxed);
-            let bound = self.bounds.get(i).copied().unwrap_or(f64::INFINITY);
-            out.push((bound, cumulative));
-        }
-        (
-            out,
-            self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9,
-            self.count.load(Ordering::Relaxed),
-        )
+    /// How many were observed.
+    pub fn count(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    /// As [`Self::observe`], of session `session`.
+    pub fn observe_of(&self, d: Duration, session: &str) {
+        let exemplar = SESSION_EXEMPLARS
+            .load(Ordering::Relaxed)
+            .then(|| vec![label("session", session)]);
+        self.histogram.observe(d.as_secs_f64(), exemplar, None);
+        self.count.fetch_add(1, Ordering::Relaxed);
     }
 }
 
-/// Counters by one label value.
-#[derive(Default)]
-pub struct LabelledCounter(Mutex<BTreeMap<String, u64>>);
+/// Counters by the value of one label.
+#[derive(Clone)]
+pub struct LabelledCounter {
+    label: &'static str,
+    family: Family<Labels, Counter>,
+}
 
 impl LabelledCounter {
-    pub fn inc(&self, label: &str) {
-        *self
-            .0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(label.to_owned())
-            .or_default() += 1;
+    fn new(label: &'static str) -> Self {
+        Self {
+            label,
+            family: Family::default(),
+        }
     }
-    pub fn snapshot(&self) -> BTreeMap<String, u64> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+
+    pub fn inc(&self, value: &str) {
+        self.family
+            .get_or_create(&vec![label(self.label, value)])
+            .inc();
     }
 }
 
 pub struct Metrics {
-    pub journal_append: Histogram,
-    pub vmm_boot: Histogram,
-    pub vmm_restore: Histogram,
-    pub vmm_snapshot: Histogram,
-    pub fork: Histogram,
+    pub journal_append: Latency,
+    pub vmm_boot: Latency,
+    pub vmm_restore: Latency,
+    pub vmm_snapshot: Latency,
+    pub fork: Latency,
     /// Executions by how they ended: completed, parked, failed.
     pub executions: LabelledCounter,
     /// Fork children created.
-    pub fork_children: AtomicU64,
+    pub fork_children: Counter,
     /// VMMs that died without being asked to.
-    pub vmm_lost: AtomicU64,
+    pub vmm_lost: Counter,
 }
 
 impl Metrics {
     fn new() -> Self {
         Self {
-            journal_append: Histogram::new(LATENCY_BUCKETS),
-            vmm_boot: Histogram::new(LATENCY_BUCKETS),
-            vmm_restore: Histogram::new(LATENCY_BUCKETS),
-            vmm_snapshot: Histogram::new(LATENCY_BUCKETS),
-            fork: Histogram::new(LATENCY_BUCKETS),
-            executions: LabelledCounter::default(),
-            fork_children: AtomicU64::new(0),
-            vmm_lost: AtomicU64::new(0),
+            journal_append: Latency::new(),
+            vmm_boot: Latency::new(),
+            vmm_restore: Latency::new(),
+            vmm_snapshot: Latency::new(),
+            fork: Latency::new(),
+            executions: LabelledCounter::new("outcome"),
+            fork_children: Counter::default(),
+            vmm_lost: Counter::default(),
         }
     }
 }
@@ -119,21 +136,4 @@ impl Metrics {
 pub fn global() -> &'static Metrics {
     static METRICS: OnceLock<Metrics> = OnceLock::new();
     METRICS.get_or_init(Metrics::new)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn histograms_are_cumulative_with_an_infinite_bucket() {
-        let h = Histogram::new(&[0.001, 0.01]);
-        h.observe(Duration::from_micros(500));
-        h.observe(Duration::from_millis(5));
-        h.observe(Duration::from_secs(3));
-        let (buckets, sum, count) = h.snapshot();
-        assert_eq!(buckets, [(0.001, 1), (0.01, 2), (f64::INFINITY, 3)]);
-        assert_eq!(count, 3);
-        assert!((sum - 3.0055).abs() < 1e-9);
-    }
 }

@@ -16,14 +16,12 @@ use http_body_util::Full;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 
-use super::exposition::{NodeState, render};
+use super::exposition::{CONTENT_TYPE, NodeState, render};
 use crate::api::auth::Authenticator;
 
 pub type StateFn = Arc<dyn Fn() -> NodeState + Send + Sync>;
 /// Whether the node takes new work; the reasons it does not.
 pub type ReadyFn = Arc<dyn Fn() -> Result<(), Vec<String>> + Send + Sync>;
-
-const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 fn respond<B>(
     req: &Request<B>,

@@ -32,12 +32,11 @@ const ROLLBACK_STOP_TIMEOUT: std::time::Duration = std::time::Duration::from_sec
 impl SessionHost {
     pub async fn fork(&self, req: ForkRequest) -> Result<Vec<Session>, Status> {
         let started = std::time::Instant::now();
+        let parent = req.session.clone();
         let children = self.fork_children(req).await?;
         let metrics = crate::metrics::global();
-        metrics.fork.observe(started.elapsed());
-        metrics
-            .fork_children
-            .fetch_add(children.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        metrics.fork.observe_of(started.elapsed(), &parent);
+        metrics.fork_children.inc_by(children.len() as u64);
         Ok(children)
     }
 

@@ -69,9 +69,7 @@ impl SessionHost {
     }
 
     pub(crate) async fn record_lost_compute(&self, lost: ComputeLost) {
-        crate::metrics::global()
-            .vmm_lost
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        crate::metrics::global().vmm_lost.inc();
         let uid = lost.session_uid.as_str();
         let deadline = tokio::time::Instant::now() + BUSY_WAIT;
         let _held = loop {

@@ -659,7 +659,9 @@ impl MicrovmRuntime {
                 Ok(())
             })
             .await?;
-        crate::metrics::global().vmm_boot.observe(started.elapsed());
+        crate::metrics::global()
+            .vmm_boot
+            .observe_of(started.elapsed(), session);
         Ok(inc)
     }
 
@@ -879,7 +881,7 @@ impl MicrovmRuntime {
         };
         crate::metrics::global()
             .vmm_restore
-            .observe(started.elapsed());
+            .observe_of(started.elapsed(), session);
         self.templates.record_start(session, start);
         Ok(inc)
     }
@@ -1399,7 +1401,7 @@ impl Runtime for MicrovmRuntime {
         };
         crate::metrics::global()
             .vmm_snapshot
-            .observe(started.elapsed());
+            .observe_of(started.elapsed(), session);
         crate::crash_point::reached(crate::crash_point::SUSPEND_STORED);
         self.retire_vmm(session, &dir).await;
         Ok(SnapshotRef {
@@ -1473,7 +1475,7 @@ impl Runtime for MicrovmRuntime {
         }
         crate::metrics::global()
             .vmm_snapshot
-            .observe(started.elapsed());
+            .observe_of(started.elapsed(), session);
         tracing::debug!(
             session,
             snapshot = %id,

@@ -28,6 +28,7 @@
 
 mod s3;
 
+use super::turn_checkpoints::CHECKPOINT_PREFIX;
 use std::collections::HashSet;
 use std::fs::File;
 use std::io::{BufReader, BufWriter};
@@ -98,19 +99,32 @@ fn plain_id(id: &str) -> bool {
 }
 
 /// `id` inside `session`'s directory: without the session's name, which the directory
-/// says (an id of no session whole). An id of another session keeps it, and has more
-/// than one `-` where a shortened one has exactly one (`EPOCH-N`).
-fn short_id<'a>(id: &'a str, session: &str) -> &'a str {
-    id.strip_prefix(session)
+/// says (an id of no session whole; a checkpoint's keeps its prefix: `ckpt.EPOCH-N`). An id
+/// of another session keeps it, and has more than one `-` where a shortened one has
+/// exactly one (`EPOCH-N`).
+fn short_id(id: &str, session: &str) -> String {
+    let (prefix, rest) = match id.strip_prefix(CHECKPOINT_PREFIX) {
+        Some(rest) => (CHECKPOINT_PREFIX, rest),
+        None => ("", id),
+    };
+    match rest
+        .strip_prefix(session)
         .and_then(|rest| rest.strip_prefix('-'))
         .filter(|_| session != NO_SESSION)
-        .unwrap_or(id)
+    {
+        Some(short) => format!("{prefix}{short}"),
+        None => id.to_owned(),
+    }
 }
 
 /// The whole id of `short` found in `session`'s directory.
 fn whole_id(short: &str, session: &str) -> String {
-    match session != NO_SESSION && short.matches('-').count() == 1 {
-        true => format!("{session}-{short}"),
+    let (prefix, rest) = match short.strip_prefix(CHECKPOINT_PREFIX) {
+        Some(rest) => (CHECKPOINT_PREFIX, rest),
+        None => ("", short),
+    };
+    match session != NO_SESSION && rest.matches('-').count() == 1 {
+        true => format!("{prefix}{session}-{rest}"),
         false => short.to_owned(),
     }
 }
@@ -981,7 +995,21 @@ mod tests {
             base: None,
         };
         assert_eq!(stray.key(), "_/snapshot.agvmsnap");
-        for archive in [own, on_parent, stray] {
+        // A turn's checkpoints go in their session's directory, as short.
+        let checkpoint = Archive {
+            id: "ckpt.sess-f00d-3fk-4".into(),
+            base: Some("ckpt.sess-f00d-3fk-3".into()),
+        };
+        assert_eq!(checkpoint.key(), "sess-f00d/ckpt.3fk-4@ckpt.3fk-3.agvmsnap");
+        let over_its_restore = Archive {
+            id: "ckpt.sess-f00d-3fk-5".into(),
+            base: Some("sess-f00d-3fk-2".into()),
+        };
+        assert_eq!(
+            over_its_restore.key(),
+            "sess-f00d/ckpt.3fk-5@3fk-2.agvmsnap"
+        );
+        for archive in [own, on_parent, stray, checkpoint, over_its_restore] {
             assert_eq!(Archive::from_key(&archive.key()), Some(archive));
         }
     }
