@@ -321,6 +321,9 @@ impl Node {
                     .map(|i| (i.harness.clone(), i.memory_snapshot, i.linux_kernel))
                     .collect();
                 let runtime = Arc::new(runtime);
+                if cfg.journal_url.is_some() {
+                    runtime.join_fleet(Arc::clone(&journal));
+                }
                 microvm = Some(Arc::clone(&runtime));
                 let runtime: Arc<dyn Runtime> = runtime;
                 let served: Vec<&str> = MICROVM_HARNESSES

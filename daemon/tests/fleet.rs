@@ -284,13 +284,23 @@ impl SharedStore {
     }
 }
 
-/// Published archives: the suspends' snapshots, and the turns' checkpoints.
+/// The file name of a published archive.
+fn archive_name(key: &str) -> &str {
+    key.rsplit('/').next().unwrap_or(key)
+}
+
+/// Whether a published archive is an image's template (the fleet keeps it while an image
+/// has it, whatever becomes of sessions).
+fn is_template(key: &str) -> bool {
+    archive_name(key).starts_with(agentvmd::runtime::microvm::templates::ID_PREFIX)
+}
+
+/// Published archives of sessions: the suspends' snapshots, and the turns' checkpoints.
 fn suspends_and_checkpoints(published: Vec<String>) -> (Vec<String>, Vec<String>) {
-    let (checkpoints, suspends) = published.into_iter().partition(|name| {
-        name.rsplit('/')
-            .next()
-            .is_some_and(|n| n.starts_with("ckpt."))
-    });
+    let (checkpoints, suspends) = published
+        .into_iter()
+        .filter(|key| !is_template(key))
+        .partition(|key| archive_name(key).starts_with("ckpt."));
     (suspends, checkpoints)
 }
 
@@ -411,8 +421,9 @@ fn a_memory_session_moves_through(mut store: SharedStore, db: &str) {
     }
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
+        let (suspends, checkpoints) = suspends_and_checkpoints(store.published());
         let left = (
-            store.published(),
+            [suspends, checkpoints].concat(),
             stored(dir_a.path()),
             stored(dir_b.path()),
         );
@@ -634,4 +645,97 @@ fn a_node_restarted_after_a_takeover_stops_the_vmm_it_lost() {
     }
     let (ok, _, err) = exec(&b, &uid, "tick");
     assert!(!ok && err.contains("node-a"), "{err}");
+}
+
+/// Issue 36 item 4: a node publishes its image's template to the fleet's store at its
+/// sweep, says so in its heartbeat, and another node whose image has the same key fetches
+/// it instead of booting a template VM of its own.
+#[test]
+fn a_template_made_on_one_node_is_fetched_by_another() {
+    if let Some(why) = kvm_unavailable() {
+        println!("SKIPPED: {why}");
+        return;
+    }
+    let Some(server) = postgres() else { return };
+    server.create_database("fleet_templates").unwrap();
+    let url = server.url("fleet_templates");
+    let store = SharedStore::Dir(tempfile::tempdir().unwrap());
+    let snapshot_url = store.url();
+    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let node = |dir: &std::path::Path, name: &str, uid_base: &str| {
+        microvm_node(
+            dir,
+            name,
+            &url,
+            &snapshot_url,
+            uid_base,
+            &["--snapshot-sweep-secs", "1"],
+            &[],
+        )
+    };
+    let a = node(dir_a.path(), "node-a", "1879048192");
+    let first = create_on(&a, "testguest");
+    let (ok, out, err) = exec(&a, &first, "tick");
+    assert!(ok && out.contains("assistant: 1"), "{out}{err}");
+    // Published at node-a's next sweep; its next heartbeat says where.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let published = loop {
+        let (ok, out, err) = cli(&a, &["--json", "node", "list"]);
+        assert!(ok, "{err}");
+        let fleet: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        let published = fleet["nodes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|n| {
+                let status = n["statusJson"].as_str().or(n["status_json"].as_str())?;
+                serde_json::from_str::<serde_json::Value>(status).ok()
+            })
+            .flat_map(|status| status["templates"].as_array().cloned().unwrap_or_default())
+            .find_map(|t| {
+                t["published"]
+                    .as_str()
+                    .filter(|p| !p.is_empty())
+                    .map(str::to_owned)
+            });
+        if let Some(published) = published {
+            break published;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "node-a never published its template: {out}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(published.contains("#sha256="), "pinned: {published}");
+    assert_eq!(
+        store.published().iter().filter(|k| is_template(k)).count(),
+        1
+    );
+
+    // node-b starts its first session from node-a's template: fetched, not made.
+    let b = node(dir_b.path(), "node-b", "1879179264");
+    let second = create_on(&b, "testguest");
+    let (ok, out, err) = exec(&b, &second, "tick");
+    assert!(ok && out.contains("assistant: 1"), "{out}{err}");
+    let log = std::fs::read_to_string(dir_b.path().join("agentvmd.log")).unwrap();
+    assert!(log.contains("template fetched from the fleet"), "{log}");
+    assert!(
+        !log.contains("template made"),
+        "node-b booted a template VM:\n{log}"
+    );
+    let (ok, out, err) = cli(&b, &["--json", "node", "status"]);
+    assert!(ok, "{err}");
+    let status: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let starts = &status["vmStarts"];
+    let starts = if starts.is_null() {
+        &status["vm_starts"]
+    } else {
+        starts
+    };
+    assert_eq!(starts[&second], "template", "{status}");
+    for (d, s) in [(&a, &first), (&b, &second)] {
+        let (ok, out, err) = cli(d, &["delete", s]);
+        assert!(ok, "{out}{err}");
+    }
 }

@@ -242,6 +242,7 @@ impl NodeService {
                     bytes: t.bytes,
                     sessions: t.sessions,
                     current: t.current,
+                    published: t.published,
                 })
                 .collect(),
         })

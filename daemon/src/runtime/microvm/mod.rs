@@ -17,6 +17,7 @@ pub mod exit_watch;
 mod failed_starts;
 mod fast_moves;
 pub mod flavour;
+mod fleet_templates;
 pub mod guest;
 pub mod jail;
 pub mod network;
@@ -174,6 +175,8 @@ pub struct MicrovmRuntime {
     fetching: tokio::sync::Mutex<()>,
     networks: network::Networks,
     templates: Arc<templates::Templates>,
+    /// The fleet's shared journal, where other nodes say which templates they published.
+    fleet_journal: std::sync::OnceLock<Arc<dyn crate::journal::Journal>>,
     /// The host CPU as a template's key names it.
     cpu: String,
     /// What each session's next turn checkpoint is layered on.
@@ -333,6 +336,7 @@ impl MicrovmRuntime {
             fetching: Default::default(),
             networks: Default::default(),
             templates: Default::default(),
+            fleet_journal: Default::default(),
             cpu: templates::host_cpu(),
             last_checkpoints: Default::default(),
         })
@@ -1723,7 +1727,10 @@ impl Runtime for MicrovmRuntime {
         self.sweep_templates().await;
         if let Some(remote) = &self.config.snapshot_remote {
             match remote
-                .sweep(|archive, at| unwanted(archive.session(), at))
+                .sweep(|archive, at| {
+                    // A template is no session's: it stays while a node may fetch it.
+                    !archive.id.starts_with(templates::ID_PREFIX) && unwanted(archive.session(), at)
+                })
                 .await
             {
                 Ok(0) => {}

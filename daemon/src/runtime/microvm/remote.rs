@@ -269,7 +269,7 @@ impl SnapshotRemote {
     }
 
     /// The URI the journal records for `archive`: where it is, and the pins of its chain.
-    fn pinned_uri(&self, archive: &Archive, pins: &[String]) -> String {
+    pub fn pinned_uri(&self, archive: &Archive, pins: &[String]) -> String {
         format!("{}{PIN_MARK}{}", self.uri(archive), pins.join(","))
     }
 

@@ -373,6 +373,8 @@ pub struct TemplateStatus {
     pub sessions: u64,
     /// It is its image's template today (else it waits for its last session to go).
     pub current: bool,
+    /// Its archive's pinned URI in the fleet's snapshot store, once published.
+    pub published: String,
 }
 
 /// What `agentvm image warm` got.
@@ -514,7 +516,7 @@ impl super::MicrovmRuntime {
             .store
             .dir(&key.id)
             .map_err(|e| MakeError::Save(e.to_string()))?;
-        if dir.is_dir() {
+        if dir.is_dir() || self.fetch_fleet_template(image, key).await {
             return Ok(false);
         }
         self.make_template(image, key).await?;
@@ -596,6 +598,7 @@ impl super::MicrovmRuntime {
                 current.insert(key.id);
             }
         }
+        self.publish_templates(&current).await;
         for id in self.store.list().unwrap_or_default() {
             if !id.starts_with(ID_PREFIX) || current.contains(&id) {
                 continue;
@@ -638,6 +641,7 @@ impl super::MicrovmRuntime {
                     bytes: disk_bytes(&dir),
                     sessions: self.store.holders(&id).map_or(0, |h| h.len() as u64),
                     current: current.contains_key(&id),
+                    published: self.published_template_uri(&id).unwrap_or_default(),
                     id,
                 }
             })
