@@ -73,6 +73,46 @@ fn postgres() -> Option<TestPostgres> {
     }
 }
 
+/// What microVM nodes of one fleet share: a fresh database on a test PostgreSQL server and
+/// a shared snapshot directory. `None` (the reason printed) without KVM or PostgreSQL.
+struct MicrovmFleet {
+    _server: TestPostgres,
+    url: String,
+    store: SharedStore,
+    snapshot_url: String,
+}
+
+impl MicrovmFleet {
+    fn start(db: &str) -> Option<Self> {
+        if let Some(why) = kvm_unavailable() {
+            println!("SKIPPED: {why}");
+            return None;
+        }
+        let server = postgres()?;
+        server.create_database(db).unwrap();
+        let store = SharedStore::Dir(tempfile::tempdir().unwrap());
+        Some(Self {
+            url: server.url(db),
+            snapshot_url: store.url(),
+            store,
+            _server: server,
+        })
+    }
+
+    /// A node of it, with `extra` flags.
+    fn node(&self, dir: &std::path::Path, name: &str, uid_base: &str, extra: &[&str]) -> Daemon {
+        microvm_node(
+            dir,
+            name,
+            &self.url,
+            &self.snapshot_url,
+            uid_base,
+            extra,
+            &[],
+        )
+    }
+}
+
 /// Creates a session of `harness` through `d`; its uid.
 fn create_on(d: &Daemon, harness: &str) -> String {
     let (ok, out, err) = cli(d, &["--json", "create", "--harness", harness]);
@@ -560,19 +600,12 @@ fn a_journal_server_crash_loses_no_acknowledged_turn() {
 /// naming the seq the session goes back to, and the restarted node stops its VMM at start.
 #[test]
 fn a_node_restarted_after_a_takeover_stops_the_vmm_it_lost() {
-    if let Some(why) = kvm_unavailable() {
-        println!("SKIPPED: {why}");
+    let Some(fleet) = MicrovmFleet::start("takeover") else {
         return;
-    }
-    let Some(server) = postgres() else { return };
-    server.create_database("takeover").unwrap();
-    let url = server.url("takeover");
-    let store = SharedStore::Dir(tempfile::tempdir().unwrap());
-    let snapshot_url = store.url();
-    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let node = |dir: &std::path::Path, name: &str, uid_base: &str| {
-        microvm_node(dir, name, &url, &snapshot_url, uid_base, &[], &[])
     };
+    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let node =
+        |dir: &std::path::Path, name: &str, uid_base: &str| fleet.node(dir, name, uid_base, &[]);
     let a = node(dir_a.path(), "node-a", "1879048192");
     let mut b = node(dir_b.path(), "node-b", "1879179264");
     let uid = create_on(&b, "testguest");
@@ -652,26 +685,13 @@ fn a_node_restarted_after_a_takeover_stops_the_vmm_it_lost() {
 /// it instead of booting a template VM of its own.
 #[test]
 fn a_template_made_on_one_node_is_fetched_by_another() {
-    if let Some(why) = kvm_unavailable() {
-        println!("SKIPPED: {why}");
+    let Some(fleet) = MicrovmFleet::start("fleet_templates") else {
         return;
-    }
-    let Some(server) = postgres() else { return };
-    server.create_database("fleet_templates").unwrap();
-    let url = server.url("fleet_templates");
-    let store = SharedStore::Dir(tempfile::tempdir().unwrap());
-    let snapshot_url = store.url();
+    };
+    let store = &fleet.store;
     let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let node = |dir: &std::path::Path, name: &str, uid_base: &str| {
-        microvm_node(
-            dir,
-            name,
-            &url,
-            &snapshot_url,
-            uid_base,
-            &["--snapshot-sweep-secs", "1"],
-            &[],
-        )
+        fleet.node(dir, name, uid_base, &["--snapshot-sweep-secs", "1"])
     };
     let a = node(dir_a.path(), "node-a", "1879048192");
     let first = create_on(&a, "testguest");

@@ -2470,32 +2470,30 @@ async fn an_image_sets_its_sessions_checkpoint_retention() {
         assert_eq!(turn(&mut c, &by_image).await, n.to_string());
         assert_eq!(turn(&mut c, &annotated).await, n.to_string());
     }
-    let mut node_client =
-        agentvm_proto::node::v1::node_client::NodeClient::new(node.channel().await);
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     let turns = loop {
-        let kept = node_client
-            .list_checkpoints(agentvm_proto::node::v1::ListCheckpointsRequest {
-                session: by_image.clone(),
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .checkpoints;
-        let turns: Vec<u64> = kept.iter().map(|c| c.turn).collect();
+        let turns = checkpointed_turns(&node, &by_image).await;
         if turns == [3, 4] || std::time::Instant::now() > deadline {
             break turns;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     assert_eq!(turns, [3, 4], "the image keeps the last 2");
-    let none = node_client
+    let none = checkpointed_turns(&node, &annotated).await;
+    assert!(none.is_empty(), "the annotation turned them off: {none:?}");
+}
+
+/// The turns `session` can be forked at (its checkpoints), oldest first.
+async fn checkpointed_turns(node: &TestNode, session: &str) -> Vec<u64> {
+    agentvm_proto::node::v1::node_client::NodeClient::new(node.channel().await)
         .list_checkpoints(agentvm_proto::node::v1::ListCheckpointsRequest {
-            session: annotated.clone(),
+            session: session.to_owned(),
         })
         .await
         .unwrap()
         .into_inner()
-        .checkpoints;
-    assert!(none.is_empty(), "the annotation turned them off: {none:?}");
+        .checkpoints
+        .iter()
+        .map(|c| c.turn)
+        .collect()
 }

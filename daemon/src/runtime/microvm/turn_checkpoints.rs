@@ -142,8 +142,8 @@ impl MicrovmRuntime {
         };
         crate::crash_point::reached(crate::crash_point::CHECKPOINT_STORED);
         let sealed = Snapshot::open(&target).map_err(|e| failed(session, e.to_string()))?;
-        // This node's: a turn's checkpoint is not uploaded to the fleet's store at every
-        // turn (a fork at a past turn runs where the session is).
+        // This node's: checkpoints go to the fleet's store only with their session's suspend
+        // (`SessionHost::publish_checkpoints`), not at every turn.
         let external_uri = format!("file://{}", target.display());
         Ok(Some(TurnCheckpoint {
             snapshot: SnapshotRef {
