@@ -95,15 +95,91 @@ impl MicrovmRuntime {
     }
 }
 
+impl MicrovmRuntime {
+    /// The templates some live node of the fleet (this one included) has as an image's
+    /// current one; `None` if the fleet's journal cannot tell (then none is swept).
+    pub(super) async fn templates_the_fleet_wants(
+        &self,
+    ) -> Option<std::collections::HashSet<String>> {
+        let mut wanted: std::collections::HashSet<String> = self
+            .template_status()
+            .into_iter()
+            .filter(|t| t.current)
+            .map(|t| t.id)
+            .collect();
+        let Some(journal) = self.fleet_journal.get() else {
+            return Some(wanted);
+        };
+        let journal = journal.clone();
+        let nodes = tokio::task::spawn_blocking(move || journal.nodes())
+            .await
+            .ok()?
+            .ok()?;
+        wanted.extend(
+            nodes
+                .iter()
+                .filter(|n| n.alive)
+                .flat_map(|n| current_templates(&n.status)),
+        );
+        Some(wanted)
+    }
+}
+
+/// The templates a node's status JSON reports as current.
+fn current_templates(status: &str) -> Vec<String> {
+    let Ok(status) = serde_json::from_str::<serde_json::Value>(status) else {
+        return Vec::new();
+    };
+    status["templates"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|t| t["current"].as_bool().unwrap_or(false))
+        .filter_map(|t| t["id"].as_str().map(str::to_owned))
+        .collect()
+}
+
 /// Where a node of the fleet says it published template `id` (any node's archive of one
-/// key holds the same template). Read from the status JSON loosely: a node of another
-/// version may report fields this one does not know.
+/// key holds the same template).
 fn published_by_the_fleet(journal: &dyn Journal, id: &str) -> Option<String> {
-    journal.nodes().ok()?.into_iter().find_map(|node| {
-        let status: serde_json::Value = serde_json::from_str(&node.status).ok()?;
-        status["templates"].as_array()?.iter().find_map(|t| {
-            let published = t["published"].as_str().filter(|p| !p.is_empty())?;
-            (t["id"].as_str() == Some(id)).then(|| published.to_owned())
-        })
+    journal
+        .nodes()
+        .ok()?
+        .into_iter()
+        .find_map(|node| published_in(&node.status, id))
+}
+
+/// Where a node's status JSON says it published template `id`. Read loosely: a node of
+/// another version may report fields this one does not know.
+fn published_in(status: &str, id: &str) -> Option<String> {
+    let status: serde_json::Value = serde_json::from_str(status).ok()?;
+    status["templates"].as_array()?.iter().find_map(|t| {
+        let published = t["published"].as_str().filter(|p| !p.is_empty())?;
+        (t["id"].as_str() == Some(id)).then(|| published.to_owned())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_node_s_status_tells_its_current_and_published_templates() {
+        let status = r#"{"hostname": "n", "templates": [
+            {"harness": "a", "id": "template.a.1", "current": true,
+             "published": "file:///fleet/_/template.a.1.agvmsnap#sha256=ab"},
+            {"harness": "a", "id": "template.a.0", "published": ""},
+            {"harness": "b", "id": "template.b.1", "current": true, "futureField": 7}
+        ]}"#;
+        assert_eq!(current_templates(status), ["template.a.1", "template.b.1"]);
+        assert_eq!(
+            published_in(status, "template.a.1").as_deref(),
+            Some("file:///fleet/_/template.a.1.agvmsnap#sha256=ab")
+        );
+        assert_eq!(published_in(status, "template.a.0"), None, "not published");
+        assert_eq!(published_in(status, "template.b.1"), None);
+        assert_eq!(published_in(status, "template.c.1"), None);
+        assert!(current_templates("not json").is_empty());
+        assert_eq!(published_in("{}", "template.a.1"), None);
+    }
 }

@@ -1726,11 +1726,18 @@ impl Runtime for MicrovmRuntime {
         }
         self.sweep_templates().await;
         if let Some(remote) = &self.config.snapshot_remote {
+            // A template is no session's: it goes once no node of the fleet has it as an
+            // image's current template (and not while the fleet cannot be asked).
+            let wanted_templates = self.templates_the_fleet_wants().await;
             match remote
-                .sweep(|archive, at| {
-                    // A template is no session's: it stays while a node may fetch it.
-                    !archive.id.starts_with(templates::ID_PREFIX) && unwanted(archive.session(), at)
-                })
+                .sweep(
+                    |archive, at| match archive.id.starts_with(templates::ID_PREFIX) {
+                        true => wanted_templates
+                            .as_ref()
+                            .is_some_and(|wanted| !wanted.contains(&archive.id) && stale(at)),
+                        false => unwanted(archive.session(), at),
+                    },
+                )
                 .await
             {
                 Ok(0) => {}
