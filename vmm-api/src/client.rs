@@ -259,10 +259,31 @@ impl VmmClient {
         dir: &std::path::Path,
         base: Option<&std::path::Path>,
     ) -> Result<crate::types::VmCheckpointReport, ClientError> {
-        let body = crate::types::VmCheckpointConfig {
+        self.checkpoint_with(crate::types::VmCheckpointConfig {
             destination_url: format!("file://{}", dir.display()),
             base_url: base.map(|b| format!("file://{}", b.display())),
-        };
+            fresh: false,
+        })
+        .await
+    }
+
+    /// `PUT vm.checkpoint` (extension) that starts a new run of checkpoints (`fresh`).
+    pub async fn checkpoint_afresh(
+        &self,
+        dir: &std::path::Path,
+    ) -> Result<crate::types::VmCheckpointReport, ClientError> {
+        self.checkpoint_with(crate::types::VmCheckpointConfig {
+            destination_url: format!("file://{}", dir.display()),
+            base_url: None,
+            fresh: true,
+        })
+        .await
+    }
+
+    async fn checkpoint_with(
+        &self,
+        body: crate::types::VmCheckpointConfig,
+    ) -> Result<crate::types::VmCheckpointReport, ClientError> {
         let body = serde_json::to_vec(&body).map_err(|e| ClientError::InvalidRequest {
             endpoint: endpoint::VM_CHECKPOINT.to_owned(),
             reason: format!("encoding the body: {e}"),

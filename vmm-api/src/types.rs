@@ -175,6 +175,12 @@ pub struct VmCheckpointConfig {
     /// checkpoint is layered on the last one only if that is still where it was written.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base_url: Option<String>,
+    /// Start a new run of checkpoints whatever the last one was: this one is not layered on
+    /// it but on what the VM runs over (the snapshot it was restored from, or its first
+    /// checkpoint's frozen RAM), holding everything it changed since; a booted VM's first is
+    /// its whole RAM. For a caller that lost track of the last (it failed to store it).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub fresh: bool,
 }
 
 /// Body of `vm.checkpoint-wait` (extension; optional): which checkpoint to wait for, by the

@@ -562,6 +562,7 @@ impl VmmBackend for Vmm {
             .map(|url| dir_from_url("base_url", url))
             .transpose()
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        let fresh = config.fresh;
         let mut inner = lock(&self.inner);
         match &mut inner.slot {
             Slot::Running(config, booted) => {
@@ -569,7 +570,7 @@ impl VmmBackend for Vmm {
                     .map_err(|e| ApiError::internal(format!("encoding config.json: {e}")))?;
                 booted
                     .vm
-                    .checkpoint(&dir, base.as_deref(), &config_json)
+                    .checkpoint(&dir, base.as_deref(), fresh, &config_json)
                     .map_err(|e| ApiError::from_error(500, &e))
             }
             Slot::Empty => Err(no_vm()),

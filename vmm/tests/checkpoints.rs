@@ -184,12 +184,13 @@ async fn a_checkpoint_can_be_taken_while_the_last_is_still_being_written() {
     let store = store();
     let (first, _) = checkpoint(&vmm, store.path(), "c1").await;
 
-    // Three back to back, none waited for until all are taken; the second and third name
-    // where their base will be once moved.
+    // Twelve back to back, none waited for until all are taken (more than the VMM keeps
+    // track of once waited for: one not yet waited for is never forgotten), each naming
+    // where its base will be once moved.
     let mut dirs = Vec::new();
     let mut base: Option<PathBuf> = Some(first.clone());
-    for (n, count) in [(2, "2"), (3, "3"), (4, "4")] {
-        assert_eq!(link.counter_turn(n, &format!("e{n}")), count);
+    for n in 2..=13u64 {
+        assert_eq!(link.counter_turn(n, &format!("e{n}")), n.to_string());
         let dir = store.path().join(format!("c{n}"));
         std::fs::create_dir(&dir).unwrap();
         let taken = vmm
@@ -223,15 +224,33 @@ async fn a_checkpoint_can_be_taken_while_the_last_is_still_being_written() {
         std::fs::rename(dir, &moved).unwrap();
         kept.push(moved);
     }
-    assert_eq!(link.counter_turn(5, "e5"), "5");
+    assert_eq!(link.counter_turn(14, "e14"), "14");
     // Each is the guest as it was when taken, over the chain as it was moved.
     for (i, dir) in kept.iter().enumerate() {
         let snapshot = agentvm_snapshot::Snapshot::open(dir).unwrap();
         assert_eq!(snapshot.chain().unwrap().len(), i + 2, "{}", dir.display());
-        let (child_vmm, mut child) = restored(dir, 1).await;
+    }
+    for i in [0, 5, kept.len() - 1] {
+        let (child_vmm, mut child) = restored(&kept[i], 1).await;
         assert_eq!(child.counter_turn(1, "x"), (i + 3).to_string());
         child_vmm.shutdown().await;
     }
+    // A new run of checkpoints when asked: not layered on the last one taken, but on what
+    // the VM runs over (its first checkpoint froze its RAM file), holding all it changed.
+    let dir = store.path().join("fresh");
+    std::fs::create_dir(&dir).unwrap();
+    let taken = vmm.client.checkpoint_afresh(&dir).await.expect("fresh");
+    assert!(!taken.incremental, "{taken:?}");
+    let report = vmm.client.checkpoint_wait(Some(&dir)).await.unwrap();
+    let chain = agentvm_snapshot::Snapshot::open(&dir)
+        .unwrap()
+        .chain()
+        .unwrap();
+    assert_eq!(chain.len(), 2, "{report:?}");
+    assert_eq!(chain[0].dir, first, "bottom first");
+    let (child_vmm, mut child) = restored(&dir, 1).await;
+    assert_eq!(child.counter_turn(1, "x"), "15");
+    child_vmm.shutdown().await;
     // A wait for a checkpoint never taken is a 404 naming it.
     let never = store.path().join("never");
     let e = vmm.client.checkpoint_wait(Some(&never)).await.unwrap_err();

@@ -50,9 +50,13 @@ use crate::kvm::memory::{Backing, GuestRam};
 /// Layers a VM's checkpoints stack on one another before one starts a new chain.
 pub const CHECKPOINT_DEPTH: u32 = 32;
 
-/// Checkpoints kept track of after they are written, newest last: `vm.checkpoint-wait`
-/// may ask for one a little after the next was taken.
+/// Checkpoints kept track of once written and waited for, newest last. One not yet waited
+/// for is kept however many follow it (up to [`REMEMBERED_AT_MOST`]): agentvmd waits for
+/// each in turn, and while a slow one (a booted VM's first, its whole RAM) is stored, the
+/// turns after it may take many more.
 const REMEMBERED: usize = 8;
+/// A bound on checkpoints kept track of, for a caller that never waits.
+const REMEMBERED_AT_MOST: usize = 1024;
 
 /// What a checkpoint is layered on, as known when it is captured.
 enum Base {
@@ -305,6 +309,8 @@ pub(super) struct TakenCheckpoint {
     /// Layers from the start of its run of checkpoints up to it.
     depth: u32,
     writing: Arc<Writing>,
+    /// Someone asked to wait for it (then it may be forgotten once written).
+    waited: std::sync::atomic::AtomicBool,
 }
 
 /// Waits for one checkpoint to be durable, without holding the VM.
@@ -349,6 +355,7 @@ impl Vm {
         &mut self,
         dir: &Path,
         moved_to: Option<&Path>,
+        fresh: bool,
         config_json: &[u8],
     ) -> Result<VmCheckpointReport, PersistError> {
         let started = Instant::now();
@@ -358,7 +365,10 @@ impl Vm {
             .log_dirty_pages(&self.ram)
             .map_err(|e| PersistError::Mismatch(format!("dirty page logging: {e}")))?;
         let mut writer = SnapshotWriter::create(dir, true)?;
-        let (previous, depth) = self.previous_checkpoint(moved_to);
+        let (previous, depth) = match fresh {
+            true => (Base::None, 1),
+            false => self.previous_checkpoint(moved_to),
+        };
         let how = match (&previous, self.ram.backing()) {
             (Base::Known(_) | Base::After { .. }, _) => How::Layer,
             (Base::None, Backing::Private { .. }) => How::SinceRestore,
@@ -376,6 +386,7 @@ impl Vm {
                     started,
                     depth,
                     writing: Writing::failed(e.to_string()),
+                    waited: Default::default(),
                 });
                 return Err(e);
             }
@@ -417,6 +428,7 @@ impl Vm {
             started,
             depth,
             writing,
+            waited: Default::default(),
         });
         Ok(report)
     }
@@ -477,7 +489,19 @@ impl Vm {
     fn remember_checkpoint(&mut self, taken: TakenCheckpoint) {
         self.checkpoints.push_back(taken);
         while self.checkpoints.len() > REMEMBERED {
-            self.checkpoints.pop_front();
+            let forgettable = self.checkpoints.iter().position(|c| {
+                c.waited.load(std::sync::atomic::Ordering::Relaxed)
+                    && c.writing.finished().is_some()
+            });
+            match forgettable {
+                Some(i) => {
+                    self.checkpoints.remove(i);
+                }
+                None if self.checkpoints.len() > REMEMBERED_AT_MOST => {
+                    self.checkpoints.pop_front();
+                }
+                None => break,
+            }
         }
     }
 
@@ -488,6 +512,9 @@ impl Vm {
             Some(dir) => self.checkpoints.iter().rev().find(|c| c.dir == dir)?,
             None => self.checkpoints.back()?,
         };
+        taken
+            .waited
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         Some(CheckpointWaiter {
             dir: taken.dir.clone(),
             report: taken.report.clone(),

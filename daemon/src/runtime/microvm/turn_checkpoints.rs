@@ -29,27 +29,38 @@ pub fn checkpoint_owner(id: &str) -> Option<&str> {
 }
 
 /// Per session, the store id of the last checkpoint its current VMM took: what the next is
-/// layered on. Forgotten when the VMM stops (a new VMM starts a new chain).
+/// layered on. Forgotten when the VMM stops (a new VMM starts a new chain), and when a
+/// checkpoint fails to be stored: it and every one taken after it (layered on it, in
+/// turn) are then no base, and the next starts a new chain.
 #[derive(Default)]
-pub struct LastCheckpoints(Mutex<HashMap<String, String>>);
+pub struct LastCheckpoints {
+    last: Mutex<HashMap<String, (String, u64)>>,
+    /// Orders the checkpoints taken, across sessions.
+    taken: std::sync::atomic::AtomicU64,
+}
 
 impl LastCheckpoints {
     pub fn forget(&self, session: &str) {
-        lock(&self.0).remove(session);
+        lock(&self.last).remove(session);
     }
 
     fn get(&self, session: &str) -> Option<String> {
-        lock(&self.0).get(session).cloned()
+        lock(&self.last).get(session).map(|(id, _)| id.clone())
     }
 
-    fn set(&self, session: &str, id: String) {
-        lock(&self.0).insert(session.to_owned(), id);
+    /// Makes `id` `session`'s last; returns its place in the order taken.
+    fn set(&self, session: &str, id: String) -> u64 {
+        let order = self
+            .taken
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        lock(&self.last).insert(session.to_owned(), (id, order));
+        order
     }
 
-    /// Forgets `id` as `session`'s last, unless a later one took its place.
-    fn forget_if(&self, session: &str, id: &str) {
-        let mut last = lock(&self.0);
-        if last.get(session).is_some_and(|last| last == id) {
+    /// Forgets `session`'s last if it was taken at `order` or after.
+    fn forget_from(&self, session: &str, order: u64) {
+        let mut last = lock(&self.last);
+        if last.get(session).is_some_and(|(_, at)| *at >= order) {
             last.remove(session);
         }
     }
@@ -93,22 +104,27 @@ impl MicrovmRuntime {
             ),
             None => None,
         };
-        let taken = client.checkpoint(&outbox, base_dir.as_deref()).await;
-        let _ = cues.running_again.send(());
-        let given_up = |why: String| {
-            let _ = std::fs::remove_dir_all(&outbox);
-            self.last_checkpoints.forget_if(session, &id);
-            Err(failed(session, why))
+        // Without a last one this node knows of, a new chain, whatever the VMM took before.
+        let taken = match &base_dir {
+            Some(base_dir) => client.checkpoint(&outbox, Some(base_dir)).await,
+            None => client.checkpoint_afresh(&outbox).await,
         };
+        let _ = cues.running_again.send(());
         let taken = match taken {
             Ok(taken) => taken,
             Err(e) => {
+                let _ = std::fs::remove_dir_all(&outbox);
                 self.last_checkpoints.forget(session);
-                return given_up(format!("vm.checkpoint: {e}"));
+                return Err(failed(session, format!("vm.checkpoint: {e}")));
             }
         };
         // The next is layered on this one from now on, even before it is stored.
-        self.last_checkpoints.set(session, id.clone());
+        let order = self.last_checkpoints.set(session, id.clone());
+        let given_up = |why: String| {
+            let _ = std::fs::remove_dir_all(&outbox);
+            self.last_checkpoints.forget_from(session, order);
+            Err(failed(session, why))
+        };
         cues.below_stored.await;
         let report = match client.checkpoint_wait(Some(&outbox)).await {
             Ok(report) => report,
