@@ -87,12 +87,19 @@ async fn start_daemon(dir: &Path) -> Daemon {
     Daemon { child, admin }
 }
 
+/// A client of the admin socket. The socket file appears when it is bound, a moment before
+/// it listens: a refused connection is retried until it does.
 async fn client(d: &Daemon) -> HarnessRegistryClient<tonic::transport::Channel> {
-    HarnessRegistryClient::new(
-        agentvmd::client::connect(&ListenAddr::Unix(d.admin.clone()))
-            .await
-            .unwrap(),
-    )
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match agentvmd::client::connect(&ListenAddr::Unix(d.admin.clone())).await {
+            Ok(channel) => return HarnessRegistryClient::new(channel),
+            Err(_) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("the admin socket never answered: {e}"),
+        }
+    }
 }
 
 fn spec(address: String) -> HarnessSpec {
