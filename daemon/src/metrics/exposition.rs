@@ -116,7 +116,7 @@ pub fn render(m: &Metrics, state: &NodeState) -> String {
             &m.fork,
         ),
     ] {
-        r.register(name, help, h.histogram.clone());
+        r.register(name, help, h.0.clone());
     }
     r.register(
         "agentvm_executions",

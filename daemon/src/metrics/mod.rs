@@ -9,7 +9,7 @@ pub mod exposition;
 pub mod server;
 
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
@@ -47,28 +47,15 @@ pub fn name_sessions_in_exemplars(on: bool) {
 /// A latency histogram in seconds; the last observation of each bucket may carry the
 /// session it was of as an exemplar (see [`name_sessions_in_exemplars`]).
 #[derive(Clone)]
-pub struct Latency {
-    histogram: HistogramWithExemplars<Labels>,
-    /// Observations so far (the crate's histogram does not tell its count but in text).
-    count: std::sync::Arc<AtomicU64>,
-}
+pub struct Latency(HistogramWithExemplars<Labels>);
 
 impl Latency {
     fn new() -> Self {
-        Self {
-            histogram: HistogramWithExemplars::new(LATENCY_BUCKETS.iter().copied()),
-            count: Default::default(),
-        }
+        Self(HistogramWithExemplars::new(LATENCY_BUCKETS.iter().copied()))
     }
 
     pub fn observe(&self, d: Duration) {
-        self.histogram.observe(d.as_secs_f64(), None, None);
-        self.count.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// How many were observed.
-    pub fn count(&self) -> u64 {
-        self.count.load(Ordering::Relaxed)
+        self.0.observe(d.as_secs_f64(), None, None);
     }
 
     /// As [`Self::observe`], of session `session`.
@@ -76,8 +63,7 @@ impl Latency {
         let exemplar = SESSION_EXEMPLARS
             .load(Ordering::Relaxed)
             .then(|| vec![label("session", session)]);
-        self.histogram.observe(d.as_secs_f64(), exemplar, None);
-        self.count.fetch_add(1, Ordering::Relaxed);
+        self.0.observe(d.as_secs_f64(), exemplar, None);
     }
 }
 

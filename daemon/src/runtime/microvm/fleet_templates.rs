@@ -31,22 +31,25 @@ impl MicrovmRuntime {
         Some(remote.pinned_uri(&archive, &pins))
     }
 
-    /// Publishes the templates in `current` that the fleet's store lacks (at each sweep:
-    /// off every session's path).
-    pub(super) async fn publish_templates(&self, current: &std::collections::HashSet<String>) {
+    /// Publishes this node's current templates that the fleet's store lacks (at each
+    /// periodic sweep: off every session's path and off start-up).
+    pub(super) async fn publish_templates(&self) {
         if self.config.snapshot_remote.is_none() || self.fleet_journal.get().is_none() {
             return;
         }
-        for id in current {
-            let Ok(dir) = self.store.dir(id) else {
+        let unpublished = self
+            .template_status()
+            .into_iter()
+            .filter(|t| t.current && t.published.is_empty());
+        for template in unpublished {
+            let Ok(dir) = self.store.dir(&template.id) else {
                 continue;
             };
-            if !dir.is_dir() || self.published_template_uri(id).is_some() {
-                continue;
-            }
-            match self.publish(id, &dir).await {
-                Ok(uri) => tracing::info!(template = %id, %uri, "template published to the fleet"),
-                Err(e) => tracing::warn!(template = %id, error = %e,
+            match self.publish(&template.id, &dir).await {
+                Ok(uri) => {
+                    tracing::info!(template = %template.id, %uri, "template published to the fleet")
+                }
+                Err(e) => tracing::warn!(template = %template.id, error = %e,
                     "the template was not published; the next sweep tries again"),
             }
         }

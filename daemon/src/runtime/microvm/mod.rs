@@ -1725,6 +1725,8 @@ impl Runtime for MicrovmRuntime {
             tracing::debug!(snapshot = %id, "sweep: a gone session's snapshot is still in use here");
         }
         self.sweep_templates().await;
+        // Not at start-up (reconcile): uploading waits for the first periodic sweep.
+        self.publish_templates().await;
         if let Some(remote) = &self.config.snapshot_remote {
             // A template is no session's: it goes once no node of the fleet has it as an
             // image's current template (and not while the fleet cannot be asked).

@@ -598,7 +598,6 @@ impl super::MicrovmRuntime {
                 current.insert(key.id);
             }
         }
-        self.publish_templates(&current).await;
         for id in self.store.list().unwrap_or_default() {
             if !id.starts_with(ID_PREFIX) || current.contains(&id) {
                 continue;
